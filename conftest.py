@@ -1,0 +1,43 @@
+"""Test session setup: a real GPU where one is visible, numba's CUDA simulator otherwise.
+
+The simulator must be switched on before numba is imported: this file sits at the repository
+root so that pytest loads it before any test module or doctest imports the package. Tests marked
+``gpu`` need a real GPU with CuPy and are skipped where none is visible; CUDA kernel tests run
+everywhere (on the simulator at small sizes where there is no GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _real_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+REAL_GPU = _real_gpu()
+if not REAL_GPU:
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if REAL_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy; none is visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """A fresh random generator per test (seeded, so a failure reproduces)."""
+    return np.random.default_rng(20261122)

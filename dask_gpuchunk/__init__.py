@@ -1,0 +1,36 @@
+"""dask_gpuchunk: numba CUDA kernels over Dask arrays larger than GPU memory, chunk by chunk.
+
+The same API runs where no GPU is present, on numba's parallel CPU kernels.
+
+Examples
+--------
+>>> import dask.array as da
+>>> import dask_gpuchunk as dg
+>>> x = da.ones((4, 3), chunks=2)
+>>> dg.multiply(x, 2.0).compute()
+array([[2., 2., 2.],
+       [2., 2., 2.],
+       [2., 2., 2.],
+       [2., 2., 2.]])
+"""
+
+from __future__ import annotations
+
+from .arrays import asarray
+from .devices import GPUNotAvailableError, gpu_available, gpu_count
+from .elementwise import ElementwiseOp, elementwise, multiply
+from .placement import decisions as placement_decisions
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ElementwiseOp",
+    "GPUNotAvailableError",
+    "__version__",
+    "asarray",
+    "elementwise",
+    "gpu_available",
+    "gpu_count",
+    "multiply",
+    "placement_decisions",
+]

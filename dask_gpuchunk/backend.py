@@ -1,0 +1,278 @@
+"""Chunk execution: run one chunk of an elementwise operation on the right device.
+
+Three paths, chosen per chunk by where its data lives and the ``device=`` argument:
+
+``gpu-device``
+    Any input is a CuPy array: every input goes to (or stays on) the device, the kernel is
+    queued on the thread's current CuPy stream like any CuPy operation, and the result is a
+    CuPy array. No host round trip, no wait.
+``gpu-host``
+    NumPy inputs on the GPU: each input is copied into a pinned staging buffer (unless it is
+    already pinned and contiguous, then it is sent directly), H2D on this thread's stream, the
+    kernel, D2H into the destination (directly if it is pinned and contiguous, else through a
+    staging buffer). The result is a NumPy array. Device memory per chunk: its inputs plus its
+    output, taken from CuPy's pool and returned when the chunk is done; at most
+    ``staging.GPU_TASKS_PER_DEVICE`` chunks hold device memory at once (``staging.device_slot``).
+``cpu``
+    NumPy inputs on the CPU: the numba ``njit(parallel=True)`` twin writes the destination
+    directly. CPU kernels run one at a time on a dedicated launcher thread, each using every
+    core, so Dask's threads never oversubscribe the cores with one thread team each.
+
+``device="auto"`` sends CuPy chunks to the GPU, and NumPy chunks where the measured rule of
+:mod:`dask_gpuchunk.placement` says they run faster. Concurrency comes from Dask's own threads:
+several chunks in flight on their own streams overlap copies in both directions and kernels.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import placement
+from ._kernels.elementwise import ElementwiseKernels, collapse_dims
+from .devices import GPUNotAvailableError, check_device, gpu_available
+
+__all__ = ["is_cupy", "run_elementwise", "run_cpu", "run_gpu_from_host", "run_gpu_on_device"]
+
+
+def is_cupy(x: Any) -> bool:
+    """Whether ``x`` is a CuPy array (checked without importing CuPy)."""
+    return type(x).__module__.split(".", 1)[0] == "cupy"
+
+
+# ---- shape helpers -------------------------------------------------------------------------
+
+
+def _scalars_by_value(inputs: Sequence[Any]) -> list[Any]:
+    """0-d NumPy arrays become NumPy scalars: kernels take them by value, with no copy."""
+    return [a[()] if isinstance(a, np.ndarray) and a.ndim == 0 else a for a in inputs]
+
+
+def _collapsed_views(xp: Any, out: Any, inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """Broadcast array inputs to ``out``'s shape, then collapse them all alike.
+
+    Scalars (``np.generic``) pass through unchanged.
+    """
+    shape = out.shape
+    arrays = [i for i, a in enumerate(inputs) if not isinstance(a, np.generic)]
+    views = [xp.broadcast_to(inputs[i], shape) for i in arrays]
+    new_shape, new_strides = collapse_dims(shape, [out.strides, *(v.strides for v in views)])
+    as_strided = xp.lib.stride_tricks.as_strided
+    extra = {"writeable": False} if xp is np else {}
+    result = list(inputs)
+    for i, v, st in zip(arrays, views, new_strides[1:]):
+        result[i] = as_strided(v, new_shape, st, **extra)
+    out_v = as_strided(out, new_shape, new_strides[0], **({"writeable": True} if xp is np else {}))
+    return out_v, result
+
+
+# ---- CPU -----------------------------------------------------------------------------------
+
+# One launcher thread for every CPU kernel in the process: numba's parallel kernels then always
+# start from the same thread (one thread team, no oversubscription, safe with any threading
+# layer), and each kernel has all the cores.
+_cpu_launcher = concurrent.futures.ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="dask-gpuchunk-cpu"
+)
+
+
+def run_cpu(
+    kernels: ElementwiseKernels,
+    out_dtype: np.dtype,
+    inputs: Sequence[np.ndarray],
+    dest: np.ndarray | None = None,
+) -> np.ndarray:
+    """Compute one NumPy chunk with the CPU twin, into ``dest`` if given."""
+    inputs = _scalars_by_value([np.asarray(a) for a in inputs])
+    shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
+    if dest is None:
+        dest = np.empty(shape, dtype=out_dtype)
+    if dest.size == 0:
+        return dest
+    out_v, in_v = _collapsed_views(np, dest, inputs)
+    _cpu_launcher.submit(kernels.cpu, out_v, *in_v).result()
+    return dest
+
+
+# ---- GPU -----------------------------------------------------------------------------------
+
+
+def _launch(kernels: ElementwiseKernels, out: Any, inputs: Sequence[Any], nb_stream: Any) -> None:
+    from numba import cuda
+
+    out_v, in_v = _collapsed_views(__import__("cupy"), out, inputs)
+    kernels.cuda(
+        cuda.as_cuda_array(out_v, sync=False),
+        *(v if isinstance(v, np.generic) else cuda.as_cuda_array(v, sync=False) for v in in_v),
+        stream=nb_stream,
+    )
+
+
+def run_gpu_on_device(
+    kernels: ElementwiseKernels, out_dtype: np.dtype, inputs: Sequence[Any]
+) -> Any:
+    """Compute one chunk on the GPU where at least one input is a CuPy array; CuPy result.
+
+    Like any CuPy operation, the kernel is queued on the thread's current CuPy stream (the
+    default stream unless the caller chose another) and the result returned without waiting:
+    work queued after it on that stream, or on the default stream, sees the result.
+    """
+    import cupy
+
+    from .staging import numba_stream
+
+    nb_stream = numba_stream(cupy.cuda.get_current_stream())
+    dev_inputs = [a if is_cupy(a) or isinstance(a, np.generic) else cupy.asarray(a)
+                  for a in _scalars_by_value(inputs)]
+    shape = np.broadcast_shapes(*(np.shape(a) for a in dev_inputs))
+    out = cupy.empty(shape, dtype=out_dtype)
+    if out.size:
+        _launch(kernels, out, dev_inputs, nb_stream)
+    return out
+
+
+def run_gpu_from_host(
+    kernels: ElementwiseKernels,
+    out_dtype: np.dtype,
+    inputs: Sequence[np.ndarray],
+    dest: np.ndarray | None = None,
+    timings: dict[str, float] | None = None,
+) -> np.ndarray:
+    """Compute one NumPy chunk on the GPU through pinned staging, into ``dest`` if given.
+
+    Three phases: inputs not already pinned and contiguous are copied into pinned buffers (in
+    every Dask thread at once); then, holding one of the device's task slots, device buffers
+    are taken from CuPy's pool, H2D (holding an H2D slot until the copies land), the kernel,
+    D2H straight into ``dest`` if it is pinned and contiguous, else into a pinned buffer; last,
+    that buffer is copied into ``dest``.
+
+    With ``timings`` (a dict), it records what :mod:`dask_gpuchunk.placement` needs:
+    ``stage_seconds`` and ``staged_bytes`` (host copies into and out of pinned buffers),
+    ``h2d_bytes``/``d2h_bytes`` (PCIe traffic) and ``kernel`` (seconds, CUDA events).
+    """
+    import cupy
+
+    from .staging import copy_to_device, copy_to_host, device_slot, h2d_slot, is_pinned, pinned_pool
+
+    inputs = _scalars_by_value([np.asarray(a) for a in inputs])
+    shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
+    if dest is None:
+        dest = np.empty(shape, dtype=out_dtype)
+    if dest.size == 0:
+        return dest
+    events = (cupy.cuda.Event(), cupy.cuda.Event()) if timings is not None else None
+    stage_seconds = 0.0
+    staged = h2d = 0
+    with contextlib.ExitStack() as borrowed:
+        t0 = time.perf_counter()
+        host_inputs: list[Any] = []
+        for a in inputs:
+            if not isinstance(a, np.generic) and not (a.flags.c_contiguous and is_pinned(a)):
+                buf = borrowed.enter_context(pinned_pool.borrow(a.dtype, a.shape))
+                np.copyto(buf, a)
+                staged += a.nbytes
+                a = buf
+            host_inputs.append(a)
+        direct_out = dest.flags.c_contiguous and is_pinned(dest)
+        host_out = dest if direct_out else borrowed.enter_context(pinned_pool.borrow(out_dtype, shape))
+        stage_seconds += time.perf_counter() - t0
+        with device_slot() as slot, slot.stream as stream:
+            try:
+                dev_inputs: list[Any] = []
+                with h2d_slot():
+                    for a in host_inputs:
+                        if isinstance(a, np.generic):
+                            dev_inputs.append(a)
+                            continue
+                        d = cupy.empty(a.shape, dtype=a.dtype)
+                        copy_to_device(d, a, stream)
+                        h2d += a.nbytes
+                        dev_inputs.append(d)
+                    stream.synchronize()
+                out = cupy.empty(shape, dtype=out_dtype)
+                if events:
+                    events[0].record(stream)
+                _launch(kernels, out, dev_inputs, slot.nb_stream)
+                if events:
+                    events[1].record(stream)
+                copy_to_host(host_out, out, stream)
+            finally:
+                # Buffers go back to their pools on exit: no copy may still be using them.
+                stream.synchronize()
+            del dev_inputs, out
+        if not direct_out:
+            t0 = time.perf_counter()
+            np.copyto(dest, host_out)
+            stage_seconds += time.perf_counter() - t0
+            staged += dest.nbytes
+    if timings is not None and events:
+        timings.update(
+            stage_seconds=stage_seconds,
+            staged_bytes=float(staged),
+            h2d_bytes=float(h2d),
+            d2h_bytes=float(dest.nbytes),
+            kernel=cupy.cuda.get_elapsed_time(events[0], events[1]) / 1e3,
+        )
+    return dest
+
+
+# ---- dispatch ------------------------------------------------------------------------------
+
+
+def run_elementwise(
+    kernels: ElementwiseKernels,
+    out_dtype: Any,
+    inputs: Sequence[Any],
+    device: str = "auto",
+    dest: np.ndarray | None = None,
+) -> Any:
+    """Compute one chunk of ``kernels.func`` over broadcastable ``inputs`` on the right device.
+
+    Parameters
+    ----------
+    kernels
+        The compiled kernels of the function.
+    out_dtype
+        The result dtype.
+    inputs
+        NumPy and/or CuPy arrays (0-d arrays for scalars), broadcastable together.
+    device
+        ``"auto"``, ``"gpu"`` or ``"cpu"``.
+    dest
+        A host array of the result's shape and dtype to write into (NumPy inputs only).
+
+    Returns
+    -------
+    numpy.ndarray or cupy.ndarray
+        CuPy where any input is CuPy, else NumPy (``dest`` itself when given).
+
+    Examples
+    --------
+    >>> from dask_gpuchunk._kernels.elementwise import ElementwiseKernels
+    >>> k = ElementwiseKernels(lambda a, b: a * b, 2)
+    >>> run_elementwise(k, np.float64, [np.arange(3.0), np.float64(2.0)], device="cpu")
+    array([0., 2., 4.])
+    """
+    out_dtype = np.dtype(out_dtype)
+    check_device(device)
+    if any(is_cupy(a) for a in inputs):
+        if device == "cpu":
+            raise ValueError(
+                "device='cpu' was given a CuPy chunk; use device='gpu' or 'auto', or move the "
+                "data to the host first (x.map_blocks(cupy.asnumpy))"
+            )
+        if dest is not None:
+            raise ValueError("dest= takes host output only; CuPy chunks give CuPy results")
+        return run_gpu_on_device(kernels, out_dtype, inputs)
+    if device == "cpu" or (device == "auto" and not gpu_available()):
+        return run_cpu(kernels, out_dtype, inputs, dest)
+    if device == "gpu":
+        if not gpu_available():  # a worker without a GPU, where the client had one
+            raise GPUNotAvailableError("device='gpu' but this worker sees no CUDA GPU")
+        return run_gpu_from_host(kernels, out_dtype, inputs, dest)
+    return placement.run_placed(kernels, out_dtype, inputs, dest)

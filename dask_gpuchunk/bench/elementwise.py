@@ -1,0 +1,418 @@
+"""``dask-gpuchunk bench elementwise``: seed 000's product and an RK4-style function, every path.
+
+Workload (defaults): two ``1,000,000 x 500`` float64 host arrays (4 GB each), result 4 GB,
+chunks of about 200 MB along the rows. Two tables, one run, one machine:
+
+``product`` (``c = a * b``)
+    ours with ``device="gpu"`` on pageable and on pinned host arrays, ours device-resident
+    (CuPy chunks), ours ``device="cpu"`` and ``"auto"``; NumPy (one thread); numba parallel
+    CPU; naive dask-cuda (``from_array -> cupy.asarray -> * -> cupy.asnumpy``, computed on a
+    ``LocalCUDACluster``); CuPy ``a * b`` on device arrays; seed 000's whole-array approach
+    (``cuda.to_device`` of everything, one thread per row, copy back).
+``rk4`` (a compute-heavy user function, two RK4 steps of ``y' = -k y + sin y`` per element)
+    ours ``gpu`` (pageable), device-resident, ``cpu``, ``auto``; numba parallel CPU; NumPy
+    (vectorised, one thread; timed on at most 50,000 rows and scaled, as noted in the JSON).
+
+Limits measured in the same run: pinned H2D/D2H/bidirectional PCIe bandwidth, giving the floor
+for moving the inputs in and the output out; HBM bandwidth (device copy); host memory bandwidth
+(all-core copy). Every "ours" and host peer writes into a preallocated, already-touched output
+(``out=``), so all rows time the same work. Ratios: to the PCIe floor (host-resident rows), to
+the HBM floor (device rows), and to the best row of the table.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..arrays import asarray
+from ..devices import gpu_available
+from ..elementwise import elementwise, multiply
+from .timing import Entry, time_entry
+
+__all__ = ["rk4_step", "run"]
+
+
+def _rk4_scalar(y: float, k: float) -> float:
+    # Two classical RK4 steps of dy/dt = -k*y + sin(y) with h = 0.01.
+    h = 0.01
+    for _ in range(2):
+        k1 = -k * y + math.sin(y)
+        y2 = y + 0.5 * h * k1
+        k2 = -k * y2 + math.sin(y2)
+        y3 = y + 0.5 * h * k2
+        k3 = -k * y3 + math.sin(y3)
+        y4 = y + h * k3
+        k4 = -k * y4 + math.sin(y4)
+        y = y + (h / 6.0) * (k1 + 2.0 * k2 + 2.0 * k3 + k4)
+    return y
+
+
+#: The compute-heavy function of the second table, as a dask_gpuchunk operation.
+rk4_step = elementwise(_rk4_scalar, name="rk4_step")
+
+
+def _rk4_numpy(y: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
+    h = 0.01
+    for _ in range(2):
+        k1 = -k * y + np.sin(y)
+        k2 = -k * (y + 0.5 * h * k1) + np.sin(y + 0.5 * h * k1)
+        k3 = -k * (y + 0.5 * h * k2) + np.sin(y + 0.5 * h * k2)
+        k4 = -k * (y + h * k3) + np.sin(y + h * k3)
+        y = y + (h / 6.0) * (k1 + 2.0 * k2 + 2.0 * k3 + k4)
+    out[...] = y
+
+
+def _numba_parallel(scalar: Callable) -> Callable:
+    import numba
+
+    f = numba.njit(scalar)
+
+    @numba.njit(parallel=True, nogil=True)
+    def kernel(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        for i in numba.prange(a.shape[0]):
+            for j in range(a.shape[1]):
+                out[i, j] = f(a[i, j], b[i, j])
+
+    return kernel
+
+
+def _sync_persist(x: Any) -> Any:
+    """Persist a CuPy-chunked Dask array and wait until its kernels are done."""
+    import cupy
+    from dask import persist
+
+    (result,) = persist(x, scheduler="threads")
+    cupy.cuda.runtime.deviceSynchronize()
+    return result
+
+
+def _pool_peak(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Wrap ``fn`` to record the CuPy pool's size after it ran, from an empty pool."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    peaks: list[int] = []
+
+    def wrapped() -> Any:
+        pool.free_all_blocks()
+        result = fn()
+        peaks.append(int(pool.total_bytes()))
+        return result
+
+    wrapped.peaks = peaks  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _machine() -> dict[str, Any]:
+    import dask
+    import numba
+
+    info: dict[str, Any] = {
+        "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "numpy": np.__version__, "numba": numba.__version__, "dask": dask.__version__,
+    }
+    if gpu_available():
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        info.update(gpu=props["name"].decode(), gpu_memory=int(props["totalGlobalMem"]),
+                    cupy=cupy.__version__)
+    return info
+
+
+class _Bench:
+    """Collects entries; knows the repeat count, what to skip and whether a GPU is here."""
+
+    def __init__(self, repeat: int, skip: tuple[str, ...], log: Callable[[str], None]) -> None:
+        self.entries: list[Entry] = []
+        self.repeat = repeat
+        self.skip = skip
+        self.log = log
+        self.has_gpu = gpu_available()
+
+    def want(self, name: str) -> bool:
+        return not any(s and s in name for s in self.skip)
+
+    def add(self, entry: Entry) -> Entry:
+        self.entries.append(entry)
+        shown = f"{entry.seconds:.4f} s" if entry.seconds is not None else f"skipped: {entry.skipped}"
+        self.log(f"  {entry.table:8s} {entry.name:40s} {shown}")
+        return entry
+
+    def timed(self, table: str, name: str, fn: Callable[[], Any], *, gpu: bool = False,
+              check: Callable[[], None] | None = None, **kw: Any) -> Entry | None:
+        if not self.want(name):
+            return None
+        kind = "ours" if name.startswith("ours") else "peer"
+        if gpu and not self.has_gpu:
+            return self.add(Entry(table, name, kind, skipped="no CUDA GPU visible"))
+        kw.setdefault("repeat", self.repeat)
+        entry = time_entry(table, name, kind, fn, **kw)
+        if check is not None and entry.skipped is None:
+            check()
+        return self.add(entry)
+
+    def interleaved(self, table: str, fns: dict[str, Callable[[], Any]],
+                    check: Callable[[], None]) -> list[Entry]:
+        """Time several ways of doing the same work round-robin, so that drifts in the
+        machine's state (clocks, caches, other load) fall on all of them alike."""
+        fns = {name: fn for name, fn in fns.items() if self.want(name)}
+        entries = {name: Entry(table, name, "ours" if name.startswith("ours") else "peer")
+                   for name in fns}
+        for name, fn in fns.items():  # warm-up: compilation, calibration
+            t0 = time.perf_counter()
+            fn()
+            entries[name].first_run = time.perf_counter() - t0
+            check()
+        for _ in range(self.repeat):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                entries[name].runs.append(time.perf_counter() - t0)
+        for e in entries.values():
+            e.seconds = float(np.median(e.runs))
+            self.add(e)
+        return list(entries.values())
+
+
+def run(
+    rows: int = 1_000_000,
+    cols: int = 500,
+    chunk_mb: float = 200.0,
+    rk4_rows: int = 500_000,
+    repeat: int = 3,
+    skip: tuple[str, ...] = (),
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run both tables and return the report (see :mod:`dask_gpuchunk.bench.report`)."""
+    bench = _Bench(repeat, skip, log)
+    chunk_rows = max(1, int(chunk_mb * 1e6 // (cols * 8)))
+    log("limits ...")
+    from .limits import hbm_bandwidth, host_bandwidth, pcie_bandwidth
+
+    limits: dict[str, float] = dict(host_bandwidth())
+    if bench.has_gpu:
+        limits.update({f"pcie_{k}": v for k, v in pcie_bandwidth().items()})
+        limits["hbm_copy_traffic"] = hbm_bandwidth()
+    rng = np.random.default_rng(0)
+    _table(bench, "product", lambda a, b: a * b, multiply, (rows, cols), chunk_rows, rng)
+    _table(bench, "rk4", _rk4_scalar, rk4_step, (rk4_rows, cols), chunk_rows, rng)
+    return _report(bench.entries, limits, rows=rows, cols=cols, rk4_rows=rk4_rows,
+                   chunk_rows=chunk_rows)
+
+
+def _table(bench: _Bench, table: str, scalar_op: Callable, op: Any, shape: tuple[int, int],
+           chunk_rows: int, rng: np.random.Generator) -> None:
+    """One table: the same ``out = op(a, b)`` through every path, then the peers."""
+    log = bench.log
+    log(f"{table}: generating {shape[0]} x {shape[1]} float64 inputs ...")
+    chunks = (chunk_rows, shape[1])
+    a = rng.random(shape)
+    b = rng.random(shape) * (1.0 if table == "product" else 2.0)
+    out = np.empty(shape)
+    out[...] = np.nan  # touched: every row writes into resident pages
+    expected = a * b if table == "product" else None
+    first = len(bench.entries)
+
+    def check(result: np.ndarray = out) -> None:
+        if expected is not None:
+            if not np.array_equal(result, expected):
+                raise AssertionError(f"{table}: wrong result")
+            return
+        rows = slice(0, min(2000, result.shape[0]))
+        ref = np.empty_like(result[rows])
+        _rk4_numpy(a[rows], b[rows], ref)
+        if not np.allclose(result[rows], ref, rtol=1e-12, atol=1e-12):
+            raise AssertionError(f"{table}: wrong result")
+
+    xa, xb = asarray(a, chunks), asarray(b, chunks)
+
+    def ours(device: str) -> Callable[[], Any]:
+        return lambda: op(xa, xb, device=device, out=out)
+
+    log(f"{table}: ours ...")
+    trio = {"ours cpu": ours("cpu"), "ours auto (pageable host arrays)": ours("auto")}
+    peak: Callable[[], Any] | None = None
+    if bench.has_gpu:
+        peak = _pool_peak(ours("gpu"))
+        trio = {"ours gpu (pageable host arrays)": peak, **trio}
+    else:
+        bench.timed(table, "ours gpu (pageable host arrays)", lambda: None, gpu=True)
+    from ..placement import decisions, forget
+
+    forget()
+    for e in bench.interleaved(table, trio, check):
+        if e.name.startswith("ours auto"):
+            e.extra["placement"] = [{k: v for k, v in d.items() if k != "key"}
+                                    for d in decisions()]
+        if e.name.startswith("ours gpu") and peak is not None and peak.peaks:
+            e.extra["peak_device_bytes"] = max(peak.peaks)
+
+    if table == "product" and bench.has_gpu and bench.want("ours gpu (pinned"):
+        from ..staging import empty_pinned
+
+        pa, pb, pc = (empty_pinned(shape, np.float64) for _ in range(3))
+        pa[...], pb[...], pc[...] = a, b, np.nan
+        pinned = _pool_peak(lambda: op(asarray(pa, chunks), asarray(pb, chunks), device="gpu",
+                                       out=pc))
+        e = bench.timed(table, "ours gpu (pinned host arrays)", pinned, gpu=True,
+                        check=lambda: check(pc))
+        if e is not None and pinned.peaks:
+            e.extra["peak_device_bytes"] = max(pinned.peaks)
+        del pa, pb, pc
+
+    if bench.has_gpu and (bench.want("device-resident") or bench.want("cupy")):
+        import cupy
+
+        _device_rows(bench, table, op, a, b, check)
+        gc.collect()  # the device copies of a and b go with _device_rows' frame
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    log(f"{table}: peers ...")
+    if table == "product":
+        bench.timed(table, "peer numpy (1 thread)", lambda: np.multiply(a, b, out=out),
+                    check=check)
+    elif bench.want("peer numpy"):
+        # NumPy takes minutes here: time a slice of rows and scale linearly.
+        part = min(shape[0], 50_000)
+        e = time_entry(table, "peer numpy (1 thread)", "peer",
+                       lambda: _rk4_numpy(a[:part], b[:part], out[:part]), repeat=1, warmup=0)
+        if e.seconds is not None and part < shape[0]:
+            e.extra["measured_rows"] = part
+            e.seconds *= shape[0] / part
+            e.runs = [t * shape[0] / part for t in e.runs]
+        bench.add(e)
+    kernel = _numba_parallel(scalar_op)
+    bench.timed(table, "peer numba parallel (CPU)", lambda: kernel(a, b, out), check=check)
+    if table == "product":
+        bench.timed(table, "peer seed 000 whole-array numba.cuda", _seed000(a, b, out), gpu=True,
+                    check=check)
+        bench.timed(table, "peer naive dask-cuda (LocalCUDACluster)",
+                    _naive_dask_cuda(a, b, chunks), gpu=True, warmup=0, repeat=1)
+    for e in bench.entries[first:]:
+        e.extra.setdefault("workload_bytes", {"in": a.nbytes + b.nbytes, "out": out.nbytes})
+
+
+def _device_rows(bench: _Bench, table: str, op: Any, a: np.ndarray, b: np.ndarray,
+                 check: Callable[[np.ndarray], None]) -> None:
+    """Ours on persisted CuPy chunks, and CuPy's own ``a * b``, on the same device arrays."""
+    import cupy
+
+    dev_a, dev_b = cupy.asarray(a), cupy.asarray(b)
+    rows = max(1, a.shape[0] // 4)  # four chunks of a quarter each: device memory is ample
+    xa, xb = asarray(dev_a, (rows, a.shape[1])), asarray(dev_b, (rows, a.shape[1]))
+    held: list[Any] = []
+
+    def ours() -> None:
+        held[:] = [_sync_persist(op(xa, xb, device="gpu"))]
+
+    def check_device() -> None:
+        check(cupy.asnumpy(held[0].compute(scheduler="threads")))
+
+    bench.timed(table, "ours device-resident (CuPy chunks)", ours, gpu=True, check=check_device)
+    held.clear()
+    if table == "product":
+        def cupy_mul() -> None:
+            result = dev_a * dev_b
+            cupy.cuda.runtime.deviceSynchronize()
+            del result
+
+        bench.timed(table, "peer cupy a*b (device arrays)", cupy_mul, gpu=True)
+
+
+def _seed000(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> Callable[[], None]:
+    """Seed 000's approach in our words: copy whole arrays to the device, one thread per row."""
+
+    def run_once() -> None:
+        from numba import cuda
+
+        kernel = _seed000_kernel()
+        d_a, d_b = cuda.to_device(a), cuda.to_device(b)
+        d_out = cuda.device_array(a.shape, a.dtype)
+        threads = 64
+        kernel[(a.shape[0] + threads - 1) // threads, threads](d_a, d_b, d_out)
+        d_out.copy_to_host(out)
+        del d_a, d_b, d_out
+
+    return run_once
+
+
+_SEED000: list[Any] = []
+
+
+def _seed000_kernel() -> Any:
+    if not _SEED000:
+        from numba import cuda
+
+        @cuda.jit
+        def rowwise(x: Any, y: Any, z: Any) -> None:
+            row = cuda.grid(1)
+            if row < x.shape[0]:
+                for col in range(x.shape[1]):
+                    z[row, col] = x[row, col] * y[row, col]
+
+        _SEED000.append(rowwise)
+    return _SEED000[0]
+
+
+def _naive_dask_cuda(a: np.ndarray, b: np.ndarray, chunks: tuple[int, int]) -> Callable[[], None]:
+    """The obvious dask-cuda program: from_array, cupy.asarray, multiply, asnumpy, compute."""
+
+    def run_once() -> None:
+        import cupy
+        import dask.array as da
+        from dask_cuda import LocalCUDACluster
+        from distributed import Client
+
+        with LocalCUDACluster(n_workers=1, threads_per_worker=4) as cluster, Client(cluster):
+            xa = da.from_array(a, chunks=chunks).map_blocks(cupy.asarray)
+            xb = da.from_array(b, chunks=chunks).map_blocks(cupy.asarray)
+            result = (xa * xb).map_blocks(cupy.asnumpy).compute()
+            del result
+
+    return run_once
+
+
+def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> dict[str, Any]:
+    floors: dict[str, dict[str, float]] = {}
+    for table in ("product", "rk4"):
+        rows = [e for e in entries if e.table == table]
+        if not rows:
+            continue
+        wb = rows[0].extra.get("workload_bytes", {})
+        f: dict[str, float] = {}
+        if "pcie_h2d" in limits and wb:
+            f["pcie_floor_s"] = max(wb["in"] / limits["pcie_h2d"], wb["out"] / limits["pcie_d2h"],
+                                    (wb["in"] + wb["out"]) / limits["pcie_bidirectional"])
+        if "hbm_copy_traffic" in limits and wb:
+            f["hbm_floor_s"] = (wb["in"] + wb["out"]) / limits["hbm_copy_traffic"]
+        if wb:
+            f["host_memory_floor_s"] = (wb["in"] + wb["out"]) / limits["host_copy_traffic"]
+        floors[table] = f
+        best = min((e.seconds for e in rows if e.seconds), default=None)
+        for e in rows:
+            if e.seconds is None:
+                continue
+            if best:
+                e.extra["vs_best"] = e.seconds / best
+            device_row = "device-resident" in e.name or "device arrays" in e.name
+            floor = f.get("hbm_floor_s" if device_row else "pcie_floor_s")
+            if floor:
+                e.extra["vs_floor"] = e.seconds / floor
+    return {
+        "benchmark": "elementwise",
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": _machine(),
+        "workload": workload,
+        "limits": limits,
+        "floors": floors,
+        "entries": [e.as_dict() for e in entries],
+    }

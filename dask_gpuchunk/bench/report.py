@@ -1,0 +1,98 @@
+"""Print, save (JSON) and plot (PNG) a benchmark report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_table", "save"]
+
+
+def _gbps(x: float) -> str:
+    return f"{x / 1e9:.1f} GB/s"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A plain-text table: one block per table, limits first."""
+    lines = []
+    m = report["machine"]
+    lines.append(f"machine: {m.get('gpu', 'no GPU')}, {m['cpus']} CPUs, numpy {m['numpy']}, "
+                 f"numba {m['numba']}, dask {m['dask']}" + (f", cupy {m['cupy']}" if "cupy" in m else ""))
+    lim = report["limits"]
+    parts = [f"host copy {_gbps(lim['host_copy_traffic'])} (read+write)"]
+    if "pcie_h2d" in lim:
+        parts += [f"PCIe pinned H2D {_gbps(lim['pcie_h2d'])}", f"D2H {_gbps(lim['pcie_d2h'])}",
+                  f"both {_gbps(lim['pcie_bidirectional'])}",
+                  f"HBM copy {_gbps(lim['hbm_copy_traffic'])} (read+write)"]
+    lines.append("limits: " + ", ".join(parts))
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for e in report["entries"]:
+        tables.setdefault(e["table"], []).append(e)
+    for table, rows in tables.items():
+        floors = report["floors"].get(table, {})
+        fl = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.4f} s" for k, v in floors.items())
+        lines.append("")
+        lines.append(f"[{table}] floors: {fl}")
+        lines.append(f"  {'':40s} {'seconds':>9s} {'x floor':>8s} {'x best':>7s}  note")
+        for e in rows:
+            if e["seconds"] is None:
+                lines.append(f"  {e['name']:40s} {'-':>9s} {'':>8s} {'':>7s}  skipped: {e['skipped']}")
+                continue
+            x = e["extra"]
+            note = []
+            if "peak_device_bytes" in x:
+                note.append(f"peak device {x['peak_device_bytes'] / 1e9:.2f} GB")
+            if e["first_run"] is not None and e["first_run"] > 1.5 * e["seconds"]:
+                note.append(f"first run {e['first_run']:.3f} s")
+            if "measured_rows" in x:
+                note.append(f"timed on {x['measured_rows']} rows, scaled")
+            for d in x.get("placement", []):
+                note.append(f"auto chose {d['choice']} (cpu {d['t_cpu'] * 1e3:.1f} ms vs gpu est "
+                            f"{d['t_gpu_estimate'] * 1e3:.1f} ms per chunk)")
+            vf = f"{x['vs_floor']:.2f}" if "vs_floor" in x else ""
+            vb = f"{x['vs_best']:.2f}" if "vs_best" in x else ""
+            lines.append(f"  {e['name']:40s} {e['seconds']:9.4f} {vf:>8s} {vb:>7s}  {'; '.join(note)}")
+    return "\n".join(lines)
+
+
+def save(report: dict[str, Any], out_dir: str | Path, stem: str) -> list[Path]:
+    """Write ``<stem>.json`` and, where matplotlib is installed, ``<stem>.png``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / f"{stem}.json"]
+    written[0].write_text(json.dumps(report, indent=1, default=str))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return written
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for e in report["entries"]:
+        if e["seconds"] is not None:
+            tables.setdefault(e["table"], []).append(e)
+    if not tables:
+        return written
+    fig, axes = plt.subplots(len(tables), 1, figsize=(9, 1.2 + 0.45 * sum(map(len, tables.values())) + len(tables)))
+    axes = [axes] if len(tables) == 1 else list(axes)
+    colors = {"ours": "tab:green", "peer": "tab:gray", "limit": "tab:blue"}
+    for ax, (table, rows) in zip(axes, tables.items()):
+        names = [r["name"] for r in rows]
+        secs = [r["seconds"] for r in rows]
+        ax.barh(names, secs, color=[colors.get(r["kind"], "tab:gray") for r in rows])
+        for k, v in report["floors"].get(table, {}).items():
+            ax.axvline(v, linestyle="--", linewidth=1, color="tab:red" if "pcie" in k else "tab:blue")
+            ax.text(v, -0.7, k.replace("_s", "").replace("_", " "), fontsize=7, rotation=0)
+        ax.set_xscale("log")
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds (log)")
+        ax.set_title(f"{report['benchmark']} / {table} on {report['machine'].get('gpu', 'CPU only')}")
+        ax.tick_params(axis="y", labelsize=8)
+    fig.tight_layout()
+    png = out / f"{stem}.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    written.append(png)
+    return written

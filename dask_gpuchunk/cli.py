@@ -1,0 +1,146 @@
+"""The ``dask-gpuchunk`` command line (also ``python -m dask_gpuchunk``).
+
+``info``
+    Versions, visible GPUs, and which execution paths are active on this machine.
+``bench elementwise``
+    Seed 000's product and an RK4-style function through every path, beside the peers and the
+    limits measured in the same run; prints a table and writes JSON and PNG.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import sys
+from typing import Any
+
+import click
+
+__all__ = ["main", "environment"]
+
+
+def _version(module: str) -> str | None:
+    try:
+        mod = importlib.import_module(module)
+    except Exception:
+        return None
+    return str(getattr(mod, "__version__", "?"))
+
+
+def environment() -> dict[str, Any]:
+    """What ``dask-gpuchunk info`` reports, as a dict.
+
+    Examples
+    --------
+    >>> env = environment()
+    >>> sorted(env["paths"])
+    ['auto', 'cpu', 'gpu-device', 'gpu-host']
+    """
+    from . import __version__
+    from .devices import _probe_gpus
+
+    versions = {"dask_gpuchunk": __version__, "python": platform.python_version()}
+    for name in ("numpy", "numba", "numba_cuda", "dask", "distributed", "cupy", "dask_cuda", "click"):
+        versions[name] = _version(name)
+    count, reason = _probe_gpus()
+    gpus = []
+    if count:
+        import cupy
+
+        for i in range(count):
+            p = cupy.cuda.runtime.getDeviceProperties(i)
+            gpus.append({"index": i, "name": p["name"].decode(), "memory_bytes": int(p["totalGlobalMem"]),
+                         "compute_capability": f"{p['major']}.{p['minor']}",
+                         "multiprocessors": int(p["multiProcessorCount"])})
+    import numba
+
+    try:
+        from numba.cuda import config as cuda_config
+
+        simulator = bool(cuda_config.ENABLE_CUDASIM)
+    except Exception:
+        simulator = False
+    cpu = f"numba njit(parallel=True), {numba.config.NUMBA_NUM_THREADS} threads"
+    gpu_state = "active" if count else f"inactive: {reason}"
+    paths = {
+        "cpu": f"active: {cpu}",
+        "gpu-host": f"{gpu_state}" + ("; NumPy chunks staged through pinned buffers, one stream per thread" if count else ""),
+        "gpu-device": f"{gpu_state}" + ("; CuPy chunks computed in place on the device" if count else ""),
+        "auto": ("CuPy chunks on the GPU; NumPy chunks on the device the measured rule picks "
+                 "(dask_gpuchunk.placement)") if count else "every chunk on the CPU (no GPU visible)",
+    }
+    return {
+        "versions": versions,
+        "gpus": gpus,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "numba_cuda_simulator": simulator,
+        "cpu_count": os.cpu_count(),
+        "paths": paths,
+    }
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dask-gpuchunk")
+def main() -> None:
+    """Numba CUDA kernels over Dask arrays larger than GPU memory."""
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of text.")
+def info(as_json: bool) -> None:
+    """Versions, visible GPUs and the active execution paths."""
+    env = environment()
+    if as_json:
+        click.echo(json.dumps(env))
+        return
+    click.echo("versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v))
+    missing = [k for k, v in env["versions"].items() if v is None]
+    if missing:
+        click.echo("not installed: " + ", ".join(missing))
+    if env["gpus"]:
+        for g in env["gpus"]:
+            click.echo(f"GPU {g['index']}: {g['name']}, {g['memory_bytes'] / 2**30:.1f} GiB, "
+                       f"compute capability {g['compute_capability']}, {g['multiprocessors']} SMs")
+    else:
+        click.echo("GPUs: none visible")
+    if env["numba_cuda_simulator"]:
+        click.echo("numba CUDA simulator: ON (NUMBA_ENABLE_CUDASIM=1)")
+    click.echo(f"CPU cores: {env['cpu_count']}")
+    click.echo("execution paths:")
+    for name, state in env["paths"].items():
+        click.echo(f"  {name:10s} {state}")
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks: ours, the peers and the limits, side by side in one run."""
+
+
+@bench.command("elementwise")
+@click.option("--rows", default=1_000_000, show_default=True, help="Rows of each input (seed 000: 1,000,000).")
+@click.option("--cols", default=500, show_default=True, help="Columns of each input.")
+@click.option("--chunk-mb", default=200.0, show_default=True, help="Chunk size in MB (rows are split).")
+@click.option("--rk4-rows", default=500_000, show_default=True, help="Rows for the RK4 table.")
+@click.option("--repeat", default=3, show_default=True, help="Timed runs per entry (median reported).")
+@click.option("--skip", multiple=True, help="Skip entries whose name contains this (repeatable).")
+@click.option("--out-dir", default=".", show_default=True, type=click.Path(file_okay=False),
+              help="Where to write bench-elementwise.json and .png.")
+def bench_elementwise(rows: int, cols: int, chunk_mb: float, rk4_rows: int, repeat: int,
+                      skip: tuple[str, ...], out_dir: str) -> None:
+    """Seed 000's product and an RK4-style function through every path, with limits."""
+    if rows < 1 or cols < 1 or rk4_rows < 1 or repeat < 1 or chunk_mb <= 0:
+        raise click.BadParameter("sizes, --repeat and --chunk-mb must be positive")
+    from .bench.elementwise import run
+    from .bench.report import format_table, save
+
+    report = run(rows=rows, cols=cols, chunk_mb=chunk_mb, rk4_rows=rk4_rows, repeat=repeat,
+                 skip=skip, log=lambda s: click.echo(s, err=True))
+    click.echo(format_table(report))
+    for path in save(report, out_dir, "bench-elementwise"):
+        click.echo(f"wrote {path}", err=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

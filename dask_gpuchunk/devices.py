@@ -1,0 +1,83 @@
+"""Which devices this process can use, and the ``device=`` argument every operator takes.
+
+A GPU counts as visible when CuPy imports and the CUDA runtime reports at least one device;
+numba's CUDA simulator does not count (it runs kernels, not chunk pipelines).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+__all__ = [
+    "DEVICES",
+    "Device",
+    "GPUNotAvailableError",
+    "gpu_count",
+    "gpu_available",
+    "check_device",
+]
+
+Device = Literal["auto", "gpu", "cpu"]
+DEVICES: tuple[str, ...] = ("auto", "gpu", "cpu")
+
+
+class GPUNotAvailableError(RuntimeError):
+    """``device="gpu"`` was asked for where no CUDA GPU is visible."""
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_gpus() -> tuple[int, str]:
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a CUDA library that fails to load
+        return 0, f"CuPy is not importable ({type(exc).__name__}: {exc})"
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # no driver, no device, CUDA_VISIBLE_DEVICES=""
+        return 0, f"the CUDA runtime reports no device ({type(exc).__name__}: {exc})"
+    if count == 0:
+        return 0, "the CUDA runtime reports no device"
+    return count, ""
+
+
+def gpu_count() -> int:
+    """Number of CUDA GPUs visible to this process (0 where CuPy or a driver is missing).
+
+    Examples
+    --------
+    >>> gpu_count() >= 0
+    True
+    """
+    return _probe_gpus()[0]
+
+
+def gpu_available() -> bool:
+    """Whether at least one CUDA GPU is visible to this process."""
+    return gpu_count() > 0
+
+
+def check_device(device: str) -> str:
+    """Validate a ``device=`` argument and return it.
+
+    ``"gpu"`` where no GPU is visible raises :class:`GPUNotAvailableError` saying why.
+
+    Examples
+    --------
+    >>> check_device("cpu")
+    'cpu'
+    >>> check_device("tpu")
+    Traceback (most recent call last):
+    ...
+    ValueError: device must be one of 'auto', 'gpu', 'cpu'; got 'tpu'
+    """
+    if not isinstance(device, str) or device not in DEVICES:
+        raise ValueError(f"device must be one of 'auto', 'gpu', 'cpu'; got {device!r}")
+    if device == "gpu" and not gpu_available():
+        reason = _probe_gpus()[1]
+        raise GPUNotAvailableError(
+            f"device='gpu' was requested but no CUDA GPU is visible: {reason}. "
+            "Use device='auto' to run on the CPU where no GPU is present, or install the "
+            "GPU extra (pip install 'dask-gpuchunk[cuda12]' or '[cuda13]')."
+        )
+    return device

@@ -1,0 +1,351 @@
+"""Elementwise operations over Dask arrays: ``dg.elementwise(func)`` and ``dg.multiply``.
+
+A scalar Python function becomes an operation on Dask arrays (NumPy and CuPy arrays and numbers
+are accepted too) with NumPy's broadcasting and NumPy's result dtype for that function. Each
+chunk runs through :func:`dask_gpuchunk.backend.run_elementwise`: numba CUDA kernel on the GPU,
+numba parallel twin on the CPU, compiled lazily per dtype signature.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+from dask.array.core import unify_chunks
+from dask.base import tokenize
+
+from ._kernels.elementwise import check_dtype, infer_result_dtype, kernels_for
+from .arrays import asarray
+from .backend import is_cupy, run_elementwise
+from .devices import DEVICES, check_device
+
+__all__ = ["ElementwiseOp", "elementwise", "multiply"]
+
+
+def _distributed_client_active() -> bool:
+    try:
+        from distributed import default_client
+
+        default_client()
+        return True
+    except Exception:
+        return False
+
+
+def _positional_arity(func: Callable) -> int:
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError):
+        raise TypeError(f"cannot inspect the signature of {func!r}") from None
+    count = 0
+    for p in sig.parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise TypeError(
+                f"{getattr(func, '__name__', func)!r} takes *args or **kwargs; an elementwise "
+                "function takes a fixed number of positional arguments"
+            )
+        if p.kind == p.KEYWORD_ONLY:
+            if p.default is p.empty:
+                raise TypeError(
+                    f"{getattr(func, '__name__', func)!r} has a required keyword-only argument "
+                    f"{p.name!r}; an elementwise function takes positional arguments only"
+                )
+            continue
+        count += 1
+    if count == 0:
+        raise TypeError(f"{getattr(func, '__name__', func)!r} takes no arguments")
+    return count
+
+
+def _block(*blocks: Any, kernels: Any, out_dtype: np.dtype, device: str) -> Any:
+    return run_elementwise(kernels, out_dtype, blocks, device)
+
+
+def _block_into(*blocks: Any, block_info: dict, kernels: Any, out_dtype: np.dtype, device: str,
+                out: np.ndarray) -> np.ndarray:
+    region = tuple(slice(start, stop) for start, stop in block_info[None]["array-location"])
+    run_elementwise(kernels, out_dtype, blocks, device, dest=out[region])
+    return np.empty((0,) * out.ndim, dtype=out.dtype)  # a marker: the data went into out
+
+
+class ElementwiseOp:
+    """An elementwise operation built from a scalar function; see :func:`elementwise`."""
+
+    def __init__(self, func: Callable, *, dtype: Any = None, name: str | None = None) -> None:
+        if not callable(func):
+            raise TypeError(f"elementwise needs a function, got {type(func).__name__}")
+        self.func = func
+        self.nargs = _positional_arity(func)
+        self.dtype = None if dtype is None else check_dtype(dtype, "dtype=")
+        self.__name__ = name or getattr(func, "__name__", "elementwise")
+        self.__doc__ = getattr(func, "__doc__", None)
+        self.__wrapped__ = func
+        self.kernels = kernels_for(func, self.nargs, tokenize(func, self.nargs))
+        self._dtypes: dict[tuple[np.dtype, ...], np.dtype] = {}
+
+    def __repr__(self) -> str:
+        return f"<dask_gpuchunk elementwise {self.__name__!r} of {self.nargs} arguments>"
+
+    def result_dtype(self, *dtypes: Any) -> np.dtype:
+        """The result dtype for arguments of these dtypes (``dtype=`` if given, else NumPy's).
+
+        Examples
+        --------
+        >>> multiply.result_dtype("int8", "float32")
+        dtype('float32')
+        """
+        key = tuple(np.dtype(d) for d in dtypes)
+        dtype = self._dtypes.get(key)
+        if dtype is None:
+            # Always compile for the CPU: it checks the function is a valid scalar kernel.
+            inferred = infer_result_dtype(self.func, key)
+            dtype = self._dtypes[key] = self.dtype if self.dtype is not None else inferred
+        return dtype
+
+    def __call__(self, *args: Any, device: str = "auto", out: np.ndarray | None = None) -> Any:
+        """Apply the operation; see :func:`elementwise` for the arguments."""
+        if not isinstance(device, str) or device not in DEVICES:
+            raise ValueError(f"device must be one of 'auto', 'gpu', 'cpu'; got {device!r}")
+        if device == "gpu" and not _distributed_client_active():
+            check_device(device)  # a cluster's workers may have GPUs the client lacks
+        if len(args) != self.nargs:
+            raise TypeError(f"{self.__name__} takes {self.nargs} arguments, got {len(args)}")
+        operands = _operands(args, self.__name__)
+        dtypes = [np.dtype(op.dtype) for op in operands]
+        out_dtype = self.result_dtype(*dtypes)
+        shape = _broadcast_shape(operands, self.__name__)
+        on_device = any(_is_cupy_backed(op) for op in operands)
+        if on_device and device == "cpu":
+            raise ValueError(
+                f"{self.__name__}: device='cpu' was given CuPy (GPU) data; use device='gpu' or "
+                "'auto', or move it to the host first (x.map_blocks(cupy.asnumpy))"
+            )
+        arrays = _to_dask(operands)
+        if on_device:
+            import cupy
+
+            meta = cupy.empty((0,) * len(shape), dtype=out_dtype)
+        else:
+            meta = np.empty((0,) * len(shape), dtype=out_dtype)
+        if out is not None:
+            return self._compute_into(arrays, out, shape, out_dtype, device, on_device, meta)
+        name = f"{self.__name__}-{tokenize(self.kernels.token, out_dtype, device, *arrays)}"
+        return da.map_blocks(
+            _block, *arrays, dtype=out_dtype, meta=meta, name=name,
+            kernels=self.kernels, out_dtype=out_dtype, device=device,
+        )
+
+    def _compute_into(self, arrays: list[Any], out: Any, shape: tuple[int, ...],
+                      out_dtype: np.dtype, device: str, on_device: bool, meta: Any) -> np.ndarray:
+        if on_device:
+            raise ValueError(f"{self.__name__}: out= takes a host array; CuPy inputs give CuPy "
+                             "results (drop out= and persist or compute the result instead)")
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"{self.__name__}: out= must be a NumPy array (or np.memmap), "
+                            f"got {type(out).__name__}")
+        if out.shape != shape or out.dtype != out_dtype:
+            raise ValueError(
+                f"{self.__name__}: out= has shape {out.shape} and dtype {out.dtype}; the result "
+                f"has shape {shape} and dtype {out_dtype}"
+            )
+        if not out.flags.writeable:
+            raise ValueError(f"{self.__name__}: out= is read-only")
+        # The name is not derived from out (tokenizing it would hash every byte).
+        name = f"{self.__name__}-into-{uuid.uuid4().hex}"
+        marks = da.map_blocks(
+            _block_into, *arrays, dtype=out_dtype, meta=meta, name=name,
+            kernels=self.kernels, out_dtype=out_dtype, device=device, out=out,
+        )
+        # Writes land in this process's memory: run on local threads, never on a cluster.
+        dask.compute(*marks.to_delayed().ravel().tolist(), scheduler="threads")
+        return out
+
+
+def _is_cupy_backed(x: Any) -> bool:
+    if isinstance(x, da.Array):
+        return is_cupy(x._meta)
+    return is_cupy(x)
+
+
+def _operands(args: tuple[Any, ...], name: str) -> list[Any]:
+    """Arrays stay arrays; numbers become 0-d NumPy arrays with NumPy's weak-scalar dtype."""
+    strong: list[Any] = []
+    kinds: list[str] = []
+    for i, a in enumerate(args):
+        if isinstance(a, da.Array) or is_cupy(a) or isinstance(a, np.ndarray):
+            kinds.append("array")
+        elif isinstance(a, np.generic):
+            kinds.append("numpy-scalar")
+        elif isinstance(a, (bool, int, float, complex)):
+            kinds.append("python-scalar")
+        else:
+            try:
+                a = np.asarray(a)
+            except Exception:
+                raise TypeError(
+                    f"{name}: argument {i + 1} is a {type(a).__name__}; pass Dask, NumPy or "
+                    "CuPy arrays, or numbers"
+                ) from None
+            if a.dtype == object:
+                raise TypeError(f"{name}: argument {i + 1} is not numeric ({type(args[i]).__name__})")
+            kinds.append("array")
+        strong.append(a)
+    typed = [np.dtype(a.dtype) for a, k in zip(strong, kinds) if k != "python-scalar"]
+    for i, (a, kind) in enumerate(zip(strong, kinds)):
+        if kind != "python-scalar":
+            check_dtype(a.dtype, f"{name}: argument {i + 1}")
+    operands: list[Any] = []
+    for a, kind in zip(strong, kinds):
+        if kind == "python-scalar":
+            # NEP 50: a Python number takes the dtype the other operands give it
+            # (float32 array * 0.1 stays float32), and must fit it (int8 array * 300 raises).
+            dtype = np.result_type(*typed, a) if typed else np.result_type(a)
+            operands.append(np.asarray(a, dtype=dtype))
+        elif kind == "numpy-scalar":
+            operands.append(np.asarray(a))
+        else:
+            operands.append(a)
+    return operands
+
+
+def _broadcast_shape(operands: list[Any], name: str) -> tuple[int, ...]:
+    shapes = [tuple(op.shape) for op in operands]
+    if any(np.isnan(n) for s in shapes for n in s):
+        raise ValueError(f"{name}: an input has unknown chunk sizes; call "
+                         "x.compute_chunk_sizes() first")
+    try:
+        return tuple(int(n) for n in np.broadcast_shapes(*shapes))
+    except ValueError:
+        raise ValueError(
+            f"{name}: operands could not be broadcast together with shapes "
+            + " ".join(str(s) for s in shapes)
+        ) from None
+
+
+def _to_dask(operands: list[Any]) -> list[Any]:
+    """Dask arrays as they are; other arrays chunked like the largest Dask operand.
+
+    0-d operands stay NumPy scalars passed to every chunk; if every operand is 0-d, the first
+    becomes a one-chunk Dask array so that the result is a Dask array.
+    """
+    ref = max((op for op in operands if isinstance(op, da.Array)), key=lambda a: a.ndim,
+              default=None)
+    result: list[Any] = []
+    for op in operands:
+        if isinstance(op, da.Array) or op.ndim == 0:
+            result.append(op)
+            continue
+        if ref is None:
+            ref = asarray(op)
+            result.append(ref)
+            continue
+        chunks = []
+        offset = ref.ndim - op.ndim
+        for d, n in enumerate(op.shape):
+            rd = d + offset
+            if rd >= 0 and ref.shape[rd] == n:
+                chunks.append(ref.chunks[rd])
+            else:
+                chunks.append((n,))
+        result.append(asarray(op, chunks=tuple(chunks)))
+    if not any(isinstance(r, da.Array) for r in result):
+        result[0] = asarray(result[0], chunks=())
+    # map_blocks needs aligned blocks: rechunk where the Dask operands' chunks disagree,
+    # aligning trailing dimensions as broadcasting does (length-1 dimensions broadcast).
+    ndim = max(r.ndim for r in result)
+    pairs: list[Any] = []
+    for r in result:
+        pairs += [r, tuple(range(ndim - r.ndim, ndim))] if isinstance(r, da.Array) else [r, None]
+    _, unified = unify_chunks(*pairs, warn=False)
+    return list(unified)
+
+
+def elementwise(func: Callable | None = None, *, dtype: Any = None,
+                name: str | None = None) -> Any:
+    """Turn a scalar function into an elementwise operation over Dask arrays.
+
+    The function is compiled by numba, lazily and once per dtype signature, for CUDA (a
+    grid-stride kernel) and for the CPU (a parallel loop). The returned operation takes as many
+    arguments as the function: Dask, NumPy or CuPy arrays, or numbers, broadcast together as
+    NumPy broadcasts, and returns a Dask array chunked like the Dask inputs.
+
+    Parameters
+    ----------
+    func
+        A scalar function of a fixed number of positional arguments that numba can compile in
+        nopython mode (``math`` and ``cmath`` functions, arithmetic, branches, loops).
+    dtype
+        The result dtype. Default: the dtype NumPy gives when ``func`` is applied to NumPy
+        scalars of the input dtypes (``int8 * int8`` is ``int8``; ``float32 * 0.5`` is
+        ``float32``), or numba's inferred type where that call fails.
+    name
+        A name for the operation's tasks (default: the function's name).
+
+    Returns
+    -------
+    ElementwiseOp
+        Called as ``op(*arrays, device="auto", out=None)``:
+
+        ``device``
+            ``"gpu"``: CuPy chunks stay on the device; NumPy chunks are staged through pinned
+            buffers, computed on the GPU and brought back as NumPy. ``"cpu"``: the numba
+            parallel twin (NumPy chunks only). ``"auto"``: CuPy chunks on the GPU, NumPy chunks
+            where a measured rule says they run faster (:mod:`dask_gpuchunk.placement`),
+            CPU where no GPU is visible.
+        ``out``
+            A NumPy array (pinned or not, or an ``np.memmap``) of the result's shape and dtype:
+            the result is computed now, on local threads, each chunk written straight into its
+            region of ``out`` (no concatenation copy), and ``out`` is returned.
+
+    Notes
+    -----
+    The function must not raise: numba's parallel loops and CUDA kernels do not report
+    exceptions reliably. Return NaN or a sentinel value for invalid inputs instead.
+
+    Examples
+    --------
+    >>> import math
+    >>> import dask.array as da
+    >>> @elementwise
+    ... def damped(x, k):
+    ...     return math.exp(-k * x) * math.cos(x)
+    >>> x = da.linspace(0.0, 1.0, 5, chunks=2)
+    >>> damped(x, 0.5, device="cpu").compute().round(4)
+    array([1.    , 0.8551, 0.6835, 0.5029, 0.3277])
+    >>> @elementwise(dtype="float32")
+    ... def halve(x):
+    ...     return x / 2
+    >>> halve(da.arange(4, chunks=2), device="cpu").compute()
+    array([0. , 0.5, 1. , 1.5], dtype=float32)
+    """
+    if func is None:
+        return functools.partial(elementwise, dtype=dtype, name=name)
+    return ElementwiseOp(func, dtype=dtype, name=name)
+
+
+def _multiply(a: Any, b: Any) -> Any:
+    return a * b
+
+
+#: ``multiply(x, y, *, device="auto", out=None)``: the elementwise product with NumPy's
+#: broadcasting and type promotion, for every real and complex dtype; see :func:`elementwise`.
+multiply = ElementwiseOp(_multiply, name="multiply")
+multiply.__doc__ = """Elementwise product ``x * y`` of Dask, NumPy or CuPy arrays or numbers.
+
+NumPy's broadcasting and type promotion; chunks run on the GPU or the CPU as ``device`` says
+(see :func:`elementwise`). Returns a Dask array, or ``out`` filled when ``out=`` is given.
+
+Examples
+--------
+>>> import dask.array as da
+>>> x = da.arange(6, chunks=4).reshape(2, 3)
+>>> multiply(x, da.asarray([1, 10, 100]), device="cpu").compute()
+array([[  0,  10, 200],
+       [  3,  40, 500]])
+"""

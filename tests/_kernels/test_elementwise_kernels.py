@@ -1,0 +1,200 @@
+"""Kernel layer: code generation, dimension collapsing, dtype inference, CPU and CUDA kernels.
+
+CUDA kernels run on numba's CUDA simulator where no GPU is visible (small sizes), on the real
+GPU otherwise.
+"""
+
+from __future__ import annotations
+
+import cmath
+import math
+
+import numpy as np
+import pytest
+from helpers import DTYPES, assert_same, random_array
+
+from dask_gpuchunk._kernels.elementwise import (
+    ElementwiseKernels,
+    check_dtype,
+    collapse_dims,
+    infer_result_dtype,
+    kernels_for,
+    reference,
+)
+
+
+def mul(a, b):
+    return a * b
+
+
+def fma3(a, b, c):
+    return a * b + c
+
+
+@pytest.mark.parametrize(
+    "shape, strides, expected",
+    [
+        ((100, 4000, 5), [(160000, 40, 8), (0, 40, 8)], ((100, 20000), [(160000, 8), (0, 8)])),
+        ((3, 4), [(32, 8), (32, 8)], ((12,), [(8,), (8,)])),
+        ((3, 4), [(8, 24)], ((3, 4), [(8, 24)])),  # Fortran order does not collapse
+        ((1, 1), [(8, 8)], ((1,), [(0,)])),
+        ((2, 1, 3), [(24, 24, 8), (0, 0, 8)], ((2, 3), [(24, 8), (0, 8)])),
+        ((5, 6), [(48, 8), (0, 0)], ((30,), [(8,), (0,)])),
+        ((5, 6), [(48, 8), (8, 0)], ((5, 6), [(48, 8), (8, 0)])),
+    ],
+)
+def test_collapse_dims(shape, strides, expected):
+    assert collapse_dims(shape, strides) == expected
+
+
+def test_collapse_dims_matches_numpy_views(rng):
+    # Walking the collapsed views visits the same elements as the originals.
+    a = rng.random((4, 6, 5))[:, ::2, :]
+    b = rng.random((6, 1))[::2]
+    shape = np.broadcast_shapes(a.shape, b.shape)
+    bb = np.broadcast_to(b, shape)
+    new_shape, (sa, sb) = collapse_dims(shape, [a.strides, bb.strides])
+    va = np.lib.stride_tricks.as_strided(a, new_shape, sa)
+    vb = np.lib.stride_tricks.as_strided(bb, new_shape, sb)
+    np.testing.assert_array_equal(va.ravel(), a.ravel())
+    np.testing.assert_array_equal(vb.ravel(), bb.ravel())
+
+
+@pytest.mark.parametrize("x", DTYPES)
+@pytest.mark.parametrize("y", DTYPES)
+def test_infer_result_dtype_matches_numpy_promotion(x, y):
+    expected = (np.ones(1, x) * np.ones(1, y)).dtype
+    assert infer_result_dtype(mul, [np.dtype(x), np.dtype(y)]) == expected
+
+
+def test_infer_result_dtype_functions():
+    f64, f32, i8 = np.dtype("f8"), np.dtype("f4"), np.dtype("i1")
+    assert infer_result_dtype(lambda a: math.sqrt(a), [f32]) == f64  # Python float result
+    assert infer_result_dtype(lambda a: a > 0, [f64]) == np.bool_
+    assert infer_result_dtype(lambda a: cmath.sqrt(a), [f64]) == np.complex128
+    assert infer_result_dtype(lambda a, b: a // b, [i8, i8]) == i8
+    # A domain error at 1 falls back to numba's inferred type.
+    assert infer_result_dtype(lambda a: math.log(a - 1.0), [f32]) == f64
+
+
+def test_infer_result_dtype_rejects_uncompilable_function():
+    def uses_object(a):
+        return object()
+
+    with pytest.raises(TypeError, match="numba cannot compile 'uses_object'"):
+        infer_result_dtype(uses_object, [np.dtype("f8")])
+    with pytest.raises(TypeError, match="returns"):
+        infer_result_dtype(lambda a: (a, a), [np.dtype("f8")])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "object", "U3", "datetime64[ns]", ">f8"])
+def test_check_dtype_rejects(dtype):
+    with pytest.raises(TypeError, match="x has"):
+        check_dtype(dtype, "x")
+
+
+def test_reference_wraps_like_numpy():
+    a = np.array([100, -100, 7], dtype=np.int8)
+    assert_same(reference(mul, "int8", a, a), a * a)
+
+
+def _cpu(func, nargs, out_dtype, *args):
+    k = ElementwiseKernels(func, nargs)
+    shape = np.broadcast_shapes(*(np.shape(a) for a in args))
+    out = np.empty(shape, dtype=out_dtype)
+    views = [a if isinstance(a, np.generic) else np.broadcast_to(a, shape) for a in args]
+    k.cpu(out, *views)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_kernel_every_dtype(rng, dtype):
+    a = random_array(rng, (37,), dtype)
+    b = random_array(rng, (37,), dtype)
+    with np.errstate(all="ignore"):
+        expected = a * b
+    assert_same(_cpu(mul, 2, expected.dtype, a, b), expected)
+
+
+@pytest.mark.parametrize("shape_a, shape_b", [((7, 1, 5), (4, 1)), ((3, 4, 5, 2), (2,)),
+                                              ((1,), (6, 7)), ((2, 3), (2, 3))])
+def test_cpu_kernel_broadcast_and_ndim(rng, shape_a, shape_b):
+    a = rng.random(shape_a)
+    b = rng.random(shape_b)
+    assert_same(_cpu(mul, 2, np.float64, a, b), a * b)
+
+
+def test_cpu_kernel_strided_and_scalar_arguments(rng):
+    a = rng.random((9, 8))[::2, ::-3]
+    c = rng.random((8, 9)).T[:5, :3]
+    assert_same(_cpu(fma3, 3, np.float64, a, np.float64(2.5), c), a * 2.5 + c)
+
+
+def test_cpu_kernel_nd_blocks_cover_every_element(rng):
+    # More elements than parallel blocks, with rows that straddle block boundaries.
+    a = rng.random((37, 29, 3))
+    b = rng.random((29, 1))
+    assert_same(_cpu(mul, 2, np.float64, a, b), a * b)
+
+
+def test_kernels_for_is_one_per_token():
+    k1 = kernels_for(mul, 2, "token-mul")
+    assert kernels_for(mul, 2, "token-mul") is k1
+    import pickle
+
+    assert pickle.loads(pickle.dumps(k1)) is k1
+
+
+# ---- CUDA kernels: simulator on CPU-only machines, the real GPU elsewhere ------------------
+
+
+def _cuda(func, nargs, out_dtype, *args, views=None):
+    from numba import cuda
+
+    k = ElementwiseKernels(func, nargs)
+    shape = np.broadcast_shapes(*(np.shape(a) for a in args))
+    out = cuda.device_array(shape, dtype=out_dtype)
+    dev = [a if isinstance(a, np.generic) else cuda.to_device(np.ascontiguousarray(
+        np.broadcast_to(a, shape))) for a in args]
+    k.cuda(out, *dev)
+    return out.copy_to_host()
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint16", "int64", "uint64", "float32",
+                                   "float64", "complex64", "complex128"])
+def test_cuda_kernel_dtypes(rng, dtype):
+    a = random_array(rng, (150,), dtype)
+    b = random_array(rng, (150,), dtype)
+    with np.errstate(all="ignore"):
+        expected = a * b
+    assert_same(_cuda(mul, 2, expected.dtype, a, b), expected, exact=dtype[0] != "c")
+
+
+def test_cuda_kernel_2d_broadcast_and_scalar(rng):
+    a = rng.random((5, 40)).astype(np.float32)
+    c = rng.random((40,)).astype(np.float32)
+    expected = a * np.float32(3) + c
+    assert_same(_cuda(fma3, 3, np.float32, a, np.float32(3), c), expected, exact=False)
+
+
+def test_cuda_kernel_3d_grid_stride(rng):
+    # More elements than the launch's threads: the grid-stride loop must cover all of them.
+    a = rng.random((3, 9, 11))
+    b = rng.random((9, 11))
+    assert_same(_cuda(mul, 2, np.float64, a, b), a * b)
+
+
+def test_cuda_kernel_user_function_with_math(rng):
+    def damped(x, k):
+        return math.exp(-k * x) * math.cos(x)
+
+    x = rng.random(70)
+    out = _cuda(damped, 2, np.float64, x, np.float64(0.3))
+    np.testing.assert_allclose(out, np.exp(-0.3 * x) * np.cos(x), rtol=1e-12)
+
+
+def test_cuda_kernel_nan_inf_pass_through():
+    a = np.array([np.nan, np.inf, -np.inf, 1.0, 0.0])
+    b = np.array([1.0, 2.0, 0.0, np.nan, np.inf])
+    with np.errstate(all="ignore"):
+        assert_same(_cuda(mul, 2, np.float64, a, b), a * b)

@@ -1,0 +1,45 @@
+"""Shared test helpers (importable as ``helpers`` from any test module)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["DTYPES", "random_array", "assert_same"]
+
+DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+          "float32", "float64", "complex64", "complex128"]
+
+
+def assert_same(actual: np.ndarray, expected: np.ndarray, exact: bool = True) -> None:
+    """Same shape, dtype and values (NaN equal to NaN).
+
+    Integers and booleans always compare exactly; floats exactly unless ``exact=False``.
+    Complex products compare to a few ulps: NumPy's SIMD loops and numba's code may contract
+    ``ar*br - ai*bi`` into a fused multiply-add differently.
+    """
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    if actual.dtype.kind in "biu" or (exact and actual.dtype.kind == "f"):
+        np.testing.assert_array_equal(actual, expected)
+    else:
+        single = actual.dtype in (np.float32, np.complex64)
+        rtol = (1e-6 if single else 1e-14) if exact else (1e-5 if single else 1e-12)
+        np.testing.assert_allclose(actual, expected, rtol=rtol, atol=0, equal_nan=True)
+
+
+def random_array(rng: np.random.Generator, shape: tuple[int, ...], dtype: object) -> np.ndarray:
+    """Random data of any supported dtype, mostly non-zero (never all zeros)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.6
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        lo, hi = max(int(info.min), -1000), min(int(info.max), 1000)
+        return rng.integers(lo, hi, size=shape, endpoint=True).astype(dtype)
+    if dtype.kind == "f":
+        return (rng.standard_normal(shape) * 10).astype(dtype)
+    if dtype.kind == "c":
+        return (rng.standard_normal(shape) * 10 + 1j * rng.standard_normal(shape) * 10).astype(dtype)
+    raise TypeError(dtype)

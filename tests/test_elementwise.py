@@ -1,0 +1,412 @@
+"""dg.elementwise and dg.multiply over Dask arrays, against NumPy, on the CPU (and the GPU)."""
+
+from __future__ import annotations
+
+import cmath
+import math
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from helpers import DTYPES, assert_same, random_array
+
+import dask_gpuchunk as dg
+from dask_gpuchunk.devices import gpu_available
+
+DEVICES_HERE = ["cpu", "auto"] + (["gpu"] if gpu_available() else [])
+
+
+@pytest.fixture(autouse=True)
+def _threaded_scheduler():
+    with dask.config.set(scheduler="threads"):
+        yield
+
+
+# ---- every dtype, exact against NumPy ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES_HERE)
+def test_multiply_every_dtype_uneven_chunks(rng, dtype, device):
+    a = random_array(rng, (23, 17), dtype)
+    b = random_array(rng, (23, 17), dtype)
+    x = da.from_array(a, chunks=((5, 11, 7), (9, 8)))
+    y = da.from_array(b, chunks=((12, 11), (4, 13)))  # mismatched chunks: unified
+    result = dg.multiply(x, y, device=device)
+    with np.errstate(all="ignore"):
+        expected = a * b
+    assert result.dtype == expected.dtype
+    assert_same(result.compute(), expected)
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("y_dtype", ["bool", "int8", "uint32", "int64", "uint64", "float32",
+                                     "complex128"])
+def test_multiply_mixed_dtypes_follow_numpy_promotion(rng, x_dtype, y_dtype):
+    a = random_array(rng, (9, 4), x_dtype)
+    b = random_array(rng, (4,), y_dtype)
+    with np.errstate(all="ignore"):
+        expected = a * b
+    result = dg.multiply(da.from_array(a, chunks=(4, 3)), b, device="cpu")
+    assert result.dtype == expected.dtype
+    assert_same(result.compute(), expected, exact=True)
+
+
+# ---- broadcasting, scalars, shapes ---------------------------------------------------------
+
+
+def test_seed_004_broadcast_shapes(rng):
+    mult_by = rng.random((4000, 5))
+    discount = rng.random((100, 4000, 5))
+    result = dg.multiply(mult_by, da.from_array(discount, chunks=(30, 1500, 5)))
+    assert result.shape == (100, 4000, 5)
+    assert result.chunks == ((30, 30, 30, 10), (1500, 1500, 1000), (5,))
+    assert_same(result.compute(), mult_by * discount)
+
+
+@pytest.mark.parametrize("shape_x, shape_y", [((6, 1), (1, 7)), ((3, 1, 4), (5, 1)),
+                                              ((1,), (8, 3)), ((2, 3, 4), ())])
+def test_broadcasting_both_ways(rng, shape_x, shape_y):
+    a = rng.standard_normal(shape_x)
+    b = rng.standard_normal(shape_y)
+    x = da.from_array(a, chunks=2) if a.ndim else a
+    y = da.from_array(b, chunks=2) if b.ndim else b
+    assert_same(dg.multiply(x, y).compute(), a * b)
+
+
+@pytest.mark.parametrize("array_dtype", ["int8", "uint8", "float32", "complex64", "bool"])
+@pytest.mark.parametrize("scalar", [3, 2.5, 1j, True, np.float64(2.5), np.int16(3)])
+def test_scalars_follow_nep50(rng, array_dtype, scalar):
+    a = random_array(rng, (11,), array_dtype)
+    try:
+        with np.errstate(all="ignore"):
+            expected = a * scalar
+    except (OverflowError, TypeError) as exc:
+        with pytest.raises(type(exc)):
+            dg.multiply(da.from_array(a, chunks=4), scalar)
+        return
+    result = dg.multiply(da.from_array(a, chunks=4), scalar)
+    assert result.dtype == expected.dtype
+    assert_same(result.compute(), expected)
+    # scalar first
+    assert_same(dg.multiply(scalar, da.from_array(a, chunks=4)).compute(), scalar * a)
+
+
+def test_python_int_out_of_range_raises_like_numpy():
+    x = da.from_array(np.arange(5, dtype=np.int8), chunks=2)
+    with pytest.raises(OverflowError):
+        np.arange(5, dtype=np.int8) * 300
+    with pytest.raises(OverflowError):
+        dg.multiply(x, 300)
+
+
+def test_all_scalars_give_a_0d_dask_array():
+    r = dg.multiply(3, np.float32(2))
+    assert isinstance(r, da.Array) and r.shape == () and r.dtype == np.float32
+    assert r.compute() == np.float32(6)
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 5), (3, 0), (1,), (1, 1), ()])
+def test_empty_0d_and_single_element(rng, shape):
+    a = rng.random(shape)
+    b = rng.random(shape)
+    x = da.from_array(a, chunks=2) if a.ndim else a
+    result = dg.multiply(x, b)
+    assert result.shape == shape
+    assert_same(result.compute(), a * b)
+
+
+def test_nan_and_inf_pass_through():
+    a = np.array([np.nan, np.inf, -np.inf, 1.0, 0.0, -0.0, 5e307])
+    b = np.array([1.0, 2.0, 0.0, np.nan, np.inf, 3.0, 10.0])
+    with np.errstate(all="ignore"):
+        assert_same(dg.multiply(da.from_array(a, chunks=3), b).compute(), a * b)
+        c = a.astype(np.complex128) + 1j * b[::-1]
+        assert_same(dg.multiply(c, b).compute(), c * b, exact=False)
+
+
+@pytest.mark.parametrize("layout", ["sliced", "fortran", "reversed", "transposed"])
+def test_non_contiguous_inputs(rng, layout):
+    base = rng.random((40, 30))
+    a = {
+        "sliced": base[::3, 1::2],
+        "fortran": np.asfortranarray(base[:14, :15]),
+        "reversed": base[::-3, ::-2],
+        "transposed": base.T[:15, :14],
+    }[layout]
+    b = rng.random(a.shape[1])
+    assert_same(dg.multiply(a, b, device="cpu").compute(), a * b)
+    assert_same(dg.multiply(da.from_array(a, chunks=(5, 4)), b).compute(), a * b)
+
+
+def test_numpy_and_list_inputs_are_chunked_like_the_dask_operand(rng):
+    a = rng.random((10, 6))
+    x = da.from_array(a, chunks=(3, 4))
+    r = dg.multiply(a, x)
+    assert r.chunks == x.chunks
+    assert_same(dg.multiply(x, [1.0, 2, 3, 4, 5, 6]).compute(), a * np.array([1.0, 2, 3, 4, 5, 6]))
+
+
+# ---- user functions -------------------------------------------------------------------------
+
+
+@dg.elementwise
+def damped(x, k):
+    return math.exp(-k * x) * math.cos(x)
+
+
+@dg.elementwise
+def clip_add(a, b, c):
+    s = a + b
+    if s > c:
+        return c
+    return s
+
+
+@dg.elementwise
+def polar(r, theta):
+    return r * cmath.exp(1j * theta)
+
+
+def test_user_function_with_math(rng):
+    a = rng.random((20, 9))
+    r = damped(da.from_array(a, chunks=(7, 4)), 0.75)
+    assert r.dtype == np.float64
+    np.testing.assert_allclose(r.compute(), np.exp(-0.75 * a) * np.cos(a), rtol=1e-14)
+
+
+def test_three_argument_function_with_branches(rng):
+    a, b = rng.random((8, 5)), rng.random((8, 5))
+    c = rng.random(5)
+    r = clip_add(da.from_array(a, chunks=3), b, c)
+    assert_same(r.compute(), np.minimum(a + b, c))
+
+
+def test_complex_result(rng):
+    r_, t = rng.random(30), rng.random(30) * 6
+    r = polar(da.from_array(r_, chunks=7), t)
+    assert r.dtype == np.complex128
+    np.testing.assert_allclose(r.compute(), r_ * np.exp(1j * t), rtol=1e-14)
+
+
+def test_dtype_override_and_decorator_with_arguments():
+    @dg.elementwise(dtype="float32", name="halve")
+    def halve(x):
+        return x / 2
+
+    r = halve(da.arange(7, chunks=3))
+    assert r.dtype == np.float32
+    assert r.name.startswith("halve-")
+    assert_same(r.compute(), (np.arange(7) / 2).astype(np.float32))
+
+
+def test_integer_arithmetic_wraps_like_numpy(rng):
+    a = np.array([100, -128, 127, 3], dtype=np.int8)
+    with np.errstate(all="ignore"):
+        assert_same(dg.multiply(a, a).compute(), a * a)
+
+
+def test_result_is_deterministic_and_lazy(rng):
+    a = rng.random((6, 6))
+    x = da.from_array(a, chunks=3)
+    r1, r2 = dg.multiply(x, x), dg.multiply(x, x)
+    assert r1.name == r2.name  # same inputs, same graph
+    assert isinstance(r1, da.Array)
+
+
+def test_repr_and_wrapped():
+    assert "damped" in repr(damped) and damped.nargs == 2
+    assert damped.__wrapped__(0.0, 1.0) == 1.0
+
+
+# ---- out= ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES_HERE)
+def test_out_is_written_in_place(rng, device):
+    a = rng.random((50, 8))
+    b = rng.random((50, 8))
+    out = np.full((50, 8), np.nan)
+    returned = dg.multiply(da.from_array(a, chunks=(13, 5)), b, device=device, out=out)
+    assert returned is out
+    assert_same(out, a * b)
+
+
+def test_out_can_be_a_memmap(rng, tmp_path):
+    a = rng.random((30, 4))
+    out = np.lib.format.open_memmap(tmp_path / "c.npy", mode="w+", dtype=np.float64, shape=(30, 4))
+    dg.multiply(da.from_array(a, chunks=7), 3.0, out=out)
+    out.flush()
+    assert_same(np.load(tmp_path / "c.npy"), a * 3.0)
+
+
+# ---- errors a user can make ----------------------------------------------------------------
+
+
+def test_shape_mismatch_names_the_shapes():
+    with pytest.raises(ValueError, match=r"could not be broadcast together with shapes \(3, 4\) \(5,\)"):
+        dg.multiply(da.ones((3, 4)), da.ones(5))
+
+
+@pytest.mark.parametrize("bad", [np.ones(3, np.float16), np.array(["a", "b", "c"]),
+                                 np.array([1, 2, 3], dtype="datetime64[s]"), np.array([None] * 3)])
+def test_unsupported_dtypes_are_refused(bad):
+    with pytest.raises(TypeError, match="argument 1"):
+        dg.multiply(bad, 2)
+
+
+def test_non_array_argument_is_refused():
+    with pytest.raises(TypeError, match="argument 2"):
+        dg.multiply(np.ones(3), {"a": 1})
+
+
+def test_wrong_number_of_arguments():
+    with pytest.raises(TypeError, match="multiply takes 2 arguments, got 3"):
+        dg.multiply(np.ones(3), np.ones(3), np.ones(3))
+
+
+def test_bad_device_value():
+    with pytest.raises(ValueError, match="device must be one of"):
+        dg.multiply(np.ones(3), 2, device="cuda")
+
+
+@pytest.mark.skipif(gpu_available(), reason="a GPU is visible")
+def test_gpu_requested_without_gpu_says_so():
+    with pytest.raises(dg.GPUNotAvailableError, match="no CUDA GPU is visible"):
+        dg.multiply(np.ones(3), 2, device="gpu")
+
+
+def test_functions_that_cannot_be_elementwise():
+    with pytest.raises(TypeError, match="fixed number"):
+        dg.elementwise(lambda *xs: xs[0])
+    with pytest.raises(TypeError, match="needs a function"):
+        dg.elementwise(42)
+    with pytest.raises(TypeError, match="takes no arguments"):
+        dg.elementwise(lambda: 1.0)
+
+    @dg.elementwise
+    def makes_object(x):
+        return object()
+
+    with pytest.raises(TypeError, match="numba cannot compile 'makes_object'"):
+        makes_object(np.ones(3))
+
+
+@pytest.mark.parametrize("out, match", [
+    (np.empty((3, 5)), "shape"),
+    (np.empty((3, 4), np.float32), "dtype"),
+    ([0.0] * 12, "NumPy array"),
+])
+def test_out_mismatches(out, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        dg.multiply(np.ones((3, 4)), 2.0, out=out)
+
+
+def test_out_read_only():
+    out = np.empty((3, 4))
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        dg.multiply(np.ones((3, 4)), 2.0, out=out)
+
+
+def test_unknown_chunk_sizes_are_refused():
+    x = da.ones(10, chunks=5)
+    x = x[x > 0]
+    with pytest.raises(ValueError, match="compute_chunk_sizes"):
+        dg.multiply(x, 2)
+
+
+def test_failing_input_chunk_raises_at_compute(rng):
+    # An input chunk that fails to load surfaces its error from compute(); out= is not returned.
+    def load(block, block_info=None):
+        if block_info[0]["chunk-location"] == (1,):
+            raise OSError("chunk 1 could not be read")
+        return block
+
+    x = da.from_array(rng.random(8), chunks=3).map_blocks(load, dtype=np.float64)
+    with pytest.raises(OSError, match="chunk 1"):
+        dg.multiply(x, 2.0).compute()
+    with pytest.raises(OSError, match="chunk 1"):
+        dg.multiply(x, 2.0, out=np.empty(8))
+
+
+# ---- GPU: CuPy chunks stay on the device ---------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cupy_chunks_every_dtype(rng, dtype):
+    import cupy
+
+    a = random_array(rng, (33, 10), dtype)
+    b = random_array(rng, (10,), dtype)
+    x = da.from_array(cupy.asarray(a), chunks=(8, 6))
+    r = dg.multiply(x, cupy.asarray(b))
+    assert isinstance(r._meta, cupy.ndarray)
+    computed = r.compute()
+    assert isinstance(computed, cupy.ndarray)
+    with np.errstate(all="ignore"):
+        assert_same(cupy.asnumpy(computed), a * b)
+
+
+@pytest.mark.gpu
+def test_cupy_mixed_with_numpy_and_scalars(rng):
+    import cupy
+
+    a = rng.random((12, 7))
+    x = dg.asarray(cupy.asarray(a), chunks=5)
+    r = damped(x, np.float64(0.5))
+    assert isinstance(r.compute(), cupy.ndarray)
+    np.testing.assert_allclose(cupy.asnumpy(r.compute()), np.exp(-0.5 * a) * np.cos(a), rtol=1e-14)
+    r = dg.multiply(x, a[0])  # NumPy row broadcast against CuPy chunks: result on the device
+    assert_same(cupy.asnumpy(r.compute()), a * a[0])
+
+
+@pytest.mark.gpu
+def test_cpu_device_refuses_cupy():
+    import cupy
+
+    with pytest.raises(ValueError, match="CuPy"):
+        dg.multiply(cupy.ones(3), 2.0, device="cpu")
+
+
+@pytest.mark.gpu
+def test_device_resident_loop_with_on_device_reduction(rng, monkeypatch):
+    # Seed 002's pattern: persisted CuPy chunks stepped in a loop, a device reduction each
+    # step; no staging copy to the host happens inside the loop.
+    import cupy
+
+    from dask_gpuchunk import staging
+
+    def no_host_copy(*args, **kwargs):
+        raise AssertionError("host copy inside a device-resident loop")
+
+    monkeypatch.setattr(staging, "copy_to_host", no_host_copy)
+    f0 = rng.random((64, 64))
+    f = dg.asarray(cupy.asarray(f0), chunks=16).persist()
+    expected = f0.copy()
+    for _ in range(3):
+        total = f.sum()                       # a CuPy 0-d chunk, on the device
+        f = damped(f, total / 4096.0).persist()
+        expected = np.exp(-(expected.sum() / 4096.0) * expected) * np.cos(expected)
+    np.testing.assert_allclose(cupy.asnumpy(f.compute()), expected, rtol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pinned_inputs", [False, True])
+@pytest.mark.parametrize("pinned_out", [False, True])
+def test_gpu_from_host_pinned_and_pageable(rng, pinned_inputs, pinned_out):
+    from dask_gpuchunk.staging import empty_pinned
+
+    a = rng.random((300, 40))
+    b = rng.random((300, 40))
+    if pinned_inputs:
+        pa, pb = empty_pinned(a.shape), empty_pinned(b.shape)
+        pa[...], pb[...] = a, b
+        a, b = pa, pb
+    out = empty_pinned(a.shape) if pinned_out else np.empty(a.shape)
+    out[...] = np.nan
+    dg.multiply(dg.asarray(a, chunks=(70, 40)), dg.asarray(b, chunks=(70, 40)), device="gpu",
+                out=out)
+    assert_same(out, np.asarray(a) * np.asarray(b))
