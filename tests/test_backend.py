@@ -1,0 +1,159 @@
+"""Chunk execution: one chunk on the right device, results against NumPy."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from helpers import assert_same
+
+from dask_gpuchunk._kernels.elementwise import ElementwiseKernels
+from dask_gpuchunk.backend import is_cupy, run_cpu, run_elementwise
+from dask_gpuchunk.devices import gpu_available
+
+
+def mul(a, b):
+    return a * b
+
+
+KERNELS = ElementwiseKernels(mul, 2)
+
+
+def test_cpu_writes_into_dest_and_returns_it(rng):
+    a, b = rng.random((6, 5)), rng.random(5)
+    dest = np.full((6, 5), np.nan)
+    assert run_cpu(KERNELS, np.float64, [a, b], dest) is dest
+    assert_same(dest, a * b)
+
+
+def test_cpu_dest_may_be_a_strided_view(rng):
+    a, b = rng.random((4, 3)), rng.random((4, 3))
+    big = np.full((8, 6), -1.0)
+    run_cpu(KERNELS, np.float64, [a, b], big[::2, ::2])
+    assert_same(big[::2, ::2], a * b)
+    assert (big[1::2] == -1).all() and (big[:, 1::2] == -1).all()
+
+
+def test_zero_d_inputs_are_passed_by_value(rng):
+    a = rng.random(7)
+    out = run_elementwise(KERNELS, np.float64, [a, np.array(3.0)], device="cpu")
+    assert_same(out, a * 3.0)
+    out = run_elementwise(KERNELS, np.float64, [np.array(2.0), np.array(3.0)], device="cpu")
+    assert out.shape == () and out == 6.0
+
+
+def test_empty_chunk_launches_nothing():
+    out = run_elementwise(KERNELS, np.float64, [np.ones((0, 3)), np.ones(3)], device="cpu")
+    assert out.shape == (0, 3)
+
+
+def test_cpu_kernels_run_on_one_launcher_thread(rng):
+    # Several Dask threads at once: every CPU kernel still starts from the same thread.
+    seen = set()
+    original = KERNELS.cpu
+
+    def spy(*args):
+        seen.add(threading.current_thread().name)
+        original(*args)
+
+    KERNELS.cpu = spy
+    try:
+        threads = [threading.Thread(target=run_cpu, args=(KERNELS, np.float64,
+                                                          [rng.random(100), 2.0 * np.ones(100)]))
+                   for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        del KERNELS.cpu
+    assert len(seen) == 1 and next(iter(seen)).startswith("dask-gpuchunk-cpu")
+
+
+def test_bad_device():
+    with pytest.raises(ValueError, match="device must be one of"):
+        run_elementwise(KERNELS, np.float64, [np.ones(2), np.ones(2)], device="tpu")
+
+
+@pytest.mark.skipif(gpu_available(), reason="a GPU is visible")
+def test_auto_without_gpu_runs_on_cpu(rng):
+    from dask_gpuchunk.placement import decisions, forget
+
+    forget()
+    a = rng.random(50)
+    assert_same(run_elementwise(KERNELS, np.float64, [a, a], device="auto"), a * a)
+    assert decisions() == []  # nothing to decide without a GPU
+
+
+# ---- GPU ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_from_host_timings_and_result(rng):
+    from dask_gpuchunk.backend import run_gpu_from_host
+
+    a, b = rng.random((500, 64)), rng.random(64)
+    timings: dict[str, float] = {}
+    out = run_gpu_from_host(KERNELS, np.float64, [a, b], timings=timings)
+    assert_same(out, a * b)
+    assert timings["staged_bytes"] == a.nbytes + b.nbytes + out.nbytes
+    assert timings["h2d_bytes"] == a.nbytes + b.nbytes
+    assert timings["d2h_bytes"] == out.nbytes
+    assert timings["kernel"] > 0 and timings["stage_seconds"] > 0
+
+
+@pytest.mark.gpu
+def test_pinned_chunks_are_sent_without_staging(rng, monkeypatch):
+    from dask_gpuchunk import staging
+    from dask_gpuchunk.backend import run_gpu_from_host
+
+    a, b, dest = (staging.empty_pinned((300, 50)) for _ in range(3))
+    a[...], b[...] = rng.random((300, 50)), rng.random((300, 50))
+
+    def no_staging(*args, **kwargs):
+        raise AssertionError("a pinned chunk went through a staging buffer")
+
+    monkeypatch.setattr(staging.pinned_pool, "borrow", no_staging)
+    run_gpu_from_host(KERNELS, np.float64, [a, b], dest)
+    assert_same(dest, a * b)
+
+
+@pytest.mark.gpu
+def test_host_path_device_memory_is_bounded_by_slots(rng):
+    # Many threads, many chunks: CuPy's pool never holds more than the slots' buffers.
+    import cupy
+
+    from dask_gpuchunk import staging
+    from dask_gpuchunk.backend import run_gpu_from_host
+
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    chunks = [rng.random((256, 1024)) for _ in range(24)]  # 2 MB each
+    results = [None] * len(chunks)
+
+    def work(i):
+        results[i] = run_gpu_from_host(KERNELS, np.float64, [chunks[i], chunks[i]])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(chunks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c, r in zip(chunks, results):
+        assert_same(r, c * c)
+    per_chunk = 3 * chunks[0].nbytes
+    assert pool.total_bytes() <= staging.GPU_TASKS_PER_DEVICE * per_chunk * 1.25
+
+
+@pytest.mark.gpu
+def test_device_path_is_asynchronous_like_cupy(rng):
+    import cupy
+
+    a = cupy.asarray(rng.random(1 << 20))
+    out = run_elementwise(KERNELS, np.float64, [a, np.array(2.0)], device="gpu")
+    assert is_cupy(out)
+    # Ordered on the current (default) stream: a later CuPy op sees the finished result.
+    assert bool(cupy.all(out == a * 2.0))
+    with pytest.raises(ValueError, match="device='cpu'"):
+        run_elementwise(KERNELS, np.float64, [a, a], device="cpu")
