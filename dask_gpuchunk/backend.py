@@ -136,6 +136,17 @@ def run_gpu_on_device(
     return out
 
 
+def _send(host: np.ndarray, stream: Any) -> Any:
+    """A new CuPy array holding the C-contiguous pinned ``host``, copied on ``stream``."""
+    import cupy
+
+    from .staging import copy_to_device
+
+    dev = cupy.empty(host.shape, dtype=host.dtype)
+    copy_to_device(dev, host, stream)
+    return dev
+
+
 def run_gpu_from_host(
     kernels: ElementwiseKernels,
     out_dtype: np.dtype,
@@ -157,7 +168,7 @@ def run_gpu_from_host(
     """
     import cupy
 
-    from .staging import copy_to_device, copy_to_host, device_slot, h2d_slot, is_pinned, pinned_pool
+    from .staging import copy_to_host, device_slot, h2d_slot, is_pinned, pinned_pool
 
     inputs = _scalars_by_value([np.asarray(a) for a in inputs])
     shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
@@ -182,29 +193,26 @@ def run_gpu_from_host(
         host_out = dest if direct_out else borrowed.enter_context(pinned_pool.borrow(out_dtype, shape))
         stage_seconds += time.perf_counter() - t0
         with device_slot() as slot, slot.stream as stream:
+            # The chunk's inputs on the device, then its output. All of them are released
+            # before the slot is, so the next chunk on this slot's stream reuses them from
+            # CuPy's pool (which keeps one arena per stream).
+            on_device: list[Any] = []
             try:
-                dev_inputs: list[Any] = []
                 with h2d_slot():
                     for a in host_inputs:
-                        if isinstance(a, np.generic):
-                            dev_inputs.append(a)
-                            continue
-                        d = cupy.empty(a.shape, dtype=a.dtype)
-                        copy_to_device(d, a, stream)
-                        h2d += a.nbytes
-                        dev_inputs.append(d)
+                        on_device.append(a if isinstance(a, np.generic) else _send(a, stream))
+                        h2d += 0 if isinstance(a, np.generic) else a.nbytes
                     stream.synchronize()
-                out = cupy.empty(shape, dtype=out_dtype)
+                on_device.append(cupy.empty(shape, dtype=out_dtype))
                 if events:
                     events[0].record(stream)
-                _launch(kernels, out, dev_inputs, slot.nb_stream)
+                _launch(kernels, on_device[-1], on_device[:-1], slot.nb_stream)
                 if events:
                     events[1].record(stream)
-                copy_to_host(host_out, out, stream)
+                copy_to_host(host_out, on_device[-1], stream)
             finally:
-                # Buffers go back to their pools on exit: no copy may still be using them.
-                stream.synchronize()
-            del dev_inputs, out
+                stream.synchronize()  # no copy may still use a buffer released below
+                on_device.clear()
         if not direct_out:
             t0 = time.perf_counter()
             np.copyto(dest, host_out)

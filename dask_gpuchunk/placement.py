@@ -8,11 +8,20 @@ destination are pinned) is computed both ways:
 * **GPU**: the staged GPU pipeline on this chunk, with its kernel timed (CUDA events) and its
   traffic counted: bytes over PCIe each way and bytes copied through pinned buffers. In steady
   state Dask's threads overlap the stages of different chunks, so a chunk costs its slowest
-  stage: ``t_gpu = max(h2d_bytes / h2d_rate, d2h_bytes / d2h_rate, kernel,
-  staged_bytes / host_copy_rate)``. The PCIe rates are measured once per process (pinned
-  copies of 64 MB); ``host_copy_rate`` is the rate at which all of Dask's threads together copy
-  host memory: one thread's rate, measured on this chunk, times the thread count, capped by the
-  all-core copy bandwidth measured once per process.
+  resource::
+
+      t_gpu = max(h2d_bytes / h2d_rate,            PCIe, each way
+                  d2h_bytes / d2h_rate,
+                  kernel,                          the GPU
+                  staged_bytes / (one_thread_copy_rate * threads),   the staging threads
+                  host_traffic / host_bandwidth)   host memory, shared by all of them
+
+  ``host_traffic`` counts every byte the path moves through host memory: each staged byte is
+  read and written by its copy, and each byte crossing PCIe is read or written again by the
+  DMA engine: ``2 * staged_bytes + h2d_bytes + d2h_bytes``. The CPU kernel moves only
+  ``in + out``, which is why a memory-bound function over pageable arrays stays on the CPU.
+  The PCIe rates (pinned copies of 64 MB) and ``host_bandwidth`` (an all-core copy of 256 MB,
+  read plus write) are measured once per process; one thread's copy rate on this chunk.
 
 The device with the smaller estimate computes every later chunk of that key. Both estimates
 scale with chunk size alike, so the decision holds for every chunk size. Measured on an H200
@@ -63,7 +72,7 @@ def forget() -> None:
 
 
 def host_copy_bandwidth() -> float:
-    """Bytes per second that all cores together copy host memory (measured once, ~256 MB)."""
+    """Host memory traffic (bytes read + written per second) of an all-core copy (measured once)."""
     if _host_bw:
         return _host_bw[0]
     import numba
@@ -82,7 +91,7 @@ def host_copy_bandwidth() -> float:
         t0 = time.perf_counter()
         _copy(dst, src)
         best = min(best, time.perf_counter() - t0)
-    _host_bw.append(src.nbytes / best)
+    _host_bw.append(2 * src.nbytes / best)
     return _host_bw[0]
 
 
@@ -149,15 +158,15 @@ def _measure(kernels: Any, out_dtype: np.dtype, inputs: list[np.ndarray], dest: 
     t_cpu = time.perf_counter() - t0
 
     h2d_rate, d2h_rate = pcie_bandwidth()
-    host_rate = 0.0
     t_stage = 0.0
     if stages["staged_bytes"] and stages["stage_seconds"] > 0:
         one_thread = stages["staged_bytes"] / stages["stage_seconds"]
-        host_rate = min(one_thread * _dask_threads(), host_copy_bandwidth())
-        t_stage = stages["staged_bytes"] / host_rate
+        t_stage = stages["staged_bytes"] / (one_thread * _dask_threads())
+    host_traffic = 2 * stages["staged_bytes"] + stages["h2d_bytes"] + stages["d2h_bytes"]
+    t_host = host_traffic / host_copy_bandwidth()
     t_h2d = stages["h2d_bytes"] / h2d_rate
     t_d2h = stages["d2h_bytes"] / d2h_rate
-    t_gpu = max(t_h2d, t_d2h, stages["kernel"], t_stage)
+    t_gpu = max(t_h2d, t_d2h, stages["kernel"], t_stage, t_host)
     choice = "gpu" if t_gpu < t_cpu else "cpu"
     if choice == "cpu":
         np.copyto(result, scratch)
@@ -170,7 +179,8 @@ def _measure(kernels: Any, out_dtype: np.dtype, inputs: list[np.ndarray], dest: 
         "t_h2d": t_h2d,
         "t_d2h": t_d2h,
         "t_stage": t_stage,
-        "host_copy_rate": host_rate,
+        "t_host_memory": t_host,
+        "host_bandwidth": host_copy_bandwidth(),
         **{f"gpu_{k}": v for k, v in stages.items()},
         "choice": choice,
     }

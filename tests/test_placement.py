@@ -45,7 +45,8 @@ def test_auto_measures_once_then_follows_the_rule(rng):
     assert len(records) == 1  # four chunks, one measurement
     (r,) = records
     assert r["function"] == "heavy" and r["chunk_shape"] == (1000, 500)
-    assert r["t_gpu_estimate"] == max(r["t_h2d"], r["t_d2h"], r["gpu_kernel"], r["t_stage"])
+    assert r["t_gpu_estimate"] == max(r["t_h2d"], r["t_d2h"], r["gpu_kernel"], r["t_stage"],
+                                      r["t_host_memory"])
     assert r["choice"] == ("gpu" if r["t_gpu_estimate"] < r["t_cpu"] else "cpu")
     assert r["choice"] == "gpu"  # 8 sin + 8 cos per element: far faster on the GPU
 

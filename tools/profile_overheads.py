@@ -98,6 +98,17 @@ def main() -> None:
     kmod._launch_config = original
     ok = bool(cupy.array_equal(c, a * b))
     print("ours kernel result exact:", ok)
+    for unroll in (2, 4):
+        k = kmod.ElementwiseKernels(kernels.func, 2)
+        k.cuda_unroll = unroll
+        for label, config in [("16 blocks/SM", original), ("32 blocks/SM", lambda n: (256, 132 * 32)),
+                              ("8 blocks/SM", lambda n: (256, 132 * 8))]:
+            kmod._launch_config = config
+            c[...] = 0
+            t = events_ms(lambda: k.cuda(nc, na, nb_))
+            print(f"kernel only, ours unroll {unroll}, {label:14s}: {t:.3f} ms, exact "
+                  f"{bool(cupy.array_equal(c, a * b))}")
+        kmod._launch_config = original
 
     def trivial(nchunks):
         xa = dg.asarray(a, chunks=(1_000_000 // nchunks, 500))

@@ -236,7 +236,7 @@ def _cpu_source(scalars: Sequence[bool], ndim: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _cuda_source(scalars: Sequence[bool], ndim: int) -> str:
+def _cuda_source(scalars: Sequence[bool], ndim: int, unroll: int = 1) -> str:
     idx = ", ".join(f"i{d}" for d in range(ndim)) if ndim > 1 else "i"
     params, call = _args(scalars, idx)
     lines = [
@@ -244,8 +244,18 @@ def _cuda_source(scalars: Sequence[bool], ndim: int) -> str:
         "    n = out.size",
         "    i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x",
         "    step = int64(cuda.gridDim.x) * cuda.blockDim.x",
-        "    while i < n:",
     ]
+    if ndim == 1 and unroll > 1:
+        # Several independent elements per thread and round, all loaded and computed before
+        # any is stored (a store may alias a later load): more loads in flight.
+        lines.append(f"    while i + {unroll - 1} * step < n:")
+        for u in range(unroll):
+            _, call_u = _args(scalars, f"i + {u} * step")
+            lines.append(f"        v{u} = f({call_u})")
+        for u in range(unroll):
+            lines.append(f"        out[i + {u} * step] = v{u}")
+        lines.append(f"        i += {unroll} * step")
+    lines.append("    while i < n:")
     if ndim > 1:
         lines.append("        r = i")
         for d in range(ndim - 1, 0, -1):
@@ -310,6 +320,9 @@ class ElementwiseKernels:
     array([0., 2., 4., 6.])
     """
 
+    #: Elements per thread and round of the 1-D CUDA kernel (set before the first launch).
+    cuda_unroll = 1
+
     def __init__(self, func: Callable, nargs: int, token: str | None = None) -> None:
         self.func = func
         self.nargs = nargs
@@ -370,7 +383,7 @@ class ElementwiseKernels:
                     self._cuda_device = cuda.jit(device=True)(self.func)
                 ndim, _, args, _ = key
                 pyfunc = _generate(
-                    _cuda_source([scalar for _, scalar in args], ndim),
+                    _cuda_source([scalar for _, scalar in args], ndim, self.cuda_unroll),
                     {"f": self._cuda_device, "cuda": cuda, "int64": numba.int64},
                 )
                 kernel = cuda.jit(_numba_signature(key, readonly_inputs=False))(pyfunc)

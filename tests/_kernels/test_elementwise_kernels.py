@@ -198,3 +198,15 @@ def test_cuda_kernel_nan_inf_pass_through():
     b = np.array([1.0, 2.0, 0.0, np.nan, np.inf])
     with np.errstate(all="ignore"):
         assert_same(_cuda(mul, 2, np.float64, a, b), a * b)
+
+
+@pytest.mark.parametrize("unroll", [2, 4])
+def test_cuda_kernel_unrolled_variant(rng, unroll):
+    from numba import cuda
+
+    k = ElementwiseKernels(mul, 2)
+    k.cuda_unroll = unroll
+    a, b = rng.random(301), rng.random(301)  # not a multiple of the grid: the tail loop runs
+    out = cuda.device_array(301)
+    k.cuda(out, cuda.to_device(a), cuda.to_device(b))
+    assert_same(out.copy_to_host(), a * b)
