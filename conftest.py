@@ -9,6 +9,7 @@ everywhere (on the simulator at small sizes where there is no GPU).
 from __future__ import annotations
 
 import os
+import sys
 
 
 def _real_gpu() -> bool:
@@ -23,6 +24,9 @@ def _real_gpu() -> bool:
 REAL_GPU = _real_gpu()
 if not REAL_GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    if "numba.core.config" in sys.modules:  # imported early (by a plugin): read the env again
+        sys.modules["numba.core.config"].reload_config()
+    assert "numba.cuda" not in sys.modules, "numba.cuda was imported before the simulator was set"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
