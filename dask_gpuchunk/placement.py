@@ -3,8 +3,8 @@
 The rule. The first NumPy chunk of each (function, input dtypes, output dtype, which inputs and
 destination are pinned) is computed both ways:
 
-* **CPU**: the parallel CPU twin on this chunk, wall time ``t_cpu``. CPU kernels run one at a
-  time with every core (:mod:`dask_gpuchunk.backend`), so ``t_cpu`` is also their throughput.
+* **CPU**: the parallel CPU twin on this chunk with every core, wall time ``t_cpu``: the cost
+  of a chunk when all of Dask's threads share the cores.
 * **GPU**: the staged GPU pipeline on this chunk, with its kernel timed (CUDA events) and its
   traffic counted: bytes over PCIe each way and bytes copied through pinned buffers. In steady
   state Dask's threads overlap the stages of different chunks, so a chunk costs its slowest
@@ -33,7 +33,6 @@ anything is timed. :func:`decisions` lists what was decided and why.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -125,17 +124,6 @@ def pcie_bandwidth() -> tuple[float, float]:
     return _pcie_bw[device]
 
 
-def _dask_threads() -> int:
-    try:
-        from distributed import get_worker
-
-        return max(1, int(get_worker().state.nthreads))
-    except Exception:
-        import dask
-
-        return int(dask.config.get("num_workers", None) or os.cpu_count() or 1)
-
-
 def _tiny(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
     """One-element slices with the inputs' dtypes and dimensionality, to compile kernels."""
     return [a[(slice(0, 1),) * a.ndim] if a.ndim else a for a in inputs]
@@ -143,7 +131,9 @@ def _tiny(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 def _measure(kernels: Any, out_dtype: np.dtype, inputs: list[np.ndarray], dest: np.ndarray | None,
              key: tuple) -> tuple[str, np.ndarray]:
-    from .backend import run_cpu, run_gpu_from_host
+    import numba
+
+    from .backend import dask_threads, run_cpu, run_gpu_from_host
 
     shape = np.broadcast_shapes(*(a.shape for a in inputs))
     tiny = _tiny(inputs)
@@ -154,14 +144,15 @@ def _measure(kernels: Any, out_dtype: np.dtype, inputs: list[np.ndarray], dest: 
     result = run_gpu_from_host(kernels, out_dtype, inputs, dest, timings=stages)
     scratch = np.empty(shape, dtype=out_dtype)
     t0 = time.perf_counter()
-    run_cpu(kernels, out_dtype, inputs, scratch)
+    # Every core on this one chunk: the throughput of all Dask threads sharing the cores.
+    run_cpu(kernels, out_dtype, inputs, scratch, threads=int(numba.config.NUMBA_NUM_THREADS))
     t_cpu = time.perf_counter() - t0
 
     h2d_rate, d2h_rate = pcie_bandwidth()
     t_stage = 0.0
     if stages["staged_bytes"] and stages["stage_seconds"] > 0:
         one_thread = stages["staged_bytes"] / stages["stage_seconds"]
-        t_stage = stages["staged_bytes"] / (one_thread * _dask_threads())
+        t_stage = stages["staged_bytes"] / (one_thread * dask_threads())
     host_traffic = 2 * stages["staged_bytes"] + stages["h2d_bytes"] + stages["d2h_bytes"]
     t_host = host_traffic / host_copy_bandwidth()
     t_h2d = stages["h2d_bytes"] / h2d_rate

@@ -48,27 +48,36 @@ def test_empty_chunk_launches_nothing():
     assert out.shape == (0, 3)
 
 
-def test_cpu_kernels_run_on_one_launcher_thread(rng):
-    # Several Dask threads at once: every CPU kernel still starts from the same thread.
-    seen = set()
-    original = KERNELS.cpu
+def test_cpu_kernels_from_many_threads_at_once(rng):
+    # Dask's threads each run their chunk's parallel kernel at the same time.
+    arrays = [rng.random(20_000) for _ in range(8)]
+    results = [None] * len(arrays)
 
-    def spy(*args):
-        seen.add(threading.current_thread().name)
-        original(*args)
+    def work(i):
+        results[i] = run_cpu(KERNELS, np.float64, [arrays[i], arrays[i]])
 
-    KERNELS.cpu = spy
-    try:
-        threads = [threading.Thread(target=run_cpu, args=(KERNELS, np.float64,
-                                                          [rng.random(100), 2.0 * np.ones(100)]))
-                   for _ in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        del KERNELS.cpu
-    assert len(seen) == 1 and next(iter(seen)).startswith("dask-gpuchunk-cpu")
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(arrays))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for a, r in zip(arrays, results):
+        assert_same(r, a * a)
+
+
+def test_cpu_threads_share_the_cores():
+    import dask
+    import numba
+
+    from dask_gpuchunk.backend import CPU_OVERSUBSCRIPTION, cpu_threads
+
+    cores = numba.config.NUMBA_NUM_THREADS
+    with dask.config.set(num_workers=1):
+        assert cpu_threads() == cores
+    with dask.config.set(num_workers=4 * CPU_OVERSUBSCRIPTION * cores):
+        assert cpu_threads() == 1
+    with dask.config.set(num_workers=cores):
+        assert cpu_threads() == min(cores, CPU_OVERSUBSCRIPTION)
 
 
 def test_bad_device():
