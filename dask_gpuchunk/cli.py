@@ -66,8 +66,10 @@ def environment() -> dict[str, Any]:
     gpu_state = "active" if count else f"inactive: {reason}"
     paths = {
         "cpu": f"active: {cpu}",
-        "gpu-host": f"{gpu_state}" + ("; NumPy chunks staged through pinned buffers, one stream per thread" if count else ""),
-        "gpu-device": f"{gpu_state}" + ("; CuPy chunks computed in place on the device" if count else ""),
+        "gpu-host": f"{gpu_state}" + ("; NumPy chunks staged through pinned buffers, "
+                                      "4 chunks per GPU at once, each on its own stream" if count else ""),
+        "gpu-device": f"{gpu_state}" + ("; CuPy chunks computed on the device, queued on the "
+                                        "current stream like CuPy operations" if count else ""),
         "auto": ("CuPy chunks on the GPU; NumPy chunks on the device the measured rule picks "
                  "(dask_gpuchunk.placement)") if count else "every chunk on the CPU (no GPU visible)",
     }

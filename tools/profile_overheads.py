@@ -151,6 +151,42 @@ def main() -> None:
             del r
         return np.median(ts) * 1e3
 
+    # Where a device-resident persist spends its time: stamps around each chunk's execution.
+    import dask_gpuchunk.backend as backend
+
+    stamps = []
+    original_run = backend.run_gpu_on_device
+
+    def stamped(*args, **kwargs):
+        t0 = time.perf_counter()
+        r = original_run(*args, **kwargs)
+        stamps.append((t0, time.perf_counter()))
+        return r
+
+    for n in (2, 4):
+        run = ours(n)
+        run()
+        backend.run_gpu_on_device = stamped
+        for _ in range(3):
+            stamps.clear()
+            t0 = time.perf_counter()
+            xa = dg.asarray(a, chunks=(1_000_000 // n, 500))
+            xb = dg.asarray(b, chunks=(1_000_000 // n, 500))
+            graph = dg.multiply(xa, xb, device="gpu")
+            t1 = time.perf_counter()
+            (r,) = dask.persist(graph, scheduler="threads")
+            t2 = time.perf_counter()
+            cupy.cuda.runtime.deviceSynchronize()
+            t3 = time.perf_counter()
+            first, last = min(s[0] for s in stamps), max(s[1] for s in stamps)
+            print(f"{n} chunks: build {1e3 * (t1 - t0):.2f} ms, persist->first task "
+                  f"{1e3 * (first - t1):.2f}, tasks {1e3 * (last - first):.2f} "
+                  f"(each {np.mean([1e3 * (e - s) for s, e in stamps]):.2f}), last task->persist "
+                  f"returns {1e3 * (t2 - last):.2f}, then GPU drain {1e3 * (t3 - t2):.2f}; "
+                  f"total {1e3 * (t3 - t0):.2f} ms")
+            del r
+        backend.run_gpu_on_device = original_run
+
     t_cupy = best(cupy_mul)
     print(f"cupy a*b 4 GB: {t_cupy:.2f} ms")
     for n in (1, 2, 4, 8, 20):
