@@ -85,8 +85,10 @@ def _collapsed_views(xp: Any, out: Any, inputs: Sequence[Any]) -> tuple[Any, lis
 #: CPU kernels run in the Dask thread that computes their chunk, each with
 #: ``CPU_OVERSUBSCRIPTION * cores / dask_threads`` numba threads (at least one, at most every
 #: core). Measured on the H200 host (16 cores, 16 Dask threads, seed 000's product in 20
-#: chunks): 4 threads per kernel took 119-131 ms, 1 thread 148-158 ms (the last chunks run on
-#: few cores), 16 threads 135-138 ms, and one kernel at a time on all cores 154-162 ms.
+#: chunks, docs/measurements): one thread per kernel 146-158 ms (the last four chunks run on
+#: four cores); 2 to 16 threads per kernel 119-138 ms; one kernel at a time on all cores from a
+#: single launcher thread (an earlier design) 154-162 ms; numba's own kernel over the whole
+#: arrays 138-155 ms in the same runs.
 CPU_OVERSUBSCRIPTION = 4
 
 _layer_checked: list[bool] = []

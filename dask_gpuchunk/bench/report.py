@@ -82,9 +82,13 @@ def save(report: dict[str, Any], out_dir: str | Path, stem: str) -> list[Path]:
         names = [r["name"] for r in rows]
         secs = [r["seconds"] for r in rows]
         ax.barh(names, secs, color=[colors.get(r["kind"], "tab:gray") for r in rows])
+        styles = {"pcie": "tab:red", "hbm": "tab:blue", "host": "tab:purple"}
         for k, v in report["floors"].get(table, {}).items():
-            ax.axvline(v, linestyle="--", linewidth=1, color="tab:red" if "pcie" in k else "tab:blue")
-            ax.text(v, -0.7, k.replace("_s", "").replace("_", " "), fontsize=7, rotation=0)
+            color = next((c for key, c in styles.items() if k.startswith(key)), "black")
+            ax.axvline(v, linestyle="--", linewidth=1, color=color,
+                       label=f"{k[:-2].replace('_', ' ')} {v * 1e3:.1f} ms")
+        if report["floors"].get(table):
+            ax.legend(fontsize=7, loc="lower right")
         ax.set_xscale("log")
         ax.invert_yaxis()
         ax.set_xlabel("seconds (log)")
