@@ -19,6 +19,7 @@ from __future__ import annotations
 from .arrays import asarray
 from .devices import GPUNotAvailableError, gpu_available, gpu_count
 from .elementwise import ElementwiseOp, elementwise, multiply
+from .gram import bitpack, gram
 from .placement import decisions as placement_decisions
 
 __version__ = "0.1.0"
@@ -28,9 +29,11 @@ __all__ = [
     "GPUNotAvailableError",
     "__version__",
     "asarray",
+    "bitpack",
     "elementwise",
     "gpu_available",
     "gpu_count",
+    "gram",
     "multiply",
     "placement_decisions",
 ]

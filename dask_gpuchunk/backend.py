@@ -1,6 +1,8 @@
-"""Chunk execution: run one chunk of an elementwise operation on the right device.
+"""Chunk execution: run one chunk of an operation on the right device.
 
-Three paths, chosen per chunk by where its data lives and the ``device=`` argument:
+Every operator's chunks go through here: elementwise functions through
+:func:`run_elementwise`; other operations (the Gram blocks) give their own ``launch`` to
+:func:`run_on_device` (device inputs) or :func:`run_staged` (host inputs). Three paths, chosen per chunk by where its data lives and the ``device=`` argument:
 
 ``gpu-device``
     Any input is a CuPy array: every input goes to (or stays on) the device, the kernel is
@@ -26,10 +28,11 @@ several chunks in flight on their own streams overlap copies in both directions 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,9 +46,12 @@ __all__ = [
     "dask_threads",
     "is_cupy",
     "run_cpu",
+    "run_cpu_kernel",
     "run_elementwise",
     "run_gpu_from_host",
     "run_gpu_on_device",
+    "run_on_device",
+    "run_staged",
 ]
 
 
@@ -147,8 +153,6 @@ def run_cpu(
 
     ``threads``: numba threads for this kernel (default :func:`cpu_threads`).
     """
-    import numba
-
     inputs = _scalars_by_value([np.asarray(a) for a in inputs])
     shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
     if dest is None:
@@ -156,14 +160,24 @@ def run_cpu(
     if dest.size == 0:
         return dest
     out_v, in_v = _collapsed_views(np, dest, inputs)
+    run_cpu_kernel(kernels.cpu, out_v, *in_v, threads=threads)
+    return dest
+
+
+def run_cpu_kernel(kernel: Callable[..., Any], *args: Any, threads: int | None = None) -> Any:
+    """Call a numba ``parallel=True`` kernel from this (Dask) thread with its share of the cores.
+
+    ``threads``: numba threads for this call (default :func:`cpu_threads`). Under numba's
+    ``workqueue`` threading layer, calls run one at a time, each on every core.
+    """
+    import numba
+
     if _threadsafe_layer():
         numba.set_num_threads(threads or cpu_threads())  # for this thread's kernels only
-        kernels.cpu(out_v, *in_v)
-    else:
-        with _serial:
-            numba.set_num_threads(threads or int(numba.config.NUMBA_NUM_THREADS))
-            kernels.cpu(out_v, *in_v)
-    return dest
+        return kernel(*args)
+    with _serial:
+        numba.set_num_threads(threads or int(numba.config.NUMBA_NUM_THREADS))
+        return kernel(*args)
 
 
 # ---- GPU -----------------------------------------------------------------------------------
@@ -189,18 +203,9 @@ def run_gpu_on_device(
     default stream unless the caller chose another) and the result returned without waiting:
     work queued after it on that stream, or on the default stream, sees the result.
     """
-    import cupy
-
-    from .staging import numba_stream
-
-    nb_stream = numba_stream(cupy.cuda.get_current_stream())
-    dev_inputs = [a if is_cupy(a) or isinstance(a, np.generic) else cupy.asarray(a)
-                  for a in _scalars_by_value(inputs)]
-    shape = np.broadcast_shapes(*(np.shape(a) for a in dev_inputs))
-    out = cupy.empty(shape, dtype=out_dtype)
-    if out.size:
-        _launch(kernels, out, dev_inputs, nb_stream)
-    return out
+    inputs = _scalars_by_value(inputs)
+    shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
+    return run_on_device(functools.partial(_launch, kernels), shape, out_dtype, inputs)
 
 
 def _send(host: np.ndarray, stream: Any) -> Any:
@@ -223,9 +228,32 @@ def run_gpu_from_host(
 ) -> np.ndarray:
     """Compute one NumPy chunk on the GPU through pinned staging, into ``dest`` if given.
 
+    See :func:`run_staged`, which this calls with the elementwise kernel as the launch.
+    """
+    inputs = _scalars_by_value([np.asarray(a) for a in inputs])
+    shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
+    return run_staged(
+        functools.partial(_launch, kernels), shape, out_dtype, inputs, dest, timings
+    )
+
+
+def run_staged(
+    launch: Callable[[Any, list[Any], Any], None],
+    shape: tuple[int, ...],
+    out_dtype: Any,
+    inputs: Sequence[Any],
+    dest: np.ndarray | None = None,
+    timings: dict[str, float] | None = None,
+) -> np.ndarray:
+    """Run ``launch`` on the GPU over host ``inputs`` through pinned staging; NumPy result.
+
+    ``launch(out, inputs, nb_stream)`` queues the work that fills the CuPy array ``out`` from
+    the CuPy ``inputs`` (NumPy scalars pass through) on the current CuPy stream, whose numba
+    handle is ``nb_stream``.
+
     Three phases: inputs not already pinned and contiguous are copied into pinned buffers (in
     every Dask thread at once); then, holding one of the device's task slots, device buffers
-    are taken from CuPy's pool, H2D (holding an H2D slot until the copies land), the kernel,
+    are taken from CuPy's pool, H2D (holding an H2D slot until the copies land), the launch,
     D2H straight into ``dest`` if it is pinned and contiguous, else into a pinned buffer; last,
     that buffer is copied into ``dest``.
 
@@ -237,8 +265,7 @@ def run_gpu_from_host(
 
     from .staging import copy_to_host, device_slot, h2d_slot, is_pinned, pinned_pool
 
-    inputs = _scalars_by_value([np.asarray(a) for a in inputs])
-    shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
+    out_dtype = np.dtype(out_dtype)
     if dest is None:
         dest = np.empty(shape, dtype=out_dtype)
     if dest.size == 0:
@@ -273,7 +300,7 @@ def run_gpu_from_host(
                 on_device.append(cupy.empty(shape, dtype=out_dtype))
                 if events:
                     events[0].record(stream)
-                _launch(kernels, on_device[-1], on_device[:-1], slot.nb_stream)
+                launch(on_device[-1], on_device[:-1], slot.nb_stream)
                 if events:
                     events[1].record(stream)
                 copy_to_host(host_out, on_device[-1], stream)
@@ -294,6 +321,29 @@ def run_gpu_from_host(
             kernel=cupy.cuda.get_elapsed_time(events[0], events[1]) / 1e3,
         )
     return dest
+
+
+def run_on_device(
+    launch: Callable[[Any, list[Any], Any], None],
+    shape: tuple[int, ...],
+    out_dtype: Any,
+    inputs: Sequence[Any],
+) -> Any:
+    """Run ``launch`` (as in :func:`run_staged`) on device inputs; CuPy result, no wait.
+
+    NumPy inputs are copied to the device first; the work is queued on the thread's current
+    CuPy stream, like any CuPy operation.
+    """
+    import cupy
+
+    from .staging import numba_stream
+
+    nb_stream = numba_stream(cupy.cuda.get_current_stream())
+    dev_inputs = [a if is_cupy(a) or isinstance(a, np.generic) else cupy.asarray(a) for a in inputs]
+    out = cupy.empty(shape, dtype=out_dtype)
+    if out.size:
+        launch(out, dev_inputs, nb_stream)
+    return out
 
 
 # ---- dispatch ------------------------------------------------------------------------------

@@ -5,6 +5,9 @@
 ``bench elementwise``
     Seed 000's product and an RK4-style function through every path, beside the peers and the
     limits measured in the same run; prints a table and writes JSON and PNG.
+``bench gram``
+    Seed 001's Gram matrix of bit-packed 0/1 data: every method, the peers and the popcount
+    ceiling, as bit multiply-accumulates per second; prints a table and writes JSON and PNG.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def environment() -> dict[str, Any]:
     --------
     >>> env = environment()
     >>> sorted(env["paths"])
-    ['auto', 'cpu', 'gpu-device', 'gpu-host']
+    ['auto', 'cpu', 'gpu-device', 'gpu-host', 'gram']
     """
     from . import __version__
     from .devices import _probe_gpus
@@ -73,6 +76,15 @@ def environment() -> dict[str, Any]:
         "auto": ("CuPy chunks on the GPU; NumPy chunks on the device the measured rule picks "
                  "(dask_gpuchunk.placement)") if count else "every chunk on the CPU (no GPU visible)",
     }
+    if count:
+        from .gram import resolve_method
+
+        auto = resolve_method("auto", on_gpu=True)
+        int8 = "int8 (cuBLAS int8 tensor cores)" + ("" if auto == "int8" else ": not on this GPU")
+        paths["gram"] = (f"GPU methods: popcount, {int8}; method='auto' uses {auto}; "
+                         "NumPy chunks computed on the GPU")
+    else:
+        paths["gram"] = "popcount on the CPU (method='auto'); int8 needs a GPU"
     return {
         "versions": versions,
         "gpus": gpus,
@@ -141,6 +153,44 @@ def bench_elementwise(rows: int, cols: int, chunk_mb: float, rk4_rows: int, repe
                  skip=skip, log=lambda s: click.echo(s, err=True))
     click.echo(format_table(report))
     for path in save(report, out_dir, "bench-elementwise"):
+        click.echo(f"wrote {path}", err=True)
+
+
+def _tile(value: str) -> tuple[int, int, int, int, int]:
+    parts = tuple(int(v) for v in value.split(","))
+    if len(parts) != 5 or min(parts) < 1:
+        raise click.BadParameter(f"--tile takes five positive integers TY,TX,RM,RN,TK; got {value!r}")
+    return parts  # type: ignore[return-value]
+
+
+@bench.command("gram")
+@click.option("--n", "n", default=16384, show_default=True, help="Rows of the 0/1 matrix.")
+@click.option("--k", "k", default=131072, show_default=True, help="Bits per row.")
+@click.option("--chunk-rows", multiple=True, type=int, help="Rows per chunk for dg.gram "
+              "(repeatable; default 4096).")
+@click.option("--tile", "tiles", multiple=True, help="Extra popcount tile shape TY,TX,RM,RN,TK to "
+              "time (repeatable).")
+@click.option("--seed-rows", default=4096, show_default=True, help="Rows for seed 001's approach "
+              "(timed there and scaled by N**2).")
+@click.option("--cpu-rows", default=1024, show_default=True, help="Rows for our CPU path (scaled).")
+@click.option("--repeat", default=3, show_default=True, help="Timed runs per entry (median reported).")
+@click.option("--skip", multiple=True, help="Skip entries whose name contains this (repeatable).")
+@click.option("--out-dir", default=".", show_default=True, type=click.Path(file_okay=False),
+              help="Where to write bench-gram.json and .png.")
+def bench_gram(n: int, k: int, chunk_rows: tuple[int, ...], tiles: tuple[str, ...], seed_rows: int,
+               cpu_rows: int, repeat: int, skip: tuple[str, ...], out_dir: str) -> None:
+    """Seed 001's Gram matrix A·Aᵀ of 0/1 data: every method, the peers, the popcount ceiling."""
+    if min(n, k, seed_rows, cpu_rows, repeat, *(chunk_rows or (1,))) < 1:
+        raise click.BadParameter("sizes, row counts and --repeat must be positive")
+    from .bench.gram import format_table as gram_table
+    from .bench.gram import run
+    from .bench.report import save
+
+    report = run(n=n, k=k, chunk_rows=chunk_rows or (4096,), tiles=[_tile(t) for t in tiles],
+                 seed_rows=seed_rows, cpu_rows=cpu_rows, repeat=repeat, skip=skip,
+                 log=lambda s: click.echo(s, err=True))
+    click.echo(gram_table(report))
+    for path in save(report, out_dir, "bench-gram"):
         click.echo(f"wrote {path}", err=True)
 
 

@@ -16,6 +16,8 @@ __all__ = [
     "gpu_count",
     "gpu_available",
     "check_device",
+    "check_device_for_graph",
+    "distributed_client_active",
 ]
 
 Device = Literal["auto", "gpu", "cpu"]
@@ -80,4 +82,32 @@ def check_device(device: str) -> str:
             "Use device='auto' to run on the CPU where no GPU is present, or install the "
             "GPU extra (pip install 'dask-gpuchunk[cuda12]' or '[cuda13]')."
         )
+    return device
+
+
+def distributed_client_active() -> bool:
+    """Whether a ``distributed`` client is the default: graphs then run on its workers."""
+    try:
+        from distributed import default_client
+
+        default_client()
+        return True
+    except Exception:  # distributed missing, or no client
+        return False
+
+
+def check_device_for_graph(device: str) -> str:
+    """Validate ``device=`` when a graph is built: like :func:`check_device`, except that
+    ``"gpu"`` is accepted without a local GPU while a distributed client is active (its
+    workers may have GPUs the client lacks; they check again when they run the chunks).
+
+    Examples
+    --------
+    >>> check_device_for_graph("auto")
+    'auto'
+    """
+    if not isinstance(device, str) or device not in DEVICES:
+        raise ValueError(f"device must be one of 'auto', 'gpu', 'cpu'; got {device!r}")
+    if device == "gpu" and not distributed_client_active():
+        check_device(device)
     return device

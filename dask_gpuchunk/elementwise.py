@@ -23,19 +23,9 @@ from dask.base import tokenize
 from ._kernels.elementwise import check_dtype, infer_result_dtype, kernels_for
 from .arrays import asarray
 from .backend import is_cupy, run_elementwise
-from .devices import DEVICES, check_device
+from .devices import check_device_for_graph
 
 __all__ = ["ElementwiseOp", "elementwise", "multiply"]
-
-
-def _distributed_client_active() -> bool:
-    try:
-        from distributed import default_client
-
-        default_client()
-        return True
-    except Exception:
-        return False
 
 
 def _positional_arity(func: Callable) -> int:
@@ -110,10 +100,7 @@ class ElementwiseOp:
 
     def __call__(self, *args: Any, device: str = "auto", out: np.ndarray | None = None) -> Any:
         """Apply the operation; see :func:`elementwise` for the arguments."""
-        if not isinstance(device, str) or device not in DEVICES:
-            raise ValueError(f"device must be one of 'auto', 'gpu', 'cpu'; got {device!r}")
-        if device == "gpu" and not _distributed_client_active():
-            check_device(device)  # a cluster's workers may have GPUs the client lacks
+        check_device_for_graph(device)
         if len(args) != self.nargs:
             raise TypeError(f"{self.__name__} takes {self.nargs} arguments, got {len(args)}")
         operands = _operands(args, self.__name__)

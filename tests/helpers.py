@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DTYPES", "random_array", "assert_same"]
+__all__ = ["DTYPES", "assert_same", "random_array", "random_bits"]
 
 DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
           "float32", "float64", "complex64", "complex128"]
@@ -43,3 +43,12 @@ def random_array(rng: np.random.Generator, shape: tuple[int, ...], dtype: object
     if dtype.kind == "c":
         return (rng.standard_normal(shape) * 10 + 1j * rng.standard_normal(shape) * 10).astype(dtype)
     raise TypeError(dtype)
+
+
+def random_bits(rng: np.random.Generator, shape: tuple[int, ...], density: float = 0.5,
+                dtype: object = np.uint8) -> np.ndarray:
+    """Random 0/1 data with about ``density`` ones; at least one 1 where there is room."""
+    bits = rng.random(shape) < density
+    if bits.size and not bits.any():
+        bits.flat[rng.integers(bits.size)] = True
+    return bits.astype(dtype)

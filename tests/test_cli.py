@@ -19,7 +19,7 @@ def test_info_text_and_json():
     result = runner.invoke(main, ["info", "--json"])
     assert result.exit_code == 0
     env = json.loads(result.output)
-    assert set(env["paths"]) == {"cpu", "gpu-host", "gpu-device", "auto"}
+    assert set(env["paths"]) == {"cpu", "gpu-host", "gpu-device", "auto", "gram"}
     assert env["versions"]["dask_gpuchunk"]
 
 
@@ -56,3 +56,19 @@ def test_bench_rejects_bad_sizes(tmp_path):
     result = CliRunner().invoke(main, ["bench", "elementwise", "--rows", "0",
                                        "--out-dir", str(tmp_path)])
     assert result.exit_code != 0 and "positive" in result.output
+
+
+def test_bench_gram_small_on_cpu(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "gram", "--n", "300", "--k", "1000", "--cpu-rows",
+                                       "100", "--repeat", "1", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "ours popcount cpu" in result.output and "bit-MAC/s" in result.output
+    report = json.loads((tmp_path / "bench-gram.json").read_text())
+    assert report["workload"]["n"] == 300
+    rates = [e["extra"]["bit_macs_per_s"] for e in report["entries"] if e["seconds"]]
+    assert rates and all(r > 0 for r in rates)
+
+
+def test_bench_gram_rejects_bad_tile():
+    result = CliRunner().invoke(main, ["bench", "gram", "--n", "10", "--tile", "1,2,3"])
+    assert result.exit_code != 0 and "five positive integers" in result.output

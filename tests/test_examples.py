@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -37,3 +38,20 @@ def test_seed002_rk4_loop_matches_numpy():
 def test_seed000_product_pinned_on_gpu():
     assert load("seed000_product").main(["--rows", "5000", "--cols", "64", "--chunk-mb", "0.5",
                                          "--pinned", "--device", "gpu"]) > 0
+
+
+def test_seed001_gram_streams_exact_rows(tmp_path):
+    out = tmp_path / "c.npy"
+    result = load("seed001_gram").main(["--rows", "700", "--cols", "1043", "--chunk-rows", "256",
+                                         "--out", str(out), "--samples", "700"])
+    assert result["gram_seconds"] > 0
+    c = np.load(out)
+    assert c.shape == (700, 700) and c.dtype == np.int32
+    np.testing.assert_array_equal(c, c.T)
+
+
+@pytest.mark.gpu
+def test_seed001_gram_on_gpu(tmp_path):
+    result = load("seed001_gram").main(["--rows", "5000", "--cols", "20000", "--chunk-rows",
+                                         "2048", "--out", str(tmp_path / "c.npy")])
+    assert result["bit_macs_per_s"] > 0

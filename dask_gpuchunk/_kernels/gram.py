@@ -1,0 +1,424 @@
+"""Per-chunk kernels for Gram blocks ``C = A_I · A_Jᵀ`` of bit-packed 0/1 rows.
+
+``A_I`` ``(ni, m)`` and ``A_J`` ``(nj, m)`` are ``uint64`` words over the same bits (see
+:mod:`.bitpack`); ``C[r, s] = sum_w popcount(A_I[r, w] & A_J[s, w])`` as ``int32``. A block on
+the diagonal (``A_J is A_I``) is symmetric: only its upper triangle is computed, then mirrored.
+
+Methods:
+
+``popcount``
+    numba CUDA kernel (:func:`popcount_cuda`): each block of threads computes one tile of C from
+    tiles of words staged through shared memory; each thread keeps ``RM x RN`` accumulators in
+    registers, so every word it loads from shared memory serves several AND + POPC. Its CPU
+    twin (:func:`popcount_cpu`) is a numba ``njit(parallel=True)`` loop over groups of rows
+    that share each loaded word of the other operand.
+``int8``
+    GPU only (:func:`int8_cuda`): the words of both operands are unpacked to 0/1 ``int8`` bytes
+    on the device (:func:`.bitpack.unpack_int8_cuda`) and multiplied by cuBLAS ``gemmEx``
+    (int8 inputs, 32-bit integer compute: exact) on the tensor cores, through CuPy's cuBLAS
+    bindings (``cupy.matmul`` on int8 does not use them). Device scratch: 8 bytes per word of
+    each operand.
+
+No dask here.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from .bitpack import WORD_BITS, unpack_int8_cuda
+
+__all__ = [
+    "METHODS",
+    "TileShape",
+    "int8_cuda",
+    "mirror_upper_cpu",
+    "popcount_cpu",
+    "popcount_cuda",
+    "reference_gram",
+]
+
+#: Methods of computing a Gram block; ``"auto"`` is resolved by the caller.
+METHODS: tuple[str, ...] = ("auto", "popcount", "int8")
+
+
+def reference_gram(bits: np.ndarray) -> np.ndarray:
+    """``A · Aᵀ`` of 0/1 data with NumPy's int64 matmul, as ``int32`` (what tests compare with).
+
+    Examples
+    --------
+    >>> reference_gram(np.array([[1, 0, 1], [1, 1, 1]]))
+    array([[2, 2],
+           [2, 3]], dtype=int32)
+    """
+    a = np.asarray(bits).astype(np.int64)
+    return (a @ a.T).astype(np.int32)
+
+
+# ---- CPU -----------------------------------------------------------------------------------
+
+#: ``numba.cuda``, imported at first use. Kernels must see it as a module global: numba's CUDA
+#: simulator swaps that global for its own module when it runs them.
+cuda: Any = None
+
+
+def _load_cuda() -> None:
+    global cuda
+    if cuda is None:
+        from numba import cuda as numba_cuda
+
+        cuda = numba_cuda
+
+
+_compiled: dict[Any, Any] = {}
+_lock = threading.Lock()
+
+
+def _popcount64() -> Any:
+    """A numba intrinsic for LLVM's ``ctpop`` on 64-bit words (one POPCNT instruction)."""
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def popcount64(typingctx, x):  # pragma: no cover - compiled
+        def codegen(context, builder, signature, args):
+            return builder.ctpop(args[0])
+
+        return types.uint64(types.uint64), codegen
+
+    return popcount64
+
+
+#: Rows of A_I that share each loaded word of A_J in the CPU kernel.
+CPU_ROWS = 4
+
+
+def _cpu_kernels() -> tuple[Any, Any]:
+    with _lock:
+        if "cpu" not in _compiled:
+            import numba
+
+            popc = _popcount64()
+
+            @numba.njit(parallel=True)
+            def gram_cpu(a, b, c, upper):  # pragma: no cover - compiled
+                na, m = a.shape
+                nb = b.shape[0]
+                groups = (na + 3) // 4
+                for g in numba.prange(groups):
+                    i0 = g * 4
+                    first = i0 if upper else 0
+                    if i0 + 4 <= na:
+                        for j in range(first, nb):
+                            s0 = np.uint64(0)
+                            s1 = np.uint64(0)
+                            s2 = np.uint64(0)
+                            s3 = np.uint64(0)
+                            for w in range(m):
+                                bw = b[j, w]
+                                s0 += popc(a[i0, w] & bw)
+                                s1 += popc(a[i0 + 1, w] & bw)
+                                s2 += popc(a[i0 + 2, w] & bw)
+                                s3 += popc(a[i0 + 3, w] & bw)
+                            c[i0, j] = s0
+                            c[i0 + 1, j] = s1
+                            c[i0 + 2, j] = s2
+                            c[i0 + 3, j] = s3
+                    else:
+                        for i in range(i0, na):
+                            for j in range(first, nb):
+                                s = np.uint64(0)
+                                for w in range(m):
+                                    s += popc(a[i, w] & b[j, w])
+                                c[i, j] = s
+
+            @numba.njit(parallel=True)
+            def mirror(c):  # pragma: no cover - compiled
+                n = c.shape[0]
+                for i in numba.prange(n):
+                    for j in range(i):
+                        c[i, j] = c[j, i]
+
+            _compiled["cpu"] = (gram_cpu, mirror)
+    return _compiled["cpu"]
+
+
+def mirror_upper_cpu(c: np.ndarray) -> None:
+    """Copy the upper triangle of a square NumPy block onto its lower triangle, in place."""
+    _cpu_kernels()[1](c)
+
+
+def popcount_cpu(a: np.ndarray, b: np.ndarray | None, out: np.ndarray | None = None) -> np.ndarray:
+    """``popcount(a & b)`` summed over words for every pair of rows; ``b=None`` means ``a · aᵀ``.
+
+    Parameters
+    ----------
+    a, b
+        C-contiguous ``uint64`` words, ``(na, m)`` and ``(nb, m)``.
+    out
+        ``int32`` ``(na, nb)`` to write into (allocated if omitted).
+
+    Examples
+    --------
+    >>> a = np.array([[0b1011], [0b0110]], dtype=np.uint64)
+    >>> popcount_cpu(a, None)
+    array([[3, 1],
+           [1, 2]], dtype=int32)
+    """
+    diagonal = b is None
+    b = a if diagonal else b
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"word counts differ: {a.shape[1]} and {b.shape[1]}")
+    if out is None:
+        out = np.empty((a.shape[0], b.shape[0]), dtype=np.int32)
+    if out.size == 0:
+        return out
+    if a.shape[1] == 0:
+        out[...] = 0
+        return out
+    gram_cpu, mirror = _cpu_kernels()
+    gram_cpu(np.ascontiguousarray(a), np.ascontiguousarray(b), out, diagonal)
+    if diagonal:
+        mirror(out)
+    return out
+
+
+# ---- CUDA: popcount ------------------------------------------------------------------------
+
+
+class TileShape(tuple):
+    """``(TY, TX, RM, RN, TK)``: a ``TY x TX`` block of threads computes a ``TY*RM x TX*RN`` tile
+    of C, ``RM x RN`` accumulators per thread, over ``TK`` words staged per step."""
+
+    def __new__(cls, ty: int, tx: int, rm: int, rn: int, tk: int) -> TileShape:  # noqa: PYI034
+        return super().__new__(cls, (ty, tx, rm, rn, tk))
+
+
+#: Measured on an H200 (bench gram, docs/perf-notes.md).
+CUDA_TILE = TileShape(16, 16, 4, 4, 8)
+#: The simulator runs every thread as a Python thread: a tiny tile keeps tests fast.
+SIM_TILE = TileShape(2, 4, 2, 2, 2)
+
+
+def _popcount_cuda_source(tile: TileShape) -> str:
+    ty_n, tx_n, rm, rn, tk = tile
+    bm, bn, nt = ty_n * rm, tx_n * rn, ty_n * tx_n
+    lines = [
+        "def kernel(a, b, c, upper):",
+        f"    sa = cuda.shared.array(({tk}, {bm + 1}), uint64)",
+        f"    sb = cuda.shared.array(({tk}, {bn + 1}), uint64)",
+        "    tx = cuda.threadIdx.x",
+        "    ty = cuda.threadIdx.y",
+        f"    row0 = cuda.blockIdx.y * {bm}",
+        f"    col0 = cuda.blockIdx.x * {bn}",
+        # A tile wholly below the diagonal of a diagonal block is the mirror of one above it.
+        f"    if upper and row0 >= col0 + {bn}:",
+        "        return",
+        "    na = a.shape[0]",
+        "    nb = b.shape[0]",
+        "    m = a.shape[1]",
+        f"    tid = ty * {tx_n} + tx",
+    ]
+    for i in range(rm):
+        for j in range(rn):
+            lines.append(f"    acc{i}_{j} = uint64(0)")
+    lines.append(f"    for k0 in range(0, m, {tk}):")
+    # Stage TK words of each tile row: consecutive threads read consecutive words of a row.
+    for name, rows, n_name, base, smem in (("a", bm, "na", "row0", "sa"), ("b", bn, "nb", "col0", "sb")):
+        loads = -(-(rows * tk) // nt)
+        for ld in range(loads):
+            lines += [
+                f"        e = tid + {ld * nt}",
+                f"        r = e // {tk}",
+                f"        w = e - r * {tk}",
+            ]
+            guard = f"r < {rows} and " if (ld + 1) * nt > rows * tk else ""
+            lines += [
+                f"        if {guard}True:",
+                f"            gr = {base} + r",
+                "            gw = k0 + w",
+                "            v = uint64(0)",
+                f"            if gr < {n_name} and gw < m:",
+                f"                v = {name}[gr, gw]",
+                f"            {smem}[w, r] = v",
+            ]
+    lines.append("        cuda.syncthreads()")
+    for kk in range(tk):
+        for i in range(rm):
+            lines.append(f"        x{i} = sa[{kk}, ty + {i * ty_n}]")
+        for j in range(rn):
+            lines.append(f"        y{j} = sb[{kk}, tx + {j * tx_n}]")
+        for i in range(rm):
+            for j in range(rn):
+                lines.append(f"        acc{i}_{j} += cuda.popc(x{i} & y{j})")
+    lines.append("        cuda.syncthreads()")
+    for i in range(rm):
+        lines.append(f"    r = row0 + ty + {i * ty_n}")
+        lines.append("    if r < na:")
+        for j in range(rn):
+            lines.append(f"        s = col0 + tx + {j * tx_n}")
+            lines.append("        if s < nb:")
+            lines.append(f"            c[r, s] = int32(acc{i}_{j})")
+    return "\n".join(lines) + "\n"
+
+
+def _cuda_popcount_kernel(tile: TileShape) -> Any:
+    key = ("popcount", tuple(tile))
+    with _lock:
+        if key not in _compiled:
+            from numba import cuda, int32, uint64
+
+            namespace = {"cuda": cuda, "uint64": uint64, "int32": int32}
+            code = compile(_popcount_cuda_source(tile), "<dask_gpuchunk popcount kernel>", "exec")
+            exec(code, namespace)  # noqa: S102 - source generated above from integers only
+            _compiled[key] = cuda.jit(namespace["kernel"])
+    return _compiled[key]
+
+
+def _cuda_mirror_kernel() -> Any:
+    with _lock:
+        if "mirror" not in _compiled:
+            _load_cuda()
+
+            @cuda.jit
+            def mirror(c):  # pragma: no cover - compiled
+                j, i = cuda.grid(2)  # x along columns: the writes of a warp are contiguous
+                if i < c.shape[0] and j < i:
+                    c[i, j] = c[j, i]
+
+            _compiled["mirror"] = mirror
+    return _compiled["mirror"]
+
+
+def _simulated() -> bool:
+    from numba.cuda import config as cuda_config
+
+    return bool(cuda_config.ENABLE_CUDASIM)
+
+
+def _as_numba(x: Any) -> Any:
+    if type(x).__module__.split(".", 1)[0] == "cupy":
+        from numba import cuda
+
+        return cuda.as_cuda_array(x, sync=False)
+    return x
+
+
+def _mirror_cuda(c: Any, stream: Any) -> None:
+    n = c.shape[0]
+    threads = (8, 4) if _simulated() else (32, 8)
+    blocks = (-(-n // threads[0]), -(-n // threads[1]))
+    _cuda_mirror_kernel()[blocks, threads, stream](_as_numba(c))
+
+
+def popcount_cuda(a: Any, b: Any | None, c: Any, stream: Any = 0, tile: TileShape | None = None) -> None:
+    """Launch the popcount Gram kernel: ``c = popcount(a & b)`` per pair of rows, asynchronously.
+
+    Parameters
+    ----------
+    a, b
+        Device arrays (CuPy or numba) of C-contiguous ``uint64`` words; ``b=None`` computes the
+        symmetric ``a · aᵀ`` (upper-triangle tiles, then mirrored).
+    c
+        ``int32`` device array ``(na, nb)``, written entirely.
+    stream
+        numba stream to launch on.
+    tile
+        Tile shape (default :data:`CUDA_TILE`, or :data:`SIM_TILE` under the simulator).
+    """
+    diagonal = b is None
+    b = a if diagonal else b
+    na, nb = a.shape[0], b.shape[0]
+    if na == 0 or nb == 0:
+        return
+    tile = tile or (SIM_TILE if _simulated() else CUDA_TILE)
+    ty_n, tx_n, rm, rn, _ = tile
+    blocks = (-(-nb // (tx_n * rn)), -(-na // (ty_n * rm)))
+    kernel = _cuda_popcount_kernel(tile)
+    kernel[blocks, (tx_n, ty_n), stream](_as_numba(a), _as_numba(b), _as_numba(c), diagonal)
+    if diagonal:
+        _mirror_cuda(c, stream)
+
+
+# ---- CUDA: int8 tensor cores through cuBLAS ------------------------------------------------
+
+_CUBLAS_OP_N = 0
+_CUBLAS_OP_T = 1
+_CUDA_R_8I = 3
+_CUDA_R_32I = 10
+_CUBLAS_COMPUTE_32I = 72
+_CUBLAS_GEMM_DEFAULT = -1
+_ONE = np.ones(1, dtype=np.int32)
+_ZERO = np.zeros(1, dtype=np.int32)
+
+
+def _gemm_int8(x: Any, y: Any, c: Any, rows: slice, cols: slice, stream_ptr: int) -> None:
+    """``c[rows, cols] = x[rows] · y[cols]ᵀ`` for row-major int8 ``x``, ``y`` and int32 ``c``.
+
+    cuBLAS is column-major: row-major ``c`` is ``cᵀ`` column-major, and ``cᵀ = y · xᵀ`` is
+    ``gemm(T, N)`` with ``y`` and ``x`` read as column-major ``(k, n)`` matrices ("TN", the
+    layout the integer tensor-core kernels take).
+    """
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    r0, r1 = rows.start, rows.stop
+    c0, c1 = cols.start, cols.stop
+    k = x.shape[1]
+    ldc = c.shape[1]
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, stream_ptr)
+    cublas.gemmEx(
+        handle, _CUBLAS_OP_T, _CUBLAS_OP_N,
+        c1 - c0, r1 - r0, k,
+        _ONE.ctypes.data,
+        y.data.ptr + c0 * k, _CUDA_R_8I, k,
+        x.data.ptr + r0 * k, _CUDA_R_8I, k,
+        _ZERO.ctypes.data,
+        c.data.ptr + (r0 * ldc + c0) * 4, _CUDA_R_32I, ldc,
+        _CUBLAS_COMPUTE_32I, _CUBLAS_GEMM_DEFAULT,
+    )
+
+
+def int8_cuda(a: Any, b: Any | None, c: Any) -> None:
+    """Gram block through int8 tensor cores, queued on the current CuPy stream.
+
+    ``a``, ``b``: CuPy ``uint64`` words (``b=None``: ``a · aᵀ``); ``c``: CuPy ``int32``
+    ``(na, nb)``. The words are unpacked to int8 on the device (``k = 64 m`` bytes per row,
+    a multiple of the 4 that cuBLAS's integer kernels need) and multiplied by cuBLAS
+    ``gemmEx`` with 32-bit integer compute, which is exact for ``k < 2**31``. A diagonal block
+    is cut in two halves along its rows: three GEMMs (upper-left, upper-right, lower-right)
+    and a mirror instead of one full GEMM, 3/4 of the work.
+    """
+    import cupy
+
+    from ..staging import numba_stream
+
+    stream = cupy.cuda.get_current_stream()
+    nb_stream = numba_stream(stream)
+    diagonal = b is None
+    na, m = a.shape
+    nb = na if diagonal else b.shape[0]
+    if na == 0 or nb == 0:
+        return
+    if m == 0:
+        c[...] = 0
+        return
+    xa = cupy.empty((na, m * WORD_BITS), dtype=np.int8)
+    unpack_int8_cuda(a, xa, nb_stream)
+    if not diagonal:
+        xb = cupy.empty((nb, m * WORD_BITS), dtype=np.int8)
+        unpack_int8_cuda(b, xb, nb_stream)
+        _gemm_int8(xa, xb, c, slice(0, na), slice(0, nb), stream.ptr)
+        return
+    half = (na // 2) // 16 * 16  # keeps every sub-block 16-byte aligned
+    if half == 0:
+        _gemm_int8(xa, xa, c, slice(0, na), slice(0, na), stream.ptr)
+        return
+    _gemm_int8(xa, xa, c, slice(0, half), slice(0, half), stream.ptr)
+    _gemm_int8(xa, xa, c, slice(0, half), slice(half, na), stream.ptr)
+    _gemm_int8(xa, xa, c, slice(half, na), slice(half, na), stream.ptr)
+    _mirror_cuda(c, nb_stream)

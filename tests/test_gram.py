@@ -1,0 +1,207 @@
+"""Dask operators ``dg.bitpack`` and ``dg.gram``: exact against NumPy, chunking, graph, errors."""
+
+from __future__ import annotations
+
+import importlib
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from helpers import random_bits
+
+import dask_gpuchunk as dg
+from dask_gpuchunk._kernels.bitpack import BitValueError, reference_bitpack
+from dask_gpuchunk._kernels.gram import reference_gram
+
+SIZES = [1, 7, 63, 64, 65, 1041, 1043]
+# the module, which the package's function of the same name hides as an attribute
+gram_module = importlib.import_module("dask_gpuchunk.gram")
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("k", SIZES)
+def test_gram_matches_numpy(rng, n, k):
+    density = rng.uniform(0.01, 0.99)
+    a = random_bits(rng, (n, k), density, rng.choice(["bool", "int8", "uint8", "int64"]))
+    x = da.from_array(a, chunks=(max(1, n // 3 + 1), max(1, k // 2 + 3)))
+    g = dg.gram(x, device="cpu")
+    assert g.dtype == np.int32 and g.chunks == (x.chunks[0], x.chunks[0])
+    result = g.compute()
+    np.testing.assert_array_equal(result, reference_gram(a))
+    np.testing.assert_array_equal(result, result.T)
+
+
+@pytest.mark.parametrize("density", [0.01, 0.2, 0.5, 0.8, 0.99])
+def test_gram_densities_uneven_chunks(rng, density):
+    a = random_bits(rng, (301, 999), density)
+    x = da.from_array(a, chunks=((100, 1, 77, 123), (500, 13, 486)))
+    np.testing.assert_array_equal(dg.gram(x).compute(), reference_gram(a))
+
+
+@pytest.mark.parametrize("bitorder", ["big", "little"])
+@pytest.mark.parametrize("k", [1, 7, 8, 9, 1043])
+def test_gram_of_packbits_output(rng, bitorder, k):
+    a = random_bits(rng, (57, k), 0.5)
+    packed = np.packbits(a, axis=1, bitorder=bitorder)
+    x = da.from_array(packed, chunks=(20, 5))
+    np.testing.assert_array_equal(dg.gram(x, packed=True).compute(), reference_gram(a))
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64", ">u4"])
+def test_gram_of_packed_words_any_unsigned_dtype(rng, dtype):
+    a = random_bits(rng, (40, 300), 0.5)
+    words = reference_bitpack(a).view(np.uint8).view(np.dtype(dtype).newbyteorder("="))
+    words = words.astype(dtype)
+    np.testing.assert_array_equal(dg.gram(words, packed=True).compute(), reference_gram(a))
+
+
+def test_gram_of_bitpack_output_and_numpy_input(rng):
+    a = random_bits(rng, (70, 200), 0.4)
+    words = dg.bitpack(da.from_array(a, chunks=(30, 100)))
+    np.testing.assert_array_equal(words.compute(), reference_bitpack(a))
+    np.testing.assert_array_equal(dg.gram(words, packed=True).compute(), reference_gram(a))
+    np.testing.assert_array_equal(dg.gram(a).compute(), reference_gram(a))
+
+
+def test_many_word_chunks_are_tree_summed(rng):
+    a = random_bits(rng, (33, 64 * 11), 0.5)
+    x = da.from_array(a, chunks=(10, 64))  # 11 word chunks: 4 + 4 + 3, then one more sum
+    g = dg.gram(x)
+    sums = [k for k in dict(g.__dask_graph__()) if isinstance(k, tuple) and "gram-sum" in k[0]]
+    assert sums, "expected a tree of partial sums"
+    np.testing.assert_array_equal(g.compute(), reference_gram(a))
+
+
+def test_only_upper_blocks_are_computed(rng):
+    a = random_bits(rng, (50, 100), 0.5)
+    g = dg.gram(da.from_array(a, chunks=(10, 100)))  # 5 row chunks, one word chunk
+    graph = dict(g.__dask_graph__())
+    ours = {k: v for k, v in graph.items() if isinstance(k, tuple) and k[0] == g.name}
+    computed = [k for k, v in ours.items() if v[0] is gram_module._gram_block]
+    mirrored = [k for k, v in ours.items() if v[0] is gram_module._transposed]
+    assert sorted((i, j) for _, i, j in computed) == [(i, j) for i in range(5) for j in range(i, 5)]
+    assert len(mirrored) == 10
+    np.testing.assert_array_equal(g.compute(), reference_gram(a))
+
+
+def test_row_slices_stream_to_store(rng, tmp_path):
+    a = random_bits(rng, (90, 130), 0.5)
+    out = np.lib.format.open_memmap(tmp_path / "c.npy", mode="w+", dtype=np.int32, shape=(90, 90))
+    da.store(dg.gram(da.from_array(a, chunks=(25, 130))), out)
+    out.flush()
+    np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), reference_gram(a))
+
+
+def test_empty_inputs(rng):
+    assert dg.gram(np.zeros((0, 5), np.uint8)).compute().shape == (0, 0)
+    np.testing.assert_array_equal(dg.gram(np.zeros((3, 0), np.uint8)).compute(), np.zeros((3, 3)))
+    assert dg.bitpack(np.zeros((2, 0), np.uint8)).compute().shape == (2, 0)
+
+
+def test_bitpack_aligns_column_chunks(rng):
+    a = random_bits(rng, (5, 300), 0.5)
+    words = dg.bitpack(da.from_array(a, chunks=(5, 100)))
+    assert words.chunks == ((5,), (2, 2, 1))
+    np.testing.assert_array_equal(words.compute(), reference_bitpack(a))
+
+
+def test_bad_value_is_named_at_compute_time(rng):
+    a = random_bits(rng, (40, 70), 0.5)
+    a[37, 65] = 2
+    x = da.from_array(a, chunks=(16, 64))
+    g = dg.gram(x)  # lazy: no error yet
+    with pytest.raises(BitValueError, match=r"found 2 at row 37, column 65\b"):
+        g.compute()
+    with pytest.raises(ValueError, match="bits must be 0 or 1"):
+        dg.bitpack(x).compute()
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: dg.gram(np.zeros(5, np.uint8)), ValueError, "2-D array"),
+        (lambda: dg.gram(np.zeros((2, 2, 2), np.uint8)), ValueError, "2-D array"),
+        (lambda: dg.gram(np.zeros((2, 2))), TypeError, "bool or integer"),
+        (lambda: dg.gram(np.zeros((2, 2), np.int64), packed=True), TypeError, "unsigned"),
+        (lambda: dg.gram(np.zeros((2, 2), bool), packed=True), TypeError, "unsigned"),
+        (lambda: dg.gram(np.zeros((2, 2), np.uint8), method="bmmx"), ValueError, "method must"),
+        (lambda: dg.gram(np.zeros((2, 2), np.uint8), device="tpu"), ValueError, "device must"),
+        (lambda: dg.gram(np.zeros((2, 2), np.uint8), method="int8", device="cpu"),
+         ValueError, "GPU only"),
+        (lambda: dg.bitpack(np.zeros((2, 2), np.float32)), TypeError, "bool or integer"),
+    ],
+)
+def test_bad_input_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_gpu_only_requests_fail_clearly_without_gpu():
+    if dg.gpu_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(dg.GPUNotAvailableError, match="int8"):
+        dg.gram(np.zeros((2, 2), np.uint8), method="int8")
+    with pytest.raises(dg.GPUNotAvailableError):
+        dg.gram(np.zeros((2, 2), np.uint8), device="gpu")
+
+
+def test_threads_scheduler_and_sync_agree(rng):
+    a = random_bits(rng, (120, 500), 0.5)
+    g = dg.gram(da.from_array(a, chunks=(31, 200)))
+    with dask.config.set(scheduler="sync"):
+        sync = g.compute()
+    np.testing.assert_array_equal(sync, g.compute(scheduler="threads"))
+
+
+# ---- on a real GPU -------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["auto", "popcount", "int8"])
+@pytest.mark.parametrize("n, k", [(1, 1), (63, 65), (1041, 1043), (1043, 5000)])
+def test_gram_cupy_in_cupy_out(rng, method, n, k):
+    import cupy
+
+    a = random_bits(rng, (n, k), rng.uniform(0.01, 0.99))
+    x = dg.asarray(cupy.asarray(a), chunks=(max(1, n // 3), max(1, k // 2)))
+    g = dg.gram(x, method=method)
+    assert isinstance(g._meta, cupy.ndarray)
+    result = g.compute()
+    assert isinstance(result, cupy.ndarray)
+    np.testing.assert_array_equal(cupy.asnumpy(result), reference_gram(a))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["popcount", "int8"])
+def test_gram_host_chunks_on_gpu(rng, method):
+    a = random_bits(rng, (700, 3000), 0.3)
+    x = da.from_array(a, chunks=(250, 1000))
+    result = dg.gram(x, method=method, device="gpu").compute()
+    assert isinstance(result, np.ndarray)
+    np.testing.assert_array_equal(result, reference_gram(a))
+
+
+@pytest.mark.gpu
+def test_packbits_on_gpu(rng):
+    import cupy
+
+    a = random_bits(rng, (333, 2001), 0.5)
+    packed = cupy.asarray(np.packbits(a, axis=1))
+    x = dg.asarray(packed, chunks=(100, 100))
+    for method in ("popcount", "int8"):
+        got = dg.gram(x, packed=True, method=method).compute()
+        np.testing.assert_array_equal(cupy.asnumpy(got), reference_gram(a))
+
+
+@pytest.mark.gpu
+def test_bitpack_on_gpu_names_bad_value(rng):
+    import cupy
+
+    a = random_bits(rng, (50, 100), 0.5)
+    a[44, 99] = 3
+    x = dg.asarray(cupy.asarray(a), chunks=(20, 64))
+    with pytest.raises(BitValueError, match=r"found 3 at row 44, column 99\b"):
+        dg.bitpack(x).compute()
+    with pytest.raises(BitValueError, match=r"row 44, column 99\b"):
+        dg.bitpack(a, device="gpu").compute()
