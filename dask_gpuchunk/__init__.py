@@ -17,9 +17,11 @@ array([[2., 2., 2.],
 from __future__ import annotations
 
 from .arrays import asarray
+from .cluster import connect, local_cluster
 from .devices import GPUNotAvailableError, gpu_available, gpu_count
 from .elementwise import ElementwiseOp, elementwise, multiply
 from .gram import bitpack, gram
+from .io import from_npy, to_npy
 from .placement import decisions as placement_decisions
 
 __version__ = "0.1.0"
@@ -30,10 +32,14 @@ __all__ = [
     "__version__",
     "asarray",
     "bitpack",
+    "connect",
     "elementwise",
+    "from_npy",
     "gpu_available",
     "gpu_count",
     "gram",
+    "local_cluster",
     "multiply",
     "placement_decisions",
+    "to_npy",
 ]

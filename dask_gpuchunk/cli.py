@@ -8,15 +8,24 @@
 ``bench gram``
     Seed 001's Gram matrix of bit-packed 0/1 data: every method, the peers and the popcount
     ceiling, as bit multiply-accumulates per second; prints a table and writes JSON and PNG.
+``multiply A.npy B.npy -o C.npy``, ``gram BITS.npy -o G.npy``, ``demo``
+    Jobs from files to files on a cluster: a local one (every GPU of this machine, or its CPU
+    cores) or an existing one (``--scheduler-file`` / ``--scheduler-address``). Exit status:
+    0 done; 1 the job failed while running; 2 bad command-line usage; 3 an input is wrong;
+    4 the output cannot be written; 5 the cluster or a GPU is not available. Errors are one
+    line on stderr; nothing is written where a job fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import logging
 import os
 import platform
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -192,6 +201,216 @@ def bench_gram(n: int, k: int, chunk_rows: tuple[int, ...], tiles: tuple[str, ..
     click.echo(gram_table(report))
     for path in save(report, out_dir, "bench-gram"):
         click.echo(f"wrote {path}", err=True)
+
+
+# ---- jobs --------------------------------------------------------------------------------------
+
+
+def _cluster_options(func: Callable) -> Callable:
+    options = [
+        click.option("--scheduler-file", type=click.Path(dir_okay=False),
+                      help="Join the cluster whose scheduler wrote this file (batch jobs)."),
+        click.option("--scheduler-address", help="Join the cluster at this address "
+                     "(tcp://host:8786)."),
+        click.option("--gpus", help="Local cluster: how many GPUs (a number) or which (0,2); "
+                     "default every visible GPU."),
+        click.option("--device-memory-limit", default="default", show_default=True,
+                     help="Local cluster: per GPU, spill to host memory beyond this (8GB, 0.8)."),
+        click.option("--memory-limit", default="auto", show_default=True,
+                     help="Local cluster: per worker, spill to disk beyond this (64GB, 0.5)."),
+        click.option("--spill-dir", type=click.Path(file_okay=False),
+                     help="Local cluster: where workers spill to disk."),
+        click.option("--threads-per-gpu", type=click.IntRange(min=1),
+                     help="Local cluster: Dask threads per GPU worker (CPU-only: per worker)."),
+        click.option("--device", type=click.Choice(["auto", "gpu", "cpu"]), default="auto",
+                     show_default=True, help="Where chunks run."),
+        click.option("--json", "as_json", is_flag=True,
+                     help="Print one JSON line summarising the job, and no progress bar."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+@contextlib.contextmanager
+def _cluster(opts: dict[str, Any]) -> Iterator[Any]:
+    from .cluster import connect, local_cluster, parse_memory_limit
+    from .devices import GPUNotAvailableError
+    from .jobs import ClusterError
+
+    joined = opts["scheduler_file"] or opts["scheduler_address"]
+    if opts["scheduler_file"] and opts["scheduler_address"]:
+        raise click.UsageError("give --scheduler-file or --scheduler-address, not both")
+    local_only = [f"--{k.replace('_', '-')}" for k in ("gpus", "spill_dir", "threads_per_gpu")
+                  if opts[k] is not None]
+    if joined and local_only:
+        raise click.UsageError(f"{', '.join(local_only)} configure a local cluster; the joined "
+                               "cluster's workers are configured where they are started")
+    try:
+        if opts["device_memory_limit"] != "default":
+            parse_memory_limit(opts["device_memory_limit"], "--device-memory-limit")
+        parse_memory_limit(opts["memory_limit"], "--memory-limit")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    try:
+        if joined:
+            client = connect(scheduler_file=opts["scheduler_file"], address=opts["scheduler_address"],
+                             timeout=15)
+            with client:
+                yield client
+            return
+        gpus: Any = opts["gpus"]
+        if gpus is not None and gpus.strip().isdigit() and "," not in gpus:
+            gpus = int(gpus)
+        cluster = local_cluster(
+            gpus=gpus, device_memory_limit=opts["device_memory_limit"],
+            memory_limit=opts["memory_limit"], spill_dir=opts["spill_dir"],
+            threads_per_gpu=opts["threads_per_gpu"], silence_logs=logging.CRITICAL,
+            dashboard_address=None,
+        )
+        client = cluster.__enter__()
+    except (OSError, TimeoutError, GPUNotAvailableError, ValueError) as exc:
+        raise ClusterError(f"cannot start or join the cluster: {exc}".splitlines()[0]) from None
+    try:
+        yield client
+    finally:
+        with contextlib.suppress(Exception):
+            cluster.__exit__(None, None, None)
+
+
+def _progress(enabled: bool) -> Callable[[int, int], None] | None:
+    if not enabled:
+        return None
+    width = 30
+
+    def draw(done: int, total: int) -> None:
+        filled = width * done // max(total, 1)
+        sys.stderr.write(f"\r[{'#' * filled}{' ' * (width - filled)}] {done}/{total} chunks")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return draw
+
+
+def _run_job(as_json: bool, opts: dict[str, Any], prepare: Callable[[], Callable]) -> None:
+    """Check the job (``prepare()``, before any cluster starts), run it on the cluster the
+    options describe, report; map errors to exit codes with one line on stderr."""
+    from .jobs import JobError, where_it_ran
+
+    logging.getLogger("distributed").setLevel(logging.CRITICAL)
+    try:
+        job = prepare()
+        with _cluster(opts) as client:
+            summary = job(_progress(not as_json and sys.stderr.isatty()))
+            summary["where"] = where_it_ran(client)
+    except click.ClickException:
+        raise
+    except JobError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except (ValueError, TypeError) as exc:  # bad arguments found by the job's checks
+        click.echo(f"error: {str(exc).splitlines()[0]}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("error: interrupted; nothing was written", err=True)
+        sys.exit(130)
+    except Exception as exc:  # the job failed on the cluster: one line, not a traceback
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        click.echo(f"error: the job failed: {type(exc).__name__}: {text}; nothing was written",
+                   err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(summary, default=str))
+    else:
+        _print_summary(summary)
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    where = summary.get("where", {})
+    place = (f"on {where.get('cluster')}: {where.get('workers')} worker(s), "
+             f"{where.get('threads', '?')} threads, {where.get('gpus')} GPU(s)")
+    parts = [summary] if summary["command"] != "demo" else [summary["multiply"], summary["gram"]]
+    for s in parts:
+        out = s["output"]
+        rate = (f"{s['gb_per_s']:.2f} GB/s moved" if "gb_per_s" in s
+                else f"{s['bit_macs_per_s']:.3g} bit-MAC/s")
+        click.echo(f"{s['command']}: {out['path']} {tuple(out['shape'])} {out['dtype']} in "
+                   f"{s['seconds']:.2f} s ({rate})")
+    if summary["command"] == "demo":
+        c = summary["checked"]
+        click.echo(f"demo: {c['multiply_rows']} rows of the product and {c['gram_rows']} rows of "
+                   "the Gram matrix checked against NumPy: exact")
+    click.echo(place)
+
+
+@main.command()
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
+@click.option("-o", "--output", required=True, type=click.Path(), help="The .npy to write.")
+@click.option("--chunk-size", default="200MB", show_default=True,
+              help="Bytes per chunk of each input (whole rows).")
+@click.option("--overwrite", is_flag=True, help="Replace the output if it exists.")
+@_cluster_options
+def multiply(a: str, b: str, output: str, chunk_size: str, overwrite: bool, device: str,
+             as_json: bool, **opts: Any) -> None:
+    """C = A * B (NumPy broadcasting) from two .npy files into OUTPUT, chunk by chunk."""
+    from dask.utils import parse_bytes
+
+    from .jobs import multiply_job
+
+    try:
+        if parse_bytes(chunk_size) <= 0:
+            raise ValueError
+    except (ValueError, TypeError):
+        raise click.BadParameter(f"--chunk-size: {chunk_size!r} is not a positive size "
+                                 "(e.g. 200MB)") from None
+    _run_job(as_json, opts, lambda: multiply_job(
+        a, b, output, device=device, chunk_size=chunk_size, overwrite=overwrite))
+
+
+@main.command("gram")
+@click.argument("bits", type=click.Path())
+@click.option("-o", "--output", required=True, type=click.Path(), help="The .npy to write.")
+@click.option("--packed", is_flag=True, help="BITS holds packed words (any unsigned dtype, "
+              "e.g. np.packbits output), not 0/1 values.")
+@click.option("--method", type=click.Choice(["auto", "popcount", "int8"]), default="auto",
+              show_default=True)
+@click.option("--chunk-rows", default=4096, show_default=True, type=click.IntRange(min=1),
+              help="Rows per chunk (and per output block).")
+@click.option("--overwrite", is_flag=True, help="Replace the output if it exists.")
+@_cluster_options
+def gram_command(bits: str, output: str, packed: bool, method: str, chunk_rows: int,
+                 overwrite: bool, device: str, as_json: bool, **opts: Any) -> None:
+    """G = A · Aᵀ (exact, int32) of the 0/1 matrix in BITS, written to OUTPUT."""
+    from .jobs import gram_job
+
+    _run_job(as_json, opts, lambda: gram_job(
+        bits, output, packed=packed, method=method, device=device, chunk_rows=chunk_rows,
+        overwrite=overwrite))
+
+
+@main.command()
+@click.option("--rows", default=500_000, show_default=True, type=click.IntRange(min=1),
+              help="Rows of the two float64 inputs of the product.")
+@click.option("--cols", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--bit-rows", default=4000, show_default=True, type=click.IntRange(min=1),
+              help="Rows of the 0/1 matrix of the Gram job.")
+@click.option("--bits", default=20_000, show_default=True, type=click.IntRange(min=1),
+              help="Columns of the 0/1 matrix.")
+@click.option("--workdir", type=click.Path(file_okay=False),
+              help="Keep the files here (default: a temporary directory, removed).")
+@_cluster_options
+def demo(rows: int, cols: int, bit_rows: int, bits: int, workdir: str | None, device: str,
+         as_json: bool, **opts: Any) -> None:
+    """The main job on an embedded default: synthetic inputs, multiply and gram through .npy
+    files on a cluster, sampled results checked against NumPy, figures printed."""
+    from . import jobs
+
+    log = (lambda s: None) if as_json else (lambda s: click.echo(s, err=True))
+    _run_job(as_json, opts, lambda: lambda progress: jobs.demo(
+        rows=rows, cols=cols, bit_rows=bit_rows, bits=bits, workdir=workdir, device=device,
+        progress=progress, log=log))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,196 @@
+"""Dask clusters for dask_gpuchunk jobs: every GPU of this node, or an existing cluster.
+
+:func:`local_cluster` starts dask-cuda's ``LocalCUDACluster`` where GPUs are visible (one worker
+process per GPU, ``CUDA_VISIBLE_DEVICES`` honoured; a worker spills chunks device → host when its
+device memory passes ``device_memory_limit``, host → disk when its host memory passes
+``memory_limit``) or a ``LocalCluster`` of one worker with a thread per core where none is.
+:func:`connect` joins a running cluster: a batch job starts ``dask scheduler --scheduler-file``
+and ``dask cuda worker --scheduler-file`` (or ``dask worker``) on its nodes and the job's
+script connects through the same file.
+
+Kernels are compiled inside the workers, at their first chunk, once per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from dask.utils import parse_bytes
+
+from .devices import GPUNotAvailableError, gpu_count
+
+__all__ = ["connect", "local_cluster", "parse_memory_limit"]
+
+
+def parse_memory_limit(value: Any, what: str) -> Any:
+    """Check a memory limit as dask takes it: bytes, ``"8GB"``-style text, a fraction of the
+    total in (0, 1], ``"auto"``, or ``0``/``None`` for no limit. Returns it normalised.
+
+    Examples
+    --------
+    >>> parse_memory_limit("8GB", "--device-memory-limit")
+    8000000000
+    >>> parse_memory_limit("0.5", "--memory-limit")
+    0.5
+    >>> parse_memory_limit("lots", "--memory-limit")
+    Traceback (most recent call last):
+    ...
+    ValueError: --memory-limit: cannot read 'lots' as a memory size (give bytes, e.g. 8GB or 500MiB, a fraction such as 0.8, or auto)
+    """
+    if value is None or value == "auto":
+        return value
+    text = str(value).strip()
+    try:
+        number = float(text)
+    except ValueError:
+        number = None
+    if number is not None:
+        if number < 0:
+            raise ValueError(f"{what}: must not be negative, got {value!r}")
+        return number if 0 < number <= 1 else int(number)
+    try:
+        nbytes = parse_bytes(text)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"{what}: cannot read {value!r} as a memory size (give bytes, e.g. 8GB or 500MiB, a "
+            "fraction such as 0.8, or auto)"
+        ) from None
+    if nbytes < 0:
+        raise ValueError(f"{what}: must not be negative, got {value!r}")
+    return int(nbytes)
+
+
+def _gpu_list(gpus: Any) -> str | None:
+    if gpus is None:
+        return None
+    if isinstance(gpus, int):
+        if gpus < 1:
+            raise ValueError(f"gpus must be at least 1, got {gpus}")
+        available = gpu_count()
+        if gpus > available:
+            raise GPUNotAvailableError(f"asked for {gpus} GPUs; {available} visible")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(available)]
+        return ",".join(ids[:gpus])
+    text = ",".join(str(g) for g in gpus) if not isinstance(gpus, str) else gpus
+    if not text.strip():
+        raise ValueError("gpus: empty list")
+    return text
+
+
+@contextlib.contextmanager
+def local_cluster(
+    gpus: int | str | list[int] | None = None,
+    device_memory_limit: Any = "default",
+    memory_limit: Any = "auto",
+    spill_dir: str | os.PathLike | None = None,
+    threads_per_gpu: int | None = None,
+    **cluster_kwargs: Any,
+) -> Iterator[Any]:
+    """A ``distributed.Client`` on a cluster of this machine, closed on exit.
+
+    Parameters
+    ----------
+    gpus
+        ``None``: every visible GPU; an int: the first that many; a list or ``"0,2"``: those
+        devices (as ``CUDA_VISIBLE_DEVICES``). Asking for GPUs where none is visible raises
+        :class:`GPUNotAvailableError`.
+    device_memory_limit
+        Per GPU worker: spill finished chunks to host memory beyond this (bytes, ``"8GB"``, a
+        fraction of the device's memory, or dask-cuda's ``"default"``).
+    memory_limit
+        Per worker: spill to disk beyond this (``"auto"``: the machine's memory split between
+        workers).
+    spill_dir
+        Where workers spill to disk (their ``local_directory``).
+    threads_per_gpu
+        Dask threads per GPU worker (default ``cores / gpus``: host copies into pinned buffers
+        run in every thread at once, the device work is bounded by the staging slots). On a
+        CPU-only machine, the threads of its one worker (default: a thread per core).
+    **cluster_kwargs
+        Passed to the cluster class.
+
+    Yields
+    ------
+    distributed.Client
+
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> import dask_gpuchunk as dg
+    >>> with dg.local_cluster(processes=False, dashboard_address=None) as client:
+    ...     total = dg.multiply(da.ones(10, chunks=5), 2.0).sum().compute()
+    >>> float(total)
+    20.0
+    """
+    from distributed import Client
+
+    device_memory_limit = (device_memory_limit if device_memory_limit == "default"
+                           else parse_memory_limit(device_memory_limit, "device_memory_limit"))
+    memory_limit = parse_memory_limit(memory_limit, "memory_limit")
+    if threads_per_gpu is not None and threads_per_gpu < 1:
+        raise ValueError(f"threads_per_gpu must be at least 1, got {threads_per_gpu}")
+    cores = os.cpu_count() or 1
+    kwargs: dict[str, Any] = {"memory_limit": memory_limit if memory_limit is not None else 0}
+    if spill_dir is not None:
+        spill_dir = os.fspath(spill_dir)
+        os.makedirs(spill_dir, exist_ok=True)
+        kwargs["local_directory"] = spill_dir
+    if gpu_count() > 0:
+        from dask_cuda import LocalCUDACluster
+
+        visible = _gpu_list(gpus)
+        n = len(visible.split(",")) if visible else gpu_count()
+        kwargs.update(
+            CUDA_VISIBLE_DEVICES=visible,
+            threads_per_worker=threads_per_gpu or max(1, cores // n),
+        )
+        if device_memory_limit != "default":
+            kwargs["device_memory_limit"] = device_memory_limit if device_memory_limit else 0
+        kwargs.update(cluster_kwargs)
+        cluster: Any = LocalCUDACluster(**kwargs)
+    else:
+        if gpus is not None:
+            raise GPUNotAvailableError(
+                f"gpus={gpus!r} was asked for but no CUDA GPU is visible; leave it out to run on "
+                "the CPU"
+            )
+        from distributed import LocalCluster
+
+        kwargs.update(n_workers=1, threads_per_worker=threads_per_gpu or cores)
+        kwargs.update(cluster_kwargs)
+        cluster = LocalCluster(**kwargs)
+    with cluster, Client(cluster) as client:
+        yield client
+
+
+def connect(scheduler_file: str | os.PathLike | None = None, address: str | None = None,
+            timeout: float = 30.0) -> Any:
+    """A ``distributed.Client`` joined to a running cluster, by scheduler file or address.
+
+    Give exactly one of ``scheduler_file`` (written by ``dask scheduler --scheduler-file``) and
+    ``address`` (``"tcp://host:8786"``). ``timeout``: seconds to wait for the scheduler.
+
+    Raises
+    ------
+    ValueError
+        Neither or both given.
+    FileNotFoundError
+        The scheduler file does not exist.
+    OSError
+        The scheduler did not answer within ``timeout``.
+    """
+    from distributed import Client
+
+    if (scheduler_file is None) == (address is None):
+        raise ValueError("give exactly one of scheduler_file and address")
+    if scheduler_file is not None:
+        scheduler_file = os.fspath(scheduler_file)
+        if not os.path.exists(scheduler_file):
+            raise FileNotFoundError(f"scheduler file {scheduler_file} does not exist (is the "
+                                    "scheduler started with --scheduler-file?)")
+        return Client(scheduler_file=scheduler_file, timeout=timeout)
+    return Client(address, timeout=timeout)

@@ -1,0 +1,361 @@
+""".npy files larger than memory, in and out, chunk by chunk: ``from_npy`` and ``to_npy``.
+
+``from_npy`` reads the header once, on the client, and checks the file (magic string, header,
+dtype, size); each task then memory-maps the file and returns a view of its own region, on
+whichever worker runs it (workers must see the same path). Pages are read when the view is
+first touched: by a CPU kernel directly, or by the copy into a pinned staging buffer on the GPU
+path (:func:`dask_gpuchunk.backend.run_staged`), so the file is read straight into the buffer
+that goes to the device, with no other host copy.
+
+``to_npy`` writes the header of the whole array into a temporary file next to the target
+(``.<name>.<random>.partial``), then every chunk into its region of that file from the worker
+that computed it (``pwrite`` of its contiguous runs; CuPy chunks land in a pinned buffer and are
+written from there), and renames the file onto the target only when every chunk is written.
+Writes go through the page cache like ``np.save``'s; the file is not synced to disk. A failure removes the temporary file; a killed job leaves at
+most that hidden temporary file, never a half-written target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import dask
+import dask.array as da
+import numpy as np
+from dask.array.core import normalize_chunks, slices_from_chunks
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
+
+from .arrays import asarray
+from .backend import is_cupy
+
+__all__ = ["NpyFormatError", "NpyHeader", "from_npy", "read_header", "to_npy"]
+
+
+class NpyFormatError(ValueError):
+    """A file that is not a readable ``.npy`` file (bad magic, header or size, object dtype)."""
+
+
+class NpyHeader(NamedTuple):
+    """What a ``.npy`` header says, and where the data starts."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    fortran_order: bool
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def read_header(path: str | os.PathLike) -> NpyHeader:
+    """Read and check the header of a ``.npy`` file.
+
+    Raises
+    ------
+    FileNotFoundError, IsADirectoryError, PermissionError
+        The path cannot be read.
+    NpyFormatError
+        Not a ``.npy`` file, an unreadable header, an object dtype (cannot be memory-mapped) or
+        a file shorter than its header says.
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "a.npy")
+    >>> np.save(path, np.zeros((3, 4), dtype=np.float32))
+    >>> h = read_header(path)
+    >>> h.shape, h.dtype, h.fortran_order, h.offset
+    ((3, 4), dtype('float32'), False, 128)
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory, not a .npy file")
+    fmt = np.lib.format
+    with open(path, "rb") as f:
+        try:
+            version = fmt.read_magic(f)
+        except ValueError as exc:
+            raise NpyFormatError(f"{path} is not a .npy file (no NumPy magic string at its start)") from exc
+        try:
+            if version == (1, 0):
+                shape, fortran, dtype = fmt.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, fortran, dtype = fmt.read_array_header_2_0(f)
+            else:
+                shape, fortran, dtype = fmt._read_array_header(f, version)
+        except Exception as exc:  # noqa: BLE001 - whatever the parser raises, the header is bad
+            raise NpyFormatError(f"{path} has a corrupt .npy header ({exc})".splitlines()[0]) from exc
+        offset = f.tell()
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise NpyFormatError(f"{path} holds Python objects ({dtype}), which cannot be memory-mapped")
+    header = NpyHeader(tuple(int(s) for s in shape), dtype, bool(fortran), offset)
+    size = path.stat().st_size
+    if size < offset + header.nbytes:
+        raise NpyFormatError(
+            f"{path} is truncated: its header says {header.shape} {dtype} "
+            f"({offset + header.nbytes} bytes with the header), the file has {size} bytes"
+        )
+    return header
+
+
+def _native(dtype: np.dtype) -> np.dtype:
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
+def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...]) -> np.ndarray:
+    """A memory-mapped view of one region of the file (native byte order: then a copy)."""
+    shape = tuple(len(range(*s.indices(n))) for s, n in zip(region, header.shape))
+    if header.nbytes == 0 or 0 in shape:
+        return np.empty(shape, dtype=_native(header.dtype))
+    mm = np.memmap(path, dtype=header.dtype, mode="r", offset=header.offset, shape=header.shape,
+                   order="F" if header.fortran_order else "C")
+    view = mm[region] if region else mm  # a 0-d memmap indexed by () would be a scalar
+    if not header.dtype.isnative:
+        return view.astype(_native(header.dtype))
+    return view
+
+
+def from_npy(path: str | os.PathLike, chunks: Any = "auto") -> da.Array:
+    """A Dask array over a ``.npy`` file, read chunk by chunk through memory maps.
+
+    Parameters
+    ----------
+    path
+        The file. Workers of a cluster read it themselves, so they must see it at this path.
+    chunks
+        As for :func:`dask.array.from_array` (``"auto"``, a block shape, a byte size such as
+        ``"200 MiB"``). Row chunks (whole rows) suit C-order files; Fortran-order files are
+        read too, each chunk a strided region.
+
+    Returns
+    -------
+    dask.array.Array
+        NumPy chunks in native byte order (big-endian files are converted chunk by chunk).
+
+    Raises
+    ------
+    FileNotFoundError, IsADirectoryError, NpyFormatError
+        See :func:`read_header`.
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "a.npy")
+    >>> np.save(path, np.arange(12.0).reshape(4, 3))
+    >>> x = from_npy(path, chunks=(2, 3))
+    >>> x.chunks, float(x.sum().compute())
+    (((2, 2), (3,)), 66.0)
+    """
+    path = os.path.abspath(os.fspath(path))
+    header = read_header(path)
+    dtype = _native(header.dtype)
+    chunks = normalize_chunks(chunks, header.shape, dtype=dtype)
+    stat = os.stat(path)
+    name = "from-npy-" + tokenize(path, stat.st_mtime_ns, stat.st_size, chunks)
+    keys = [(name, *idx) for idx in np.ndindex(*(len(c) for c in chunks))]
+    dsk = {key: (_read_region, path, header, region)
+           for key, region in zip(keys, slices_from_chunks(chunks))}
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[])
+    return da.Array(graph, name, chunks, dtype=dtype, meta=np.empty((0,) * len(chunks), dtype))
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+
+def _check_target(path: Path, overwrite: bool) -> None:
+    parent = path.parent
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory; give a file name for the output")
+    if not parent.is_dir():
+        raise FileNotFoundError(f"output directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"output directory {parent} is not writable")
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it")
+
+
+def _create_file(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> NpyHeader:
+    """Write a C-order ``.npy`` header and extend the file to its full size (sparse, unwritten)."""
+    fmt = np.lib.format
+    header = {"descr": fmt.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
+    with open(path, "xb") as f:
+        try:
+            fmt.write_array_header_1_0(f, header)
+        except ValueError:  # a header longer than 64 KiB (a very long shape or dtype)
+            f.seek(0)
+            f.truncate()
+            fmt.write_array_header_2_0(f, header)
+        offset = f.tell()
+        f.truncate(offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    return NpyHeader(tuple(shape), dtype, False, offset)
+
+
+def _write_region(block: Any, path: str, header: NpyHeader, region: tuple[slice, ...]) -> np.ndarray:
+    """Write one computed chunk into its region of the (temporary) file.
+
+    Returns the bytes written, as a one-element array per chunk (so the writes form an array).
+    """
+    done = np.zeros((1,) * len(region), dtype=np.int64)
+    if header.nbytes == 0 or block.size == 0:
+        return done
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        if is_cupy(block):
+            _device_to_file(block, fd, header, region)
+        else:
+            _pwrite_region(fd, np.asarray(block, dtype=header.dtype), header, region)
+    finally:
+        os.close(fd)
+    done[...] = block.size * header.dtype.itemsize
+    return done
+
+
+def _pwrite_region(fd: int, block: np.ndarray, header: NpyHeader, region: tuple[slice, ...]) -> None:
+    """``pwrite`` a chunk into its region of a C-order file: one call per contiguous run.
+
+    The trailing axes that the region covers whole make its runs contiguous: one run for a
+    chunk of whole rows, one per row for a block of a matrix. Writing through ``pwrite``
+    rather than a memory map avoids a page fault per 4 KiB of output.
+    """
+    shape = header.shape
+    starts = [s.indices(n)[0] for s, n in zip(region, shape)]
+    lens = block.shape
+    k = len(shape) - 1  # the first axis from which every later axis is covered whole
+    while k >= 0 and lens[k] == shape[k] and starts[k] == 0:
+        k -= 1
+    block = np.ascontiguousarray(block)
+    strides = np.cumprod((1, *shape[::-1]))[-2::-1]  # element strides of the file's layout
+    for outer in np.ndindex(*lens[:max(k, 0)]):
+        run = block[outer] if outer else block
+        index = [starts[a] + (outer[a] if a < len(outer) else 0) for a in range(len(shape))]
+        offset = header.offset + int(np.dot(index, strides)) * header.dtype.itemsize if shape \
+            else header.offset
+        view = memoryview(run.reshape(-1)).cast("B")
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view, offset = view[written:], offset + written
+
+
+def _device_to_file(block: Any, fd: int, header: NpyHeader, region: tuple[slice, ...]) -> None:
+    """D2H into a pinned buffer, then written to the file from there: no other host copy."""
+    import cupy
+
+    from .staging import copy_to_host, pinned_pool
+
+    block = cupy.ascontiguousarray(block.astype(header.dtype, copy=False))
+    stream = cupy.cuda.get_current_stream()
+    with pinned_pool.borrow(block.dtype, block.shape) as buf:
+        copy_to_host(buf, block, stream)
+        stream.synchronize()
+        _pwrite_region(fd, buf, header, region)
+
+
+def _temporary_name(path: Path) -> Path:
+    return path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.partial"
+
+
+def _run_writes(written: da.Array, progress: Callable[[int, int], None] | None) -> None:
+    """Compute every write task; on a distributed client, report ``progress(done, total)``."""
+    from .devices import distributed_client_active
+
+    if not distributed_client_active():
+        dask.compute(written.sum())
+        if progress is not None:
+            progress(written.npartitions, written.npartitions)
+        return
+    from distributed import default_client, futures_of, wait
+
+    client = default_client()
+    futures = futures_of(client.persist(written))
+    try:
+        total = len(futures)
+        while True:
+            done = sum(f.done() for f in futures)
+            if progress is not None:
+                progress(done, total)
+            if done == total or any(f.status == "error" for f in futures):
+                break
+            with contextlib.suppress(TimeoutError):
+                wait(futures, timeout=0.25)
+        client.gather(futures)  # raises what a failed chunk raised
+    except BaseException:
+        client.cancel(futures)
+        raise
+
+
+def to_npy(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
+           progress: Callable[[int, int], None] | None = None) -> Path:
+    """Compute ``x`` and write it into a ``.npy`` file, chunk by chunk, never half-written.
+
+    Each chunk is written into its region of a temporary file in the target directory by the
+    worker that computed it; the file is renamed onto ``path`` only once every chunk is there.
+    Runs on the current Dask scheduler (a ``distributed`` client's workers when one is active:
+    they must see the target directory).
+
+    Parameters
+    ----------
+    x
+        Dask, NumPy or CuPy array of any non-object dtype (written in native byte order).
+    path
+        The file to write (its directory must exist).
+    overwrite
+        Replace ``path`` if it exists (only once the new file is complete).
+    progress
+        Called as ``progress(chunks_written, chunks)`` while a distributed client's workers
+        write (and once at the end otherwise).
+
+    Returns
+    -------
+    pathlib.Path
+        ``path``.
+
+    Raises
+    ------
+    FileExistsError
+        ``path`` exists and ``overwrite`` is false.
+    FileNotFoundError, PermissionError, IsADirectoryError
+        The directory is missing or not writable, or ``path`` is a directory.
+    Exception
+        Whatever computing a chunk raised; the temporary file is removed first.
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "c.npy")
+    >>> _ = to_npy(da.arange(10, chunks=4) * 2, path)
+    >>> np.load(path)
+    array([ 0,  2,  4,  6,  8, 10, 12, 14, 16, 18])
+    """
+    target = Path(os.path.abspath(os.fspath(path)))
+    if np.dtype(getattr(x, "dtype", np.asarray(x).dtype)).hasobject:
+        raise TypeError(f"cannot write an array of Python objects ({x.dtype}) to a .npy file")
+    _check_target(target, overwrite)
+    x = asarray(x)
+    dtype = _native(x.dtype)
+    tmp = _temporary_name(target)
+    try:
+        header = _create_file(tmp, dtype, x.shape)
+        name = "to-npy-" + tokenize(x, str(tmp))
+        dsk: dict[tuple, Any] = {}
+        for idx, region in zip(np.ndindex(*x.numblocks), slices_from_chunks(x.chunks)):
+            dsk[(name, *idx)] = (_write_region, (x.name, *idx), str(tmp), header, region)
+        graph = HighLevelGraph.from_collections(name, dsk, dependencies=[x])
+        written = da.Array(graph, name, tuple((1,) * n for n in x.numblocks), dtype=np.int64,
+                           meta=np.empty((0,) * x.ndim, np.int64))
+        _run_writes(written, progress)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return target

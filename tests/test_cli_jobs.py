@@ -1,0 +1,256 @@
+"""The job commands end to end: ``multiply``, ``gram``, ``demo``; local and joined clusters;
+bad input (each a non-zero exit, one line on stderr, nothing written); a worker killed mid-job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from helpers import random_bits
+
+from dask_gpuchunk.cli import main
+
+PYTHON = [sys.executable, "-m", "dask_gpuchunk"]
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The command in a fresh process, as a user runs it."""
+    return subprocess.run([*PYTHON, *args], capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
+@pytest.fixture
+def inputs(rng, tmp_path):
+    a = rng.random((2000, 30))
+    b = rng.random((1, 30))  # broadcast along the rows
+    bits = random_bits(rng, (300, 1043), 0.4)
+    for name, arr in (("a", a), ("b", b), ("bits", bits)):
+        np.save(tmp_path / f"{name}.npy", arr)
+    np.save(tmp_path / "packed.npy", np.packbits(bits, axis=1))
+    return tmp_path, a, b, bits
+
+
+def test_multiply_and_gram_on_a_local_cluster(inputs):
+    d, a, b, bits = inputs
+    r = run_cli("multiply", str(d / "a.npy"), str(d / "b.npy"), "-o", str(d / "c.npy"),
+                "--chunk-size", "100kB", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["output"]["shape"] == [2000, 30] and summary["chunks"] > 1
+    assert summary["where"]["workers"] == 1 and summary["seconds"] > 0
+    np.testing.assert_array_equal(np.load(d / "c.npy"), a * b)
+
+    r = run_cli("gram", str(d / "bits.npy"), "-o", str(d / "g.npy"), "--chunk-rows", "128")
+    assert r.returncode == 0, r.stderr
+    assert "gram:" in r.stdout and "bit-MAC/s" in r.stdout
+    expected = bits.astype(np.int64) @ bits.T
+    np.testing.assert_array_equal(np.load(d / "g.npy"), expected)
+
+    r = run_cli("gram", str(d / "packed.npy"), "-o", str(d / "g2.npy"), "--packed", "--json")
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal(np.load(d / "g2.npy"), expected)
+
+
+def test_demo_runs_and_checks_itself():
+    r = run_cli("demo", "--rows", "20000", "--bit-rows", "300", "--bits", "2000", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["command"] == "demo"
+    assert summary["checked"]["multiply_rows"] > 0 and summary["checked"]["gram_rows"] > 0
+    assert summary["gram"]["output"]["shape"] == [300, 300]
+
+
+def _start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def scheduler_and_two_workers(tmp_path):
+    """``dask scheduler`` and two ``dask worker`` processes on loopback, through a scheduler file."""
+    sched_file = tmp_path / "scheduler.json"
+    dask = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
+    procs = [_start([*dask, "--scheduler-file", str(sched_file), "--host", "127.0.0.1",
+                     "--port", "0", "--dashboard-address", ":0"])]
+    deadline = time.time() + 60
+    while not sched_file.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    worker = [sys.executable, "-m", "distributed.cli.dask_worker"]
+    for i in range(2):
+        procs.append(_start([*worker, "--scheduler-file", str(sched_file), "--nthreads", "1",
+                             "--no-nanny", "--host", "127.0.0.1", "--name", f"w{i}",
+                             "--dashboard-address", ":0", "--local-directory", str(tmp_path)]))
+    from distributed import Client
+
+    with Client(scheduler_file=str(sched_file), timeout=60) as client:
+        client.wait_for_workers(2, timeout=60)
+    yield sched_file, procs
+    for p in procs:
+        p.kill()
+        p.wait(timeout=30)
+
+
+def test_jobs_on_a_cluster_joined_through_a_scheduler_file(inputs, scheduler_and_two_workers):
+    d, a, b, bits = inputs
+    sched_file, _ = scheduler_and_two_workers
+    r = run_cli("multiply", str(d / "a.npy"), str(d / "b.npy"), "-o", str(d / "c.npy"),
+                "--chunk-size", "50kB", "--scheduler-file", str(sched_file), "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["where"]["workers"] == 2
+    np.testing.assert_array_equal(np.load(d / "c.npy"), a * b)
+    r = run_cli("gram", str(d / "bits.npy"), "-o", str(d / "g.npy"), "--chunk-rows", "100",
+                "--scheduler-file", str(sched_file))
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal(np.load(d / "g.npy"), bits.astype(np.int64) @ bits.T)
+
+
+def test_worker_killed_mid_job_completes_or_fails_cleanly(rng, tmp_path, scheduler_and_two_workers):
+    sched_file, procs = scheduler_and_two_workers
+    a = rng.random((400_000, 50))  # 160 MB, in 1 MB chunks: long enough to kill a worker
+    np.save(tmp_path / "a.npy", a)
+    out = tmp_path / "out" / "c.npy"
+    out.parent.mkdir()
+    job = subprocess.Popen([*PYTHON, "multiply", str(tmp_path / "a.npy"), str(tmp_path / "a.npy"),
+                            "-o", str(out), "--chunk-size", "1MB", "--scheduler-file",
+                            str(sched_file), "--json"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not any(out.parent.iterdir()) and time.time() < deadline and job.poll() is None:
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGKILL)  # a worker dies while chunks are being written
+    _, stderr = job.communicate(timeout=240)
+    names = sorted(p.name for p in out.parent.iterdir())
+    print(f"job exit status after the kill: {job.returncode}; {stderr.strip()[:200]}")
+    if job.returncode == 0:
+        assert names == ["c.npy"]
+        np.testing.assert_array_equal(np.load(out), a * a)
+    else:
+        assert names == [], names  # never a half-written file
+        assert stderr.strip().count("\n") == 0 and stderr.startswith("error:")
+
+
+# ---- bad input: a non-zero exit, one line on stderr, nothing written -----------------------
+
+
+def _setup_bad(d: Path) -> None:
+    np.save(d / "a.npy", np.ones((10, 4)))
+    np.save(d / "b.npy", np.ones((10, 4)))
+    np.save(d / "mismatch.npy", np.ones((7, 4)))
+    np.save(d / "half.npy", np.ones((10, 4), np.float16))
+    np.save(d / "strings.npy", np.array(["a", "b"]))
+    np.save(d / "obj.npy", np.array([{}, 1], dtype=object))
+    np.save(d / "vec.npy", np.ones(10, np.uint8))
+    np.save(d / "floats.npy", np.ones((4, 9)))
+    np.save(d / "signed.npy", np.ones((4, 9), np.int16))
+    bad_bits = np.ones((6, 70), np.uint8)
+    bad_bits[4, 66] = 2
+    np.save(d / "badbits.npy", bad_bits)
+    np.save(d / "bits.npy", np.ones((6, 70), np.uint8))
+    np.save(d / "exists.npy", np.zeros(3))
+    (d / "text.npy").write_text("not numpy at all")
+    (d / "empty.npy").write_bytes(b"")
+    np.save(d / "trunc.npy", np.ones((100, 100)))
+    os.truncate(d / "trunc.npy", 500)
+    (d / "corrupt.npy").write_bytes(b"\x93NUMPY\x01\x00\x10\x00{'descr': nonsense")
+    (d / "adir").mkdir()
+    (d / "readonly").mkdir()
+    os.chmod(d / "readonly", 0o500)
+
+
+BAD = [
+    ("missing input", ["multiply", "nope.npy", "b.npy", "-o", "c.npy"], 3, "no such file"),
+    ("input is a directory", ["multiply", "adir", "b.npy", "-o", "c.npy"], 3, "directory"),
+    ("not a .npy", ["multiply", "text.npy", "b.npy", "-o", "c.npy"], 3, "not a .npy"),
+    ("empty file", ["gram", "empty.npy", "-o", "c.npy"], 3, "not a .npy"),
+    ("truncated", ["multiply", "trunc.npy", "trunc.npy", "-o", "c.npy"], 3, "truncated"),
+    ("corrupt header", ["multiply", "corrupt.npy", "b.npy", "-o", "c.npy"], 3, "corrupt"),
+    ("object dtype", ["multiply", "obj.npy", "b.npy", "-o", "c.npy"], 3, "Python objects"),
+    ("shape mismatch", ["multiply", "a.npy", "mismatch.npy", "-o", "c.npy"], 3, "broadcast"),
+    ("unsupported dtype", ["multiply", "half.npy", "b.npy", "-o", "c.npy"], 3, "float16"),
+    ("string dtype", ["multiply", "strings.npy", "b.npy", "-o", "c.npy"], 3, "dtype"),
+    ("gram of 1-D", ["gram", "vec.npy", "-o", "c.npy"], 3, "2-D"),
+    ("gram of floats", ["gram", "floats.npy", "-o", "c.npy"], 3, "bool or integer"),
+    ("packed signed words", ["gram", "signed.npy", "-o", "c.npy", "--packed"], 3, "unsigned"),
+    ("non-0/1 bits", ["gram", "badbits.npy", "-o", "c.npy"], 3, "row 4, column 66"),
+    ("output exists", ["multiply", "a.npy", "b.npy", "-o", "exists.npy"], 4, "--overwrite"),
+    ("output dir missing", ["multiply", "a.npy", "b.npy", "-o", "no/dir/c.npy"], 4, "does not exist"),
+    ("output is a directory", ["multiply", "a.npy", "b.npy", "-o", "adir"], 4, "directory"),
+    ("output is an input", ["multiply", "a.npy", "b.npy", "-o", "a.npy", "--overwrite"], 4,
+     "also an input"),
+    ("output dir read-only", ["multiply", "a.npy", "b.npy", "-o", "readonly/c.npy"], 4,
+     "not writable"),
+    ("output dir not writable (even by root)", ["multiply", "a.npy", "b.npy", "-o",
+                                                "/proc/dask-gpuchunk-c.npy"], 4, "not writable"),
+    ("bad memory limit", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--memory-limit", "lots"],
+     2, "memory size"),
+    ("bad device memory limit", ["gram", "bits.npy", "-o", "c.npy", "--device-memory-limit",
+                                 "-3GB"], 2, "negative"),
+    ("bad chunk size", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--chunk-size", "abc"], 2,
+     "chunk-size"),
+    ("zero chunk rows", ["gram", "bits.npy", "-o", "c.npy", "--chunk-rows", "0"], 2, "chunk-rows"),
+    ("bad method", ["gram", "bits.npy", "-o", "c.npy", "--method", "magic"], 2, "method"),
+    ("bad device", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--device", "tpu"], 2, "device"),
+    ("both scheduler options", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--scheduler-file",
+                                "s.json", "--scheduler-address", "tcp://127.0.0.1:1"], 2, "not both"),
+    ("missing scheduler file", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--scheduler-file",
+                                "s.json"], 5, "scheduler file"),
+    ("local option with a joined cluster", ["multiply", "a.npy", "b.npy", "-o", "c.npy",
+                                            "--scheduler-file", "s.json", "--gpus", "1"], 2,
+     "local cluster"),
+    ("zero threads", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--threads-per-gpu", "0"], 2,
+     "threads-per-gpu"),
+    ("missing output option", ["multiply", "a.npy", "b.npy"], 2, "--output"),
+]
+
+
+@pytest.mark.parametrize("case, args, code, match", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, monkeypatch, case, args,
+                                                          code, match):
+    if case == "output dir read-only" and os.geteuid() == 0:
+        pytest.skip("root writes into read-only directories")
+    _setup_bad(tmp_path)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == code, (result.exit_code, result.output)
+    message = result.stderr.strip() if result.stderr else result.output.strip()
+    assert match in message, message
+    if code != 2:  # click's usage errors add a usage line and a hint; ours are one line
+        assert "\n" not in message and message.startswith("error:"), message
+    assert "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    os.chmod(tmp_path / "readonly", 0o700)
+
+
+def test_gpus_on_a_machine_without_gpu(tmp_path, monkeypatch):
+    from dask_gpuchunk import gpu_available
+
+    if gpu_available():
+        pytest.skip("a GPU is visible")
+    _setup_bad(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--gpus", "1"])
+    assert result.exit_code == 5 and "no CUDA GPU" in result.stderr
+    assert not (tmp_path / "c.npy").exists()
+
+
+@pytest.mark.gpu
+def test_gram_command_on_the_gpu(rng, tmp_path):
+    bits = random_bits(rng, (3000, 5000), 0.5)
+    np.save(tmp_path / "bits.npy", np.packbits(bits, axis=1))
+    r = run_cli("gram", str(tmp_path / "bits.npy"), "-o", str(tmp_path / "g.npy"), "--packed",
+                "--chunk-rows", "1024", "--device", "gpu", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["where"]["gpus"] >= 1
+    g = np.load(tmp_path / "g.npy")
+    rows = rng.choice(3000, 10, replace=False)
+    expected = bits[rows].astype(np.int64) @ bits.T.astype(np.int64)
+    np.testing.assert_array_equal(g[rows], expected)

@@ -1,0 +1,79 @@
+"""``dg.local_cluster`` / ``dg.connect`` and the memory-limit parser."""
+
+from __future__ import annotations
+
+import dask.array as da
+import numpy as np
+import pytest
+
+import dask_gpuchunk as dg
+from dask_gpuchunk.cluster import parse_memory_limit
+
+
+@pytest.mark.parametrize("value, expected", [("8GB", 8_000_000_000), ("500MiB", 500 * 2**20),
+                                             ("0.8", 0.8), (0, 0), ("0", 0), ("auto", "auto"),
+                                             (None, None), (123456, 123456), ("1", 1.0)])
+def test_parse_memory_limit(value, expected):
+    assert parse_memory_limit(value, "x") == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "-5", "8 parsecs", "-1GB"])
+def test_parse_memory_limit_rejects(value):
+    with pytest.raises(ValueError, match="x:"):
+        parse_memory_limit(value, "x")
+
+
+def test_local_cluster_runs_operators(rng, tmp_path):
+    a = rng.random((300, 30))
+    bits = (rng.random((50, 100)) < 0.5).astype(np.uint8)
+    with dg.local_cluster(processes=False, dashboard_address=None, spill_dir=tmp_path / "spill",
+                          memory_limit="2GB") as client:
+        assert len(client.scheduler_info()["workers"]) == 1
+        product = dg.multiply(dg.asarray(a, chunks=100), 2.0).compute()
+        g = dg.gram(da.from_array(bits, chunks=(20, 100))).compute()
+    np.testing.assert_array_equal(product, a * 2.0)
+    np.testing.assert_array_equal(g, bits.astype(np.int64) @ bits.T)
+    assert (tmp_path / "spill").is_dir()
+
+
+def test_local_cluster_worker_processes_compile_their_own_kernels(rng):
+    a = rng.random((200, 10))
+    with dg.local_cluster(n_workers=2, threads_per_gpu=1, dashboard_address=None) as client:
+        assert len(client.scheduler_info()["workers"]) == 2
+        result = dg.multiply(da.from_array(a, chunks=50), a[0])
+        np.testing.assert_array_equal(result.compute(), a * a[0])
+
+
+def test_local_cluster_bad_arguments():
+    with pytest.raises(ValueError, match="threads_per_gpu"), dg.local_cluster(threads_per_gpu=0):
+        pass
+    with pytest.raises(ValueError, match="memory size"), dg.local_cluster(memory_limit="lots"):
+        pass
+    if not dg.gpu_available():
+        with pytest.raises(dg.GPUNotAvailableError, match="no CUDA GPU"), dg.local_cluster(gpus=1):
+            pass
+
+
+def test_connect_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="exactly one"):
+        dg.connect()
+    with pytest.raises(ValueError, match="exactly one"):
+        dg.connect(scheduler_file=tmp_path / "s.json", address="tcp://127.0.0.1:1")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        dg.connect(scheduler_file=tmp_path / "missing.json")
+
+
+@pytest.mark.gpu
+def test_local_cuda_cluster_runs_operators_on_worker_gpus(rng, tmp_path):
+    a = rng.random((4000, 64))
+    bits = (rng.random((700, 3000)) < 0.5).astype(np.uint8)
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "bits.npy", bits)
+    with dg.local_cluster(dashboard_address=None, device_memory_limit="2GB") as client:
+        assert sum(client.run(dg.gpu_count).values()) >= 1
+        x = dg.from_npy(tmp_path / "a.npy", chunks=(1000, 64))
+        dg.to_npy(dg.multiply(x, x, device="gpu"), tmp_path / "c.npy")
+        g = dg.gram(dg.from_npy(tmp_path / "bits.npy", chunks=(256, 3000)), device="gpu")
+        dg.to_npy(g, tmp_path / "g.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), a * a)
+    np.testing.assert_array_equal(np.load(tmp_path / "g.npy"), bits.astype(np.int64) @ bits.T)

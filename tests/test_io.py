@@ -1,0 +1,156 @@
+"""``dg.from_npy`` / ``dg.to_npy``: round trips, regions read lazily, never a half-written file."""
+
+from __future__ import annotations
+
+import os
+
+import dask.array as da
+import numpy as np
+import pytest
+from helpers import DTYPES, random_array
+
+import dask_gpuchunk as dg
+from dask_gpuchunk.io import NpyFormatError, read_header
+
+
+def files(directory) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_every_dtype(rng, tmp_path, dtype):
+    a = random_array(rng, (37, 11), dtype)
+    np.save(tmp_path / "a.npy", a)
+    x = dg.from_npy(tmp_path / "a.npy", chunks=(10, 4))
+    assert x.dtype == a.dtype and x.chunks == ((10, 10, 10, 7), (4, 4, 3))
+    dg.to_npy(x, tmp_path / "b.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "b.npy"), a)
+    assert files(tmp_path) == ["a.npy", "b.npy"]
+
+
+@pytest.mark.parametrize("shape, chunks", [((), ()), ((7,), 3), ((0, 4), (2, 2)), ((5, 0), 2),
+                                           ((6, 5, 4), (4, 2, 3)), ((1, 1), 1)])
+def test_round_trip_shapes(rng, tmp_path, shape, chunks):
+    a = random_array(rng, shape, "float32")
+    np.save(tmp_path / "a.npy", a)
+    x = dg.from_npy(tmp_path / "a.npy", chunks=chunks)
+    np.testing.assert_array_equal(x.compute(), a)
+    dg.to_npy(x * 2, tmp_path / "c.npy")
+    out = np.load(tmp_path / "c.npy")
+    assert out.shape == a.shape
+    np.testing.assert_array_equal(out, a * 2)
+
+
+def test_fortran_order_and_big_endian_inputs(rng, tmp_path):
+    a = random_array(rng, (30, 17), "float64")
+    np.save(tmp_path / "f.npy", np.asfortranarray(a))
+    np.save(tmp_path / "be.npy", a.astype(">f8"))
+    assert read_header(tmp_path / "f.npy").fortran_order
+    f = dg.from_npy(tmp_path / "f.npy", chunks=(8, 5))
+    be = dg.from_npy(tmp_path / "be.npy", chunks=(8, 5))
+    assert be.dtype == np.dtype("float64") and be.dtype.isnative
+    np.testing.assert_array_equal(f.compute(), a)
+    np.testing.assert_array_equal(dg.multiply(f, be).compute(), a * a)
+    dg.to_npy(be, tmp_path / "out.npy")  # written in native order
+    assert np.load(tmp_path / "out.npy").dtype.isnative
+
+
+def test_chunks_are_lazy_views_of_their_region(rng, tmp_path):
+    a = random_array(rng, (100, 10), "int32")
+    np.save(tmp_path / "a.npy", a)
+    x = dg.from_npy(tmp_path / "a.npy", chunks=(25, 10))
+    block = x.blocks[2].compute(scheduler="sync")
+    np.testing.assert_array_equal(block, a[50:75])
+    # a memory map of the file, not a copy: only its pages are read, when touched
+    assert isinstance(block, np.memmap) or isinstance(getattr(block, "base", None), np.memmap)
+
+
+def test_from_npy_sees_no_whole_array_in_the_graph(rng, tmp_path):
+    a = random_array(rng, (1000, 100), "float64")
+    np.save(tmp_path / "a.npy", a)
+    graph = dict(dg.from_npy(tmp_path / "a.npy", chunks=(100, 100)).__dask_graph__())
+    assert not any(isinstance(v, np.ndarray) for v in graph.values())
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda p: None, FileNotFoundError, "no such file"),
+        (lambda p: p.mkdir(), IsADirectoryError, "is a directory"),
+        (lambda p: p.write_text("hello, not numpy"), NpyFormatError, "not a .npy file"),
+        (lambda p: p.write_bytes(b""), NpyFormatError, "not a .npy file"),
+        (lambda p: p.write_bytes(b"\x93NUMPY\x01\x00\x10\x00{'descr': nonsense"), NpyFormatError,
+         "corrupt .npy header"),
+        (lambda p: (np.save(p, np.zeros((100, 10))), os.truncate(p, 1000)), NpyFormatError,
+         "truncated"),
+        (lambda p: np.save(p, np.array([{}, 1], dtype=object)), NpyFormatError, "Python objects"),
+    ],
+)
+def test_from_npy_rejects_bad_files(tmp_path, make, error, match):
+    path = tmp_path / "bad.npy"
+    make(path)
+    with pytest.raises(error, match=match):
+        dg.from_npy(path)
+
+
+def test_to_npy_refuses_existing_output_unless_overwrite(rng, tmp_path):
+    target = tmp_path / "c.npy"
+    np.save(target, np.arange(3))
+    with pytest.raises(FileExistsError, match="overwrite"):
+        dg.to_npy(da.ones(5, chunks=2), target)
+    np.testing.assert_array_equal(np.load(target), np.arange(3))
+    dg.to_npy(da.ones(5, chunks=2), target, overwrite=True)
+    np.testing.assert_array_equal(np.load(target), np.ones(5))
+
+
+def test_to_npy_bad_targets(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        dg.to_npy(np.ones(3), tmp_path / "missing" / "c.npy")
+    with pytest.raises(IsADirectoryError):
+        dg.to_npy(np.ones(3), tmp_path)
+    with pytest.raises(TypeError, match="Python objects"):
+        dg.to_npy(np.array([None, 1], dtype=object), tmp_path / "o.npy")
+    assert files(tmp_path) == []
+
+
+def _fail_on_third(block, block_info=None):
+    if block_info[0]["chunk-location"][0] == 3:
+        raise RuntimeError("chunk 3 failed")
+    return block
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_failing_chunk_leaves_no_file(rng, tmp_path, existing):
+    target = tmp_path / "c.npy"
+    if existing:
+        np.save(target, np.arange(4))
+    x = da.ones((100, 3), chunks=(10, 3)).map_blocks(_fail_on_third, dtype=float)
+    with pytest.raises(RuntimeError, match="chunk 3 failed"):
+        dg.to_npy(x, target, overwrite=True)
+    assert files(tmp_path) == (["c.npy"] if existing else [])
+    if existing:  # the old file is untouched
+        np.testing.assert_array_equal(np.load(target), np.arange(4))
+
+
+def test_to_npy_on_a_distributed_cluster_reports_progress(rng, tmp_path):
+    a = random_array(rng, (500, 20), "float64")
+    np.save(tmp_path / "a.npy", a)
+    seen = []
+    with dg.local_cluster(processes=False, dashboard_address=None, threads_per_gpu=2):
+        x = dg.from_npy(tmp_path / "a.npy", chunks=(50, 20))
+        dg.to_npy(dg.multiply(x, x), tmp_path / "c.npy", progress=lambda d, t: seen.append((d, t)))
+        with pytest.raises(RuntimeError, match="chunk 3 failed"):
+            dg.to_npy(x.map_blocks(_fail_on_third, dtype=float), tmp_path / "bad.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), a * a)
+    assert seen[-1] == (10, 10)
+    assert files(tmp_path) == ["a.npy", "c.npy"]
+
+
+@pytest.mark.gpu
+def test_to_npy_of_cupy_chunks(rng, tmp_path):
+    import cupy
+
+    a = random_array(rng, (300, 40), "float32")
+    x = dg.asarray(cupy.asarray(a), chunks=(64, 40))
+    dg.to_npy(dg.multiply(x, 3.0), tmp_path / "c.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), a * np.float32(3.0))
