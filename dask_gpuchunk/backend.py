@@ -263,11 +263,20 @@ def run_staged(
     """
     import cupy
 
-    from .staging import copy_to_host, device_slot, h2d_slot, is_pinned, pinned_pool
+    from .staging import (
+        copy_to_host,
+        device_slot,
+        empty_pooled_pinned,
+        h2d_slot,
+        is_pinned,
+        pinned_pool,
+    )
 
     out_dtype = np.dtype(out_dtype)
     if dest is None:
-        dest = np.empty(shape, dtype=out_dtype)
+        # Pinned, so the result lands in it from the device with no staging copy (and a file
+        # writer sends it on from there).
+        dest = empty_pooled_pinned(shape, out_dtype) if int(np.prod(shape)) else np.empty(shape, out_dtype)
     if dest.size == 0:
         return dest
     events = (cupy.cuda.Event(), cupy.cuda.Event()) if timings is not None else None

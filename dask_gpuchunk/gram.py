@@ -228,7 +228,9 @@ def _sum_blocks(*blocks: Any) -> Any:
 
 
 def _transposed(block: Any) -> Any:
-    return block.T.copy()  # C order, for NumPy and CuPy alike
+    if backend.is_cupy(block):
+        return block.T.copy()  # C order
+    return backend.run_cpu_kernel(kernels.transpose_cpu, block)
 
 
 def _add_tree(dsk: dict, parts: list[tuple], final: tuple, prefix: str) -> None:

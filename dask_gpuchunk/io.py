@@ -1,11 +1,10 @@
 """.npy files larger than memory, in and out, chunk by chunk: ``from_npy`` and ``to_npy``.
 
 ``from_npy`` reads the header once, on the client, and checks the file (magic string, header,
-dtype, size); each task then memory-maps the file and returns a view of its own region, on
-whichever worker runs it (workers must see the same path). Pages are read when the view is
-first touched: by a CPU kernel directly, or by the copy into a pinned staging buffer on the GPU
-path (:func:`dask_gpuchunk.backend.run_staged`), so the file is read straight into the buffer
-that goes to the device, with no other host copy.
+dtype, size); each task then reads only its own region, on whichever worker runs it (workers
+must see the same path), with large sequential ``preadv`` calls straight into a new array. Where
+the worker sees a GPU, that array is page-locked (CuPy's pinned pool): the file is read straight
+into the buffer that goes to the device, and the GPU path sends it with no staging copy.
 
 ``to_npy`` writes the header of the whole array into a temporary file next to the target
 (``.<name>.<random>.partial``), then every chunk into its region of that file from the worker
@@ -112,17 +111,74 @@ def _native(dtype: np.dtype) -> np.dtype:
     return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
+def _region_runs(header: NpyHeader, region: tuple[slice, ...]) -> tuple[int, list[int]]:
+    """Bytes per contiguous run of ``region`` in a C-order file, and each run's file offset.
+
+    The trailing axes that the region covers whole make its runs contiguous: one run for a
+    chunk of whole rows, one per row for a block of a matrix. Runs come in C order, so run
+    ``r`` is bytes ``[r * run, (r + 1) * run)`` of the C-contiguous chunk.
+    """
+    shape = header.shape
+    starts = [s.indices(n)[0] for s, n in zip(region, shape)]
+    lens = [len(range(*s.indices(n))) for s, n in zip(region, shape)]
+    k = len(shape) - 1  # the runs span axes k.. (k covered partly, later axes whole)
+    while k >= 0 and lens[k] == shape[k] and starts[k] == 0:
+        k -= 1
+    k = max(k, 0)
+    strides = [int(np.prod(shape[a + 1:], dtype=np.int64)) for a in range(len(shape))]
+    run = int(np.prod(lens[k:], dtype=np.int64)) * header.dtype.itemsize
+    first = sum(st * sd for st, sd in zip(starts, strides))
+    if k == 0 or not shape:
+        return run, [header.offset + first * header.dtype.itemsize]
+    grid = np.indices(lens[:k], dtype=np.int64).reshape(k, -1)
+    elements = first + (grid * np.array(strides[:k], dtype=np.int64)[:, None]).sum(axis=0)
+    return run, (header.offset + elements * header.dtype.itemsize).tolist()
+
+
+def _host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A new host array; page-locked (from CuPy's pinned pool) where a GPU is visible, so that
+    the GPU path sends it with no staging copy."""
+    from .devices import gpu_available
+
+    if gpu_available():
+        from .staging import empty_pooled_pinned
+
+        return empty_pooled_pinned(shape, dtype)
+    return np.empty(shape, dtype)
+
+
 def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...]) -> np.ndarray:
-    """A memory-mapped view of one region of the file (native byte order: then a copy)."""
+    """Read one region of the file into a new (pinned where a GPU is visible) array.
+
+    ``preadv`` of each contiguous run, straight into the array: large sequential reads, no
+    page faults, no other copy. Fortran-order or big-endian files are read through a memory
+    map instead (a strided region, or a conversion, needs a copy anyway).
+    """
     shape = tuple(len(range(*s.indices(n))) for s, n in zip(region, header.shape))
     if header.nbytes == 0 or 0 in shape:
         return np.empty(shape, dtype=_native(header.dtype))
-    mm = np.memmap(path, dtype=header.dtype, mode="r", offset=header.offset, shape=header.shape,
-                   order="F" if header.fortran_order else "C")
-    view = mm[region] if region else mm  # a 0-d memmap indexed by () would be a scalar
-    if not header.dtype.isnative:
-        return view.astype(_native(header.dtype))
-    return view
+    if header.fortran_order or not header.dtype.isnative:
+        mm = np.memmap(path, dtype=header.dtype, mode="r", offset=header.offset,
+                       shape=header.shape, order="F" if header.fortran_order else "C")
+        view = mm[region] if region else mm  # a 0-d memmap indexed by () would be a scalar
+        out = _host_array(shape, _native(header.dtype))
+        out[...] = view
+        return out
+    out = _host_array(shape, header.dtype)
+    raw = memoryview(out.reshape(-1).view(np.uint8))
+    run, offsets = _region_runs(header, region)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for r, offset in enumerate(offsets):
+            view = raw[r * run:(r + 1) * run]
+            while view:
+                got = os.preadv(fd, [view], offset)
+                if got == 0:
+                    raise NpyFormatError(f"{path} ended before its data (truncated while read?)")
+                view, offset = view[got:], offset + got
+    finally:
+        os.close(fd)
+    return out
 
 
 def from_npy(path: str | os.PathLike, chunks: Any = "auto") -> da.Array:
@@ -221,26 +277,14 @@ def _write_region(block: Any, path: str, header: NpyHeader, region: tuple[slice,
 
 
 def _pwrite_region(fd: int, block: np.ndarray, header: NpyHeader, region: tuple[slice, ...]) -> None:
-    """``pwrite`` a chunk into its region of a C-order file: one call per contiguous run.
-
-    The trailing axes that the region covers whole make its runs contiguous: one run for a
-    chunk of whole rows, one per row for a block of a matrix. Writing through ``pwrite``
-    rather than a memory map avoids a page fault per 4 KiB of output.
-    """
-    shape = header.shape
-    starts = [s.indices(n)[0] for s, n in zip(region, shape)]
-    lens = block.shape
-    k = len(shape) - 1  # the first axis from which every later axis is covered whole
-    while k >= 0 and lens[k] == shape[k] and starts[k] == 0:
-        k -= 1
+    """``pwrite`` a chunk into its region of a C-order file: one call per contiguous run
+    (:func:`_region_runs`), through the page cache, without a page fault per 4 KiB as a memory
+    map would take."""
     block = np.ascontiguousarray(block)
-    strides = np.cumprod((1, *shape[::-1]))[-2::-1]  # element strides of the file's layout
-    for outer in np.ndindex(*lens[:max(k, 0)]):
-        run = block[outer] if outer else block
-        index = [starts[a] + (outer[a] if a < len(outer) else 0) for a in range(len(shape))]
-        offset = header.offset + int(np.dot(index, strides)) * header.dtype.itemsize if shape \
-            else header.offset
-        view = memoryview(run.reshape(-1)).cast("B")
+    raw = memoryview(block.reshape(-1).view(np.uint8))
+    run, offsets = _region_runs(header, region)
+    for r, offset in enumerate(offsets):
+        view = raw[r * run:(r + 1) * run]
         while view:
             written = os.pwrite(fd, view, offset)
             view, offset = view[written:], offset + written
@@ -337,7 +381,8 @@ def to_npy(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
     array([ 0,  2,  4,  6,  8, 10, 12, 14, 16, 18])
     """
     target = Path(os.path.abspath(os.fspath(path)))
-    if np.dtype(getattr(x, "dtype", np.asarray(x).dtype)).hasobject:
+    dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+    if dtype.hasobject:
         raise TypeError(f"cannot write an array of Python objects ({x.dtype}) to a .npy file")
     _check_target(target, overwrite)
     x = asarray(x)

@@ -35,6 +35,7 @@ __all__ = [
     "copy_to_device",
     "copy_to_host",
     "empty_pinned",
+    "empty_pooled_pinned",
 ]
 
 #: Chunks of NumPy data on the GPU at once, per device. Each holds device memory for its
@@ -242,3 +243,15 @@ def copy_to_host(dst: np.ndarray, src: Any, stream: Any) -> None:
     if dst.nbytes:
         cupy.cuda.runtime.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes, _D2H, stream.ptr)
 
+
+
+def empty_pooled_pinned(shape: Any, dtype: Any = np.float64) -> np.ndarray:
+    """A new page-locked NumPy array from CuPy's pinned pool, back in the pool when it is gone.
+
+    For chunks whose lifetime Dask decides (files read for the GPU, results of the GPU path):
+    allocated from the pool's cached blocks after the first ones (which ``cudaHostAlloc``), at
+    the price of the pool's rounding up to a power of two.
+    """
+    import cupyx
+
+    return cupyx.empty_pinned(shape, dtype=dtype)

@@ -55,14 +55,25 @@ def test_fortran_order_and_big_endian_inputs(rng, tmp_path):
     assert np.load(tmp_path / "out.npy").dtype.isnative
 
 
-def test_chunks_are_lazy_views_of_their_region(rng, tmp_path):
+@pytest.mark.parametrize("chunks, runs", [((25, 10), 1), ((25, 4), 25)])
+def test_a_chunk_reads_only_its_region(rng, tmp_path, monkeypatch, chunks, runs):
     a = random_array(rng, (100, 10), "int32")
     np.save(tmp_path / "a.npy", a)
-    x = dg.from_npy(tmp_path / "a.npy", chunks=(25, 10))
-    block = x.blocks[2].compute(scheduler="sync")
-    np.testing.assert_array_equal(block, a[50:75])
-    # a memory map of the file, not a copy: only its pages are read, when touched
-    assert isinstance(block, np.memmap) or isinstance(getattr(block, "base", None), np.memmap)
+    x = dg.from_npy(tmp_path / "a.npy", chunks=chunks)
+    reads = []
+    real_preadv = os.preadv
+
+    def recording_preadv(fd, buffers, offset):
+        reads.append((offset, sum(len(b) for b in buffers)))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", recording_preadv)
+    col = 0 if chunks[1] == 10 else 1
+    block = x.blocks[2, col].compute(scheduler="sync")
+    np.testing.assert_array_equal(block, a[50:75, col * chunks[1]:(col + 1) * chunks[1]])
+    assert sum(n for _, n in reads) == block.nbytes and len(reads) == runs
+    header = read_header(tmp_path / "a.npy")
+    assert min(o for o, _ in reads) == header.offset + (50 * 10 + col * chunks[1]) * 4
 
 
 def test_from_npy_sees_no_whole_array_in_the_graph(rng, tmp_path):

@@ -20,6 +20,7 @@ from dask_gpuchunk._kernels.gram import (
     popcount_cpu,
     popcount_cuda,
     reference_gram,
+    transpose_cpu,
 )
 
 SIZES = [1, 7, 63, 64, 65, 130]
@@ -107,3 +108,11 @@ def test_int8_cuda_rectangular(rng):
     int8_cuda(cupy.asarray(reference_bitpack(a)), cupy.asarray(reference_bitpack(b)), c)
     expected = (a.astype(np.int64) @ b.T.astype(np.int64)).astype(np.int32)
     np.testing.assert_array_equal(cupy.asnumpy(c), expected)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 200), (130, 67), (64, 64), (300, 129)])
+def test_transpose_cpu(rng, shape):
+    block = rng.integers(-1000, 1000, size=shape).astype(np.int32)
+    out = transpose_cpu(block)
+    assert out.flags.c_contiguous
+    np.testing.assert_array_equal(out, block.T)
