@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -147,6 +148,12 @@ def _host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.empty(shape, dtype)
 
 
+#: Region reads at once per process (``DASK_GPUCHUNK_FILE_READS``; 0: no limit). A disk that
+#: serves one sequential stream faster than many interleaved ones wants a small number.
+FILE_READS_IN_FLIGHT = int(os.environ.get("DASK_GPUCHUNK_FILE_READS", "0") or 0)
+_read_slots = threading.Semaphore(FILE_READS_IN_FLIGHT) if FILE_READS_IN_FLIGHT > 0 else None
+
+
 def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...]) -> np.ndarray:
     """Read one region of the file into a new (pinned where a GPU is visible) array.
 
@@ -168,14 +175,16 @@ def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...]) -> np.
     raw = memoryview(out.reshape(-1).view(np.uint8))
     run, offsets = _region_runs(header, region)
     fd = os.open(path, os.O_RDONLY)
+    slot = _read_slots or contextlib.nullcontext()
     try:
-        for r, offset in enumerate(offsets):
-            view = raw[r * run:(r + 1) * run]
-            while view:
-                got = os.preadv(fd, [view], offset)
-                if got == 0:
-                    raise NpyFormatError(f"{path} ended before its data (truncated while read?)")
-                view, offset = view[got:], offset + got
+        with slot:
+            for r, offset in enumerate(offsets):
+                view = raw[r * run:(r + 1) * run]
+                while view:
+                    got = os.preadv(fd, [view], offset)
+                    if got == 0:
+                        raise NpyFormatError(f"{path} ended before its data (truncated?)")
+                    view, offset = view[got:], offset + got
     finally:
         os.close(fd)
     return out

@@ -40,6 +40,9 @@ __all__ = [
 
 Progress = Callable[[int, int], None] | None
 
+#: Largest whole-width row slab of a Gram output written as one piece (bytes).
+SLAB_BYTES = 2 << 30
+
 
 class JobError(Exception):
     """A job that cannot run or did not finish; ``exit_code`` is the command's exit status."""
@@ -91,6 +94,10 @@ def _check_output(out: str | os.PathLike, inputs: list[str | os.PathLike], overw
     return target
 
 
+def _native_str(dtype: np.dtype) -> str:
+    return (dtype if dtype.isnative else dtype.newbyteorder("=")).str
+
+
 def _row_chunks(header: NpyHeader, chunk_size: str | int) -> tuple[Any, ...]:
     """Chunks of whole rows of about ``chunk_size`` bytes (one chunk for 0-d or empty)."""
     nbytes = parse_bytes(chunk_size) if isinstance(chunk_size, str) else int(chunk_size)
@@ -103,9 +110,54 @@ def _row_chunks(header: NpyHeader, chunk_size: str | int) -> tuple[Any, ...]:
     return (max(1, nbytes // row), *shape[1:])
 
 
-def _run(write: Callable[[], Any]) -> float:
+def _warm_multiply(a_shape: tuple[int, ...], a_dtype: str, b_shape: tuple[int, ...],
+                   b_dtype: str, device: str) -> None:
+    """Compile the kernels a multiply job will use, on tiny arrays broadcast like its inputs."""
+    from .devices import gpu_available
+    from .elementwise import multiply
+
+    def small(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return np.ones(tuple(min(n, 2) for n in shape), dtype=dtype)
+
+    a, b = small(a_shape, a_dtype), small(b_shape, b_dtype)
+    for where in ("cpu", "gpu") if device == "auto" else (device,):
+        if where == "cpu" or gpu_available():
+            multiply(a, b, device=where).compute(scheduler="sync")
+
+
+def _warm_gram(words_dtype: str, method: str, device: str) -> None:
+    """Compile the kernels of a Gram job: two row blocks of packed words (a mirror, a transpose)."""
+    from .arrays import asarray
+    from .gram import gram
+
+    words = np.ones((96, 16), dtype=words_dtype)
+    gram(asarray(words, (48, 16)), packed=True, method=method, device=device).compute(
+        scheduler="sync")
+
+
+def _start_warmup(fn: Callable[..., None], *args: Any) -> list[Any]:
+    """Compile on every worker of the active cluster while the job's first chunks are read.
+
+    Each worker compiles in one of its threads, concurrently with the job's tasks; the kernels
+    are then in the worker's process when its first computing task needs them. Returns the
+    futures (to keep them alive); nothing where no distributed client is active.
+    """
+    from .devices import distributed_client_active
+
+    if not distributed_client_active():
+        return []
+    from distributed import default_client
+
+    client = default_client()
+    workers = list(client.scheduler_info()["workers"])
+    return [client.submit(fn, *args, workers=[w], allow_other_workers=False, pure=False)
+            for w in workers]
+
+
+def _run(write: Callable[[], Any], warmup: Callable[[], list[Any]] | None = None) -> float:
     t0 = time.perf_counter()
     try:
+        warming = warmup() if warmup else []  # noqa: F841 - kept alive until the job is done
         write()
     except BitValueError as exc:
         raise InputError(str(exc)) from None
@@ -159,7 +211,11 @@ def multiply_job(
     moved = ha.nbytes + hb.nbytes + int(np.prod(shape, dtype=np.int64)) * result.dtype.itemsize
 
     def run(progress: Progress) -> dict[str, Any]:
-        seconds = _run(lambda: to_npy(result, target, overwrite=overwrite, progress=progress))
+        seconds = _run(
+            lambda: to_npy(result, target, overwrite=overwrite, progress=progress),
+            lambda: _start_warmup(_warm_multiply, ha.shape, _native_str(ha.dtype), hb.shape,
+                                  _native_str(hb.dtype), device),
+        )
         return _multiply_summary(seconds)
 
     def _multiply_summary(seconds: float) -> dict[str, Any]:
@@ -228,9 +284,17 @@ def gram_job(
         words = bitpack(x, device="cpu" if device == "cpu" else "auto").rechunk({1: -1})
         k_bits = k
     result = gram(words, packed=True, method=method, device=device)
+    if 1 < result.numblocks[1] and chunk_rows * n * 4 <= SLAB_BYTES:
+        # Whole-width row slabs: each is one sequential write, as np.save's is. Square blocks
+        # dirty the page cache in short runs all over the file, and its writeback then goes
+        # to the disk in small pieces.
+        result = result.rechunk({1: -1})
 
     def run(progress: Progress) -> dict[str, Any]:
-        seconds = _run(lambda: to_npy(result, target, overwrite=overwrite, progress=progress))
+        seconds = _run(
+            lambda: to_npy(result, target, overwrite=overwrite, progress=progress),
+            lambda: _start_warmup(_warm_gram, str(words.dtype), method, device),
+        )
         return {
             "command": "gram",
             "inputs": [{"path": str(bits), "shape": list(h.shape), "dtype": str(h.dtype),

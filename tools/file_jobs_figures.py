@@ -65,10 +65,15 @@ class GpuMemorySampler:
         self._thread.join()
 
 
-def cli(*args: str) -> dict:
+#: Extra options for every job (e.g. ["--gpus", "1"] on a machine with several GPUs).
+CLI_EXTRA: list[str] = []
+
+
+def cli(*args: str, env: dict | None = None) -> dict:
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "dask_gpuchunk", *args, "--json"],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run([sys.executable, "-m", "dask_gpuchunk", *args, *CLI_EXTRA, "--json"],
+                       capture_output=True, text=True, check=False,
+                       env={**os.environ, **(env or {})})
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         raise SystemExit(f"{args[0]} failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
@@ -83,6 +88,10 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+#: Values of DASK_GPUCHUNK_FILE_READS tried for the multiply job; the first is reported.
+READS_VARIANTS = [0, 4, 1]
+
+
 def multiply_figures(work: Path, result: dict) -> None:
     rng = np.random.default_rng(0)
     a_path, b_path, c_path = work / "a.npy", work / "b.npy", work / "c.npy"
@@ -92,8 +101,13 @@ def multiply_figures(work: Path, result: dict) -> None:
 
     pcie = pcie_bandwidth()
     floor = max(8e9 / pcie["h2d"], 4e9 / pcie["d2h"], 12e9 / pcie["bidirectional"])
-    cold = drop_caches()
-    ours = cli("multiply", str(a_path), str(b_path), "-o", str(c_path), "--overwrite")
+    variants = {}
+    for reads in READS_VARIANTS:  # region reads in flight per worker (0: no limit)
+        cold = drop_caches()
+        variants[reads] = cli("multiply", str(a_path), str(b_path), "-o", str(c_path),
+                              "--overwrite", env={"DASK_GPUCHUNK_FILE_READS": str(reads)})
+        print(f"multiply, {reads} reads in flight: {variants[reads]['seconds']:.2f} s", flush=True)
+    ours = variants[READS_VARIANTS[0]]
     sample = np.random.default_rng(1).choice(1_000_000, 200, replace=False)
     a, b, c = (np.load(p, mmap_mode="r") for p in (a_path, b_path, c_path))
     exact = bool(np.array_equal(c[sample], a[sample] * b[sample]))
@@ -108,6 +122,7 @@ def multiply_figures(work: Path, result: dict) -> None:
     numpy_seconds = t_read + t_write
     result["multiply"] = {
         "ours": ours, "sample_exact": exact, "pcie": pcie, "pcie_floor_s": floor,
+        "seconds_by_reads_in_flight": {k: v["seconds"] for k, v in variants.items()},
         "numpy_read_s": t_read, "numpy_write_s": t_write, "numpy_read_write_s": numpy_seconds,
         "caches_dropped_before_each": cold,
         "ratio_to_bound": ours["seconds"] / max(floor, numpy_seconds),
@@ -158,7 +173,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--bits", type=int, default=200_000)
     parser.add_argument("--skip", nargs="*", default=[])
+    parser.add_argument("--gpus", default=None, help="--gpus for the jobs (default: all)")
+    parser.add_argument("--reads", nargs="*", type=int, default=None,
+                        help="DASK_GPUCHUNK_FILE_READS values to try for multiply")
     args = parser.parse_args()
+    if args.gpus:
+        CLI_EXTRA.extend(["--gpus", args.gpus])
+    if args.reads is not None:
+        READS_VARIANTS[:] = args.reads
     args.workdir.mkdir(parents=True, exist_ok=True)
     result: dict = {"disk_free_bytes": shutil.disk_usage(args.workdir).free}
     try:

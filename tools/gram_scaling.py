@@ -48,7 +48,7 @@ def main() -> None:
                 g = dg.gram(dg.from_npy(path, chunks=(args.chunk_rows, -1)), packed=True,
                             method=args.method)
                 t0 = time.perf_counter()
-                total, rows = client.compute([g.sum(dtype=np.int64), g[sample]], sync=True)
+                _total, rows = client.compute([g.sum(dtype=np.int64), g[sample]], sync=True)
                 times.append(time.perf_counter() - t0)
             exact = bool(np.array_equal(np.asarray(rows), expected_rows))
             result["runs"][gpus] = {"seconds": times, "best": min(times), "sampled_rows_exact": exact,
