@@ -136,12 +136,12 @@ def _region_runs(header: NpyHeader, region: tuple[slice, ...]) -> tuple[int, lis
     return run, (header.offset + elements * header.dtype.itemsize).tolist()
 
 
-def _host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A new host array; page-locked (from CuPy's pinned pool) where a GPU is visible, so that
-    the GPU path sends it with no staging copy."""
+def _host_array(shape: tuple[int, ...], dtype: np.dtype, pinned: bool | None = None) -> np.ndarray:
+    """A new host array; page-locked (from CuPy's pinned pool) if ``pinned``, or, for ``None``,
+    where a GPU is visible, so that the GPU path sends it with no staging copy."""
     from .devices import gpu_available
 
-    if gpu_available():
+    if pinned or (pinned is None and gpu_available()):
         from .staging import empty_pooled_pinned
 
         return empty_pooled_pinned(shape, dtype)
@@ -154,7 +154,8 @@ FILE_READS_IN_FLIGHT = int(os.environ.get("DASK_GPUCHUNK_FILE_READS", "0") or 0)
 _read_slots = threading.Semaphore(FILE_READS_IN_FLIGHT) if FILE_READS_IN_FLIGHT > 0 else None
 
 
-def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...]) -> np.ndarray:
+def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...],
+                 pinned: bool | None = None) -> np.ndarray:
     """Read one region of the file into a new (pinned where a GPU is visible) array.
 
     ``preadv`` of each contiguous run, straight into the array: large sequential reads, no
@@ -168,10 +169,10 @@ def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...]) -> np.
         mm = np.memmap(path, dtype=header.dtype, mode="r", offset=header.offset,
                        shape=header.shape, order="F" if header.fortran_order else "C")
         view = mm[region] if region else mm  # a 0-d memmap indexed by () would be a scalar
-        out = _host_array(shape, _native(header.dtype))
+        out = _host_array(shape, _native(header.dtype), pinned)
         out[...] = view
         return out
-    out = _host_array(shape, header.dtype)
+    out = _host_array(shape, header.dtype, pinned)
     raw = memoryview(out.reshape(-1).view(np.uint8))
     run, offsets = _region_runs(header, region)
     fd = os.open(path, os.O_RDONLY)
@@ -190,7 +191,7 @@ def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...]) -> np.
     return out
 
 
-def from_npy(path: str | os.PathLike, chunks: Any = "auto") -> da.Array:
+def from_npy(path: str | os.PathLike, chunks: Any = "auto", *, pinned: bool | None = None) -> da.Array:
     """A Dask array over a ``.npy`` file, read chunk by chunk through memory maps.
 
     Parameters
@@ -201,6 +202,12 @@ def from_npy(path: str | os.PathLike, chunks: Any = "auto") -> da.Array:
         As for :func:`dask.array.from_array` (``"auto"``, a block shape, a byte size such as
         ``"200 MiB"``). Row chunks (whole rows) suit C-order files; Fortran-order files are
         read too, each chunk a strided region.
+    pinned
+        Read chunks into page-locked memory (``True``), pageable memory (``False``), or, by
+        default, page-locked where the worker sees a GPU. Page-locked chunks go to the device
+        with no staging copy, but locking pages costs time when the memory is first allocated:
+        chunks that will run on the CPU (a memory-bound product, which ``device="auto"`` puts
+        there) are better read into pageable memory.
 
     Returns
     -------
@@ -226,9 +233,9 @@ def from_npy(path: str | os.PathLike, chunks: Any = "auto") -> da.Array:
     dtype = _native(header.dtype)
     chunks = normalize_chunks(chunks, header.shape, dtype=dtype)
     stat = os.stat(path)
-    name = "from-npy-" + tokenize(path, stat.st_mtime_ns, stat.st_size, chunks)
+    name = "from-npy-" + tokenize(path, stat.st_mtime_ns, stat.st_size, chunks, pinned)
     keys = [(name, *idx) for idx in np.ndindex(*(len(c) for c in chunks))]
-    dsk = {key: (_read_region, path, header, region)
+    dsk = {key: (_read_region, path, header, region, pinned)
            for key, region in zip(keys, slices_from_chunks(chunks))}
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=[])
     return da.Array(graph, name, chunks, dtype=dtype, meta=np.empty((0,) * len(chunks), dtype))

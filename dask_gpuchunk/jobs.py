@@ -205,8 +205,11 @@ def multiply_job(
     except ValueError:
         raise InputError(f"shapes {ha.shape} (A) and {hb.shape} (B) do not broadcast together") from None
     target = _check_output(out, [a, b], overwrite)
-    x = from_npy(a, chunks=_row_chunks(ha, chunk_size))
-    y = from_npy(b, chunks=_row_chunks(hb, chunk_size))
+    # A product is memory-bound: device="auto" runs it on the CPU unless the inputs are
+    # already pinned, so only device="gpu" reads them into page-locked memory.
+    pinned = device == "gpu"
+    x = from_npy(a, chunks=_row_chunks(ha, chunk_size), pinned=pinned)
+    y = from_npy(b, chunks=_row_chunks(hb, chunk_size), pinned=pinned)
     result = multiply(x, y, device=device)
     moved = ha.nbytes + hb.nbytes + int(np.prod(shape, dtype=np.int64)) * result.dtype.itemsize
 

@@ -132,6 +132,41 @@ def multiply_figures(work: Path, result: dict) -> None:
         p.unlink()
 
 
+PROFILE = False
+
+
+def profiled_gram(bits_path: Path, g_path: Path, result: dict) -> dict:
+    """The gram job in this process, on the same local cluster, with Dask's task stream:
+    thread-seconds per kind of task, and when the first and last of each ran."""
+    from dask.utils import key_split
+    from distributed import get_task_stream
+
+    import dask_gpuchunk as dg
+    from dask_gpuchunk.jobs import gram_job
+
+    gpus = int(CLI_EXTRA[1]) if CLI_EXTRA else None
+    with dg.local_cluster(gpus=gpus, device_memory_limit="8GB", dashboard_address=None) as client:
+        job = gram_job(bits_path, g_path, packed=True, overwrite=True)
+        t0 = time.time()
+        with get_task_stream(client) as ts:
+            summary = job(None)
+        kinds: dict = {}
+        for task in ts.data:
+            for ss in task.get("startstops", []):
+                k = kinds.setdefault(f"{key_split(task['key'])}:{ss['action']}",
+                                     {"thread_s": 0.0, "n": 0, "first": 1e18, "last": 0.0})
+                k["thread_s"] += ss["stop"] - ss["start"]
+                k["n"] += 1
+                k["first"] = min(k["first"], ss["start"] - t0)
+                k["last"] = max(k["last"], ss["stop"] - t0)
+        summary["where"] = {"workers": len(client.scheduler_info()["workers"])}
+    result["gram_task_profile"] = kinds
+    for name, k in sorted(kinds.items(), key=lambda kv: -kv[1]["thread_s"]):
+        print(f"  {name:40s} {k['n']:5d} tasks {k['thread_s']:8.2f} thread-s  "
+              f"{k['first']:6.2f}..{k['last']:6.2f} s", flush=True)
+    return summary
+
+
 def gram_figures(work: Path, result: dict, rows: int, bits: int) -> None:
     rng = np.random.default_rng(2)
     packed = rng.integers(0, 256, size=(rows, bits // 8), dtype=np.uint8)
@@ -146,8 +181,11 @@ def gram_figures(work: Path, result: dict, rows: int, bits: int) -> None:
     (work / "gram_numpy.npy").unlink()
     drop_caches()
     with GpuMemorySampler() as sampler:
-        ours = cli("gram", str(bits_path), "-o", str(g_path), "--packed",
-                   "--device-memory-limit", "8GB", "--overwrite")
+        if PROFILE:
+            ours = profiled_gram(bits_path, g_path, result)
+        else:
+            ours = cli("gram", str(bits_path), "-o", str(g_path), "--packed",
+                       "--device-memory-limit", "8GB", "--overwrite")
     g = np.load(g_path, mmap_mode="r")
     words = packed.view(np.uint8)
     exact = True
@@ -174,11 +212,15 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=200_000)
     parser.add_argument("--skip", nargs="*", default=[])
     parser.add_argument("--gpus", default=None, help="--gpus for the jobs (default: all)")
+    parser.add_argument("--profile", action="store_true",
+                        help="run the gram job in this process and profile its tasks")
     parser.add_argument("--reads", nargs="*", type=int, default=None,
                         help="DASK_GPUCHUNK_FILE_READS values to try for multiply")
     args = parser.parse_args()
     if args.gpus:
         CLI_EXTRA.extend(["--gpus", args.gpus])
+    global PROFILE
+    PROFILE = args.profile
     if args.reads is not None:
         READS_VARIANTS[:] = args.reads
     args.workdir.mkdir(parents=True, exist_ok=True)
