@@ -256,6 +256,13 @@ def _check_target(path: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it")
 
 
+#: Chunk writes at once per process (``DASK_GPUCHUNK_FILE_WRITES``; 0: no limit). Measured on
+#: the H200 machine's disk, a 40 GB Gram output: 16 writers at once drained the page cache to
+#: the disk at 2 GB/s, while NumPy's one sequential writer reached 3 GB/s.
+FILE_WRITES_IN_FLIGHT = int(os.environ.get("DASK_GPUCHUNK_FILE_WRITES", "1") or 0)
+_write_slots = threading.Semaphore(FILE_WRITES_IN_FLIGHT) if FILE_WRITES_IN_FLIGHT > 0 else None
+
+
 def _create_file(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> NpyHeader:
     """Write a C-order ``.npy`` header and extend the file to its full size (sparse, unwritten)."""
     fmt = np.lib.format
@@ -285,7 +292,8 @@ def _write_region(block: Any, path: str, header: NpyHeader, region: tuple[slice,
         if is_cupy(block):
             _device_to_file(block, fd, header, region)
         else:
-            _pwrite_region(fd, np.asarray(block, dtype=header.dtype), header, region)
+            with _write_slots or contextlib.nullcontext():
+                _pwrite_region(fd, np.asarray(block, dtype=header.dtype), header, region)
     finally:
         os.close(fd)
     done[...] = block.size * header.dtype.itemsize
@@ -317,7 +325,8 @@ def _device_to_file(block: Any, fd: int, header: NpyHeader, region: tuple[slice,
     with pinned_pool.borrow(block.dtype, block.shape) as buf:
         copy_to_host(buf, block, stream)
         stream.synchronize()
-        _pwrite_region(fd, buf, header, region)
+        with _write_slots or contextlib.nullcontext():
+            _pwrite_region(fd, buf, header, region)
 
 
 def _temporary_name(path: Path) -> Path:
