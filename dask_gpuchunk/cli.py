@@ -341,6 +341,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
         c = summary["checked"]
         click.echo(f"demo: {c['multiply_rows']} rows of the product and {c['gram_rows']} rows of "
                    "the Gram matrix checked against NumPy: exact")
+        if not summary.get("files_kept"):
+            click.echo("demo: its files were temporary and are removed (--workdir keeps them)")
     click.echo(place)
 
 

@@ -386,4 +386,5 @@ def demo(
             raise JobError("demo: gram result differs from NumPy")
         del a, b, c, bits_arr, g, full
     return {"command": "demo", "inputs_seconds": t_inputs, "multiply": mult, "gram": grm,
-            "checked": {"multiply_rows": len(sample), "gram_rows": len(rows_g)}}
+            "checked": {"multiply_rows": len(sample), "gram_rows": len(rows_g)},
+            "files_kept": workdir is not None}
