@@ -237,6 +237,13 @@ def run_gpu_from_host(
     )
 
 
+#: New results of the GPU path are allocated page-locked (CuPy's pinned pool) when true
+#: (``DASK_GPUCHUNK_PINNED_RESULTS``, default 1): one host copy less per chunk, but the pool
+#: grows to the largest number of results alive at once, each first allocation a
+#: ``cudaHostAlloc``.
+PINNED_RESULTS = os.environ.get("DASK_GPUCHUNK_PINNED_RESULTS", "1") != "0"
+
+
 def run_staged(
     launch: Callable[[Any, list[Any], Any], None],
     shape: tuple[int, ...],
@@ -274,9 +281,12 @@ def run_staged(
 
     out_dtype = np.dtype(out_dtype)
     if dest is None:
-        # Pinned, so the result lands in it from the device with no staging copy (and a file
-        # writer sends it on from there).
-        dest = empty_pooled_pinned(shape, out_dtype) if int(np.prod(shape)) else np.empty(shape, out_dtype)
+        if PINNED_RESULTS and int(np.prod(shape)):
+            # The result lands in it from the device with no staging copy (and a file writer
+            # sends it on from there).
+            dest = empty_pooled_pinned(shape, out_dtype)
+        else:
+            dest = np.empty(shape, dtype=out_dtype)
     if dest.size == 0:
         return dest
     events = (cupy.cuda.Event(), cupy.cuda.Event()) if timings is not None else None
