@@ -89,11 +89,16 @@ def environment() -> dict[str, Any]:
         from .gram import resolve_method
 
         auto = resolve_method("auto", on_gpu=True)
-        int8 = "int8 (cuBLAS int8 tensor cores)" + ("" if auto == "int8" else ": not on this GPU")
-        paths["gram"] = (f"GPU methods: popcount, {int8}; method='auto' uses {auto}; "
+        from ._kernels.bmma import bmma_supported
+
+        int8 = "int8 (cuBLAS int8 tensor cores)" + ("" if auto in ("int8", "bmma") else
+                                                     ": not on this GPU")
+        bmma = "bmma (1-bit tensor cores)" + ("" if bmma_supported() else
+                                              ": not on this GPU (needs compute capability 8.0)")
+        paths["gram"] = (f"GPU methods: popcount, {int8}, {bmma}; method='auto' uses {auto}; "
                          "NumPy chunks computed on the GPU")
     else:
-        paths["gram"] = "popcount on the CPU (method='auto'); int8 needs a GPU"
+        paths["gram"] = "popcount on the CPU (method='auto'); int8 and bmma need a GPU"
     return {
         "versions": versions,
         "gpus": gpus,
@@ -376,7 +381,7 @@ def multiply(a: str, b: str, output: str, chunk_size: str, overwrite: bool, devi
 @click.option("-o", "--output", required=True, type=click.Path(), help="The .npy to write.")
 @click.option("--packed", is_flag=True, help="BITS holds packed words (any unsigned dtype, "
               "e.g. np.packbits output), not 0/1 values.")
-@click.option("--method", type=click.Choice(["auto", "popcount", "int8"]), default="auto",
+@click.option("--method", type=click.Choice(["auto", "popcount", "int8", "bmma"]), default="auto",
               show_default=True)
 @click.option("--chunk-rows", default=4096, show_default=True, type=click.IntRange(min=1),
               help="Rows per chunk (and per output block).")

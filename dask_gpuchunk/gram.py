@@ -193,6 +193,10 @@ def _launcher(method: str, diagonal: bool) -> Any:
         a, b = inputs[0], (None if diagonal else inputs[1])
         if method == "int8":
             kernels.int8_cuda(a, b, out)
+        elif method == "bmma":
+            from ._kernels.bmma import bmma_cuda
+
+            bmma_cuda(a, b, out)
         else:
             kernels.popcount_cuda(a, b, out, nb_stream)
 
@@ -215,8 +219,8 @@ def _gram_block(a: Any, b: Any, method: str, device: str) -> Any:
     if _device_for_host_chunk(device) == "gpu":
         launch = _launcher(resolve_method(method, on_gpu=True), diagonal)
         return backend.run_staged(launch, shape, np.int32, inputs)
-    if method == "int8":
-        raise ValueError("method='int8' runs on a GPU only; use method='popcount' or 'auto' here")
+    if method in kernels.GPU_METHODS:
+        raise ValueError(f"method={method!r} runs on a GPU only; use method='popcount' or 'auto' here")
     return backend.run_cpu_kernel(kernels.popcount_cpu, inputs[0], None if diagonal else inputs[1])
 
 
@@ -264,7 +268,8 @@ def gram(x: Any, *, packed: bool = False, method: str = "auto", device: str = "a
         Whether ``x`` already holds packed words.
     method
         ``"popcount"`` (numba kernels, AND + POPC over 64-bit words, GPU and CPU), ``"int8"``
-        (GPU: unpack to int8 on the device, exact int32 GEMM on the tensor cores through cuBLAS)
+        (GPU: unpack to int8 on the device, exact int32 GEMM on the tensor cores through cuBLAS),
+        ``"bmma"`` (GPU, compute capability 8.0 and later: 1-bit tensor-core MMA on the words)
         or ``"auto"`` (the fastest that the executing device has: :func:`resolve_method`).
     device
         ``"auto"`` (CuPy chunks on their GPU; NumPy chunks on a GPU where one is visible, else
@@ -301,13 +306,13 @@ def gram(x: Any, *, packed: bool = False, method: str = "auto", device: str = "a
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}; got {method!r}")
     check_device_for_graph(device)
-    if method == "int8":
+    if method in kernels.GPU_METHODS:
         if device == "cpu":
-            raise ValueError("method='int8' runs on a GPU only; use device='auto' or 'gpu'")
+            raise ValueError(f"method={method!r} runs on a GPU only; use device='auto' or 'gpu'")
         if not distributed_client_active() and not gpu_available():
             raise GPUNotAvailableError(
-                "method='int8' needs a CUDA GPU and none is visible; use method='popcount' or "
-                "'auto', which run on the CPU too"
+                f"method={method!r} needs a CUDA GPU and none is visible; use method='popcount' "
+                "or 'auto', which run on the CPU too"
             )
     x = asarray(x)
     if x.ndim != 2:

@@ -129,6 +129,8 @@ def test_bad_value_is_named_at_compute_time(rng):
         (lambda: dg.gram(np.zeros((2, 2), np.uint8), device="tpu"), ValueError, "device must"),
         (lambda: dg.gram(np.zeros((2, 2), np.uint8), method="int8", device="cpu"),
          ValueError, "GPU only"),
+        (lambda: dg.gram(np.zeros((2, 2), np.uint8), method="bmma", device="cpu"),
+         ValueError, "GPU only"),
         (lambda: dg.bitpack(np.zeros((2, 2), np.float32)), TypeError, "bool or integer"),
     ],
 )
@@ -142,6 +144,8 @@ def test_gpu_only_requests_fail_clearly_without_gpu():
         pytest.skip("a GPU is visible")
     with pytest.raises(dg.GPUNotAvailableError, match="int8"):
         dg.gram(np.zeros((2, 2), np.uint8), method="int8")
+    with pytest.raises(dg.GPUNotAvailableError, match="bmma"):
+        dg.gram(np.zeros((2, 2), np.uint8), method="bmma")
     with pytest.raises(dg.GPUNotAvailableError):
         dg.gram(np.zeros((2, 2), np.uint8), device="gpu")
 
@@ -158,7 +162,7 @@ def test_threads_scheduler_and_sync_agree(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["auto", "popcount", "int8"])
+@pytest.mark.parametrize("method", ["auto", "popcount", "int8", "bmma"])
 @pytest.mark.parametrize("n, k", [(1, 1), (63, 65), (1041, 1043), (1043, 5000)])
 def test_gram_cupy_in_cupy_out(rng, method, n, k):
     import cupy
@@ -173,7 +177,7 @@ def test_gram_cupy_in_cupy_out(rng, method, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["popcount", "int8"])
+@pytest.mark.parametrize("method", ["popcount", "int8", "bmma"])
 def test_gram_host_chunks_on_gpu(rng, method):
     a = random_bits(rng, (700, 3000), 0.3)
     x = da.from_array(a, chunks=(250, 1000))
@@ -189,7 +193,7 @@ def test_packbits_on_gpu(rng):
     a = random_bits(rng, (333, 2001), 0.5)
     packed = cupy.asarray(np.packbits(a, axis=1))
     x = dg.asarray(packed, chunks=(100, 100))
-    for method in ("popcount", "int8"):
+    for method in ("popcount", "int8", "bmma"):
         got = dg.gram(x, packed=True, method=method).compute()
         np.testing.assert_array_equal(cupy.asnumpy(got), reference_gram(a))
 

@@ -32,6 +32,7 @@ import numpy as np
 from .bitpack import WORD_BITS, unpack_int8_cuda
 
 __all__ = [
+    "GPU_METHODS",
     "METHODS",
     "TileShape",
     "int8_cuda",
@@ -43,7 +44,9 @@ __all__ = [
 ]
 
 #: Methods of computing a Gram block; ``"auto"`` is resolved by the caller.
-METHODS: tuple[str, ...] = ("auto", "popcount", "int8")
+METHODS: tuple[str, ...] = ("auto", "popcount", "int8", "bmma")
+#: Methods that run on a GPU only.
+GPU_METHODS: tuple[str, ...] = ("int8", "bmma")
 
 
 def reference_gram(bits: np.ndarray) -> np.ndarray:

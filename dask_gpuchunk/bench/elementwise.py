@@ -158,7 +158,11 @@ class _Bench:
         kw.setdefault("repeat", self.repeat)
         entry = time_entry(table, name, kind, fn, **kw)
         if check is not None and entry.skipped is None:
-            check()
+            try:
+                check()
+            except AssertionError as exc:  # reported as a wrong result, not timed
+                entry.skipped = f"WRONG RESULT: {exc}"
+                entry.seconds = None
         return self.add(entry)
 
     def interleaved(self, table: str, fns: dict[str, Callable[[], Any]],

@@ -248,7 +248,7 @@ def _ours_dask(bench: _Bench, table: str, dev_words: Any, n: int, chunk_rows: Se
     for rows in chunk_rows:
         x = asarray(dev_words, (rows, dev_words.shape[1]))
         (x,) = persist(x)  # already materialised: the views become the graph's chunks
-        for method in ("popcount", "int8", "auto"):
+        for method in ("popcount", "int8", "bmma", "auto"):
             held: list[Any] = []
 
             def once(method: str = method, x: Any = x, held: list[Any] = held) -> None:
@@ -287,6 +287,15 @@ def _ours_kernels(bench: _Bench, table: str, dev_words: Any,
 
     # Every tile computed: the rate the kernel itself reaches, comparable with the ceiling.
     bench.timed(table, "ours popcount kernel alone, full C (no symmetry)", full, gpu=True,
+                check=lambda: check(c))
+
+    def bmma() -> None:
+        from .._kernels.bmma import bmma_cuda
+
+        bmma_cuda(dev_words, None, c)
+        _sync()
+
+    bench.timed(table, "ours bmma kernel alone (symmetric)", bmma, gpu=True,
                 check=lambda: check(c))
 
     def int8() -> None:

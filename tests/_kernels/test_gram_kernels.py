@@ -116,3 +116,34 @@ def test_transpose_cpu(rng, shape):
     out = transpose_cpu(block)
     assert out.flags.c_contiguous
     np.testing.assert_array_equal(out, block.T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 7, 63, 64, 65, 129, 1041, 1043])
+@pytest.mark.parametrize("k", [1, 65, 255, 256, 257, 1043, 5000])
+def test_bmma_cuda_on_gpu(rng, n, k):
+    import cupy
+
+    from dask_gpuchunk._kernels.bmma import bmma_cuda
+
+    a = random_bits(rng, (n, k), rng.uniform(0.01, 0.99))
+    words = cupy.asarray(reference_bitpack(a))
+    expected = reference_gram(a)
+    for b in (None, words):
+        c = cupy.empty((n, n), dtype=np.int32)
+        bmma_cuda(words, b, c)
+        np.testing.assert_array_equal(cupy.asnumpy(c), expected, err_msg=f"diagonal={b is None}")
+
+
+@pytest.mark.gpu
+def test_bmma_cuda_rectangular(rng):
+    import cupy
+
+    from dask_gpuchunk._kernels.bmma import bmma_cuda
+
+    a = random_bits(rng, (301, 777), 0.5)
+    b = random_bits(rng, (45, 777), 0.2)
+    c = cupy.empty((301, 45), dtype=np.int32)
+    bmma_cuda(cupy.asarray(reference_bitpack(a)), cupy.asarray(reference_bitpack(b)), c)
+    expected = (a.astype(np.int64) @ b.T.astype(np.int64)).astype(np.int32)
+    np.testing.assert_array_equal(cupy.asnumpy(c), expected)
