@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable
@@ -136,6 +137,21 @@ def _region_runs(header: NpyHeader, region: tuple[slice, ...]) -> tuple[int, lis
     return run, (header.offset + elements * header.dtype.itemsize).tolist()
 
 
+def _each_run(transfer: Callable[[memoryview, int], int], raw: memoryview, run: int,
+              offsets: list[int]) -> bool:
+    """``transfer(view, file_offset)`` (a ``preadv`` or ``pwrite``) over run ``r`` of ``raw``
+    at ``offsets[r]``, again for the rest while it moves fewer bytes than asked. False if it
+    moved nothing (end of file, full disk)."""
+    for r, offset in enumerate(offsets):
+        view = raw[r * run:(r + 1) * run]
+        while view:
+            moved = transfer(view, offset)
+            if moved == 0:
+                return False
+            view, offset = view[moved:], offset + moved
+    return True
+
+
 def _host_array(shape: tuple[int, ...], dtype: np.dtype, pinned: bool | None = None) -> np.ndarray:
     """A new host array; page-locked (from CuPy's pinned pool) if ``pinned``, or, for ``None``,
     where a GPU is visible, so that the GPU path sends it with no staging copy."""
@@ -176,16 +192,10 @@ def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...],
     raw = memoryview(out.reshape(-1).view(np.uint8))
     run, offsets = _region_runs(header, region)
     fd = os.open(path, os.O_RDONLY)
-    slot = _read_slots or contextlib.nullcontext()
     try:
-        with slot:
-            for r, offset in enumerate(offsets):
-                view = raw[r * run:(r + 1) * run]
-                while view:
-                    got = os.preadv(fd, [view], offset)
-                    if got == 0:
-                        raise NpyFormatError(f"{path} ended before its data (truncated?)")
-                    view, offset = view[got:], offset + got
+        with _read_slots or contextlib.nullcontext():
+            if not _each_run(lambda view, offset: os.preadv(fd, [view], offset), raw, run, offsets):
+                raise NpyFormatError(f"{path} ended before its data (truncated?)")
     finally:
         os.close(fd)
     return out
@@ -250,8 +260,11 @@ def _check_target(path: Path, overwrite: bool) -> None:
         raise IsADirectoryError(f"{path} is a directory; give a file name for the output")
     if not parent.is_dir():
         raise FileNotFoundError(f"output directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(f"output directory {parent} is not writable")
+    try:  # the only sure test, for root too: make a file there
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".dask-gpuchunk-probe-"):
+            pass
+    except OSError:
+        raise PermissionError(f"output directory {parent} is not writable") from None
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it")
 
@@ -307,11 +320,8 @@ def _pwrite_region(fd: int, block: np.ndarray, header: NpyHeader, region: tuple[
     block = np.ascontiguousarray(block)
     raw = memoryview(block.reshape(-1).view(np.uint8))
     run, offsets = _region_runs(header, region)
-    for r, offset in enumerate(offsets):
-        view = raw[r * run:(r + 1) * run]
-        while view:
-            written = os.pwrite(fd, view, offset)
-            view, offset = view[written:], offset + written
+    if not _each_run(lambda view, offset: os.pwrite(fd, view, offset), raw, run, offsets):
+        raise OSError(f"the disk took no more bytes of a chunk at offset {offsets[0]}")
 
 
 def _device_to_file(block: Any, fd: int, header: NpyHeader, region: tuple[slice, ...]) -> None:

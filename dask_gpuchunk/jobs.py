@@ -76,21 +76,17 @@ def _header(path: str | os.PathLike, what: str) -> NpyHeader:
 
 
 def _check_output(out: str | os.PathLike, inputs: list[str | os.PathLike], overwrite: bool) -> Path:
+    """The output's absolute path, checked as :func:`dask_gpuchunk.to_npy` checks it, and not
+    one of the inputs; :class:`OutputError` otherwise."""
+    from .io import _check_target
+
     target = Path(os.path.abspath(os.fspath(out)))
     if any(target == Path(os.path.abspath(os.fspath(p))) for p in inputs):
         raise OutputError(f"output {out} is also an input; write to another file")
-    parent = target.parent
-    if target.is_dir():
-        raise OutputError(f"output {out} is a directory; give a file name")
-    if not parent.is_dir():
-        raise OutputError(f"output directory {parent} does not exist")
-    if target.exists() and not overwrite:
-        raise OutputError(f"output {out} exists; pass --overwrite to replace it")
-    try:  # the only sure test, for root too: make a file there
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".dask-gpuchunk-probe-"):
-            pass
-    except OSError:
-        raise OutputError(f"output directory {parent} is not writable") from None
+    try:
+        _check_target(target, overwrite)
+    except OSError as exc:
+        raise OutputError(f"output: {exc}") from None
     return target
 
 
@@ -323,9 +319,10 @@ def where_it_ran(client: Any | None) -> dict[str, Any]:
     info = client.scheduler_info()
     workers = info.get("workers", {})
     gpus = client.run(gpu_count) if workers else {}
+    cluster = getattr(client, "cluster", None)
     return {
-        "cluster": getattr(getattr(client, "cluster", None), "__class__", type(None)).__name__
-        if getattr(client, "cluster", None) is not None else f"scheduler {client.scheduler.address}",
+        "cluster": type(cluster).__name__ if cluster is not None
+        else f"scheduler {client.scheduler.address}",
         "workers": len(workers),
         "threads": sum(int(w.get("nthreads", 0)) for w in workers.values()),
         "gpus": int(sum(gpus.values())),

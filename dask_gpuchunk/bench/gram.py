@@ -270,40 +270,26 @@ def _ours_kernels(bench: _Bench, table: str, dev_words: Any,
     import cupy
 
     from .._kernels import gram as kernels
+    from .._kernels.bmma import bmma_cuda
 
     n = dev_words.shape[0]
     c = cupy.empty((n, n), dtype=np.int32)
-    for tile in [kernels.CUDA_TILE, *(kernels.TileShape(*t) for t in tiles)]:
-        def pop(tile: Any = tile) -> None:
-            kernels.popcount_cuda(dev_words, None, c, tile=tile)
+
+    def row(name: str, launch: Callable[[], None]) -> None:
+        def run_once() -> None:
+            launch()
             _sync()
 
-        bench.timed(table, f"ours popcount kernel alone, tile {tuple(tile)}", pop, gpu=True,
-                    check=lambda: check(c))
+        bench.timed(table, name, run_once, gpu=True, check=lambda: check(c))
 
-    def full() -> None:
-        kernels.popcount_cuda(dev_words, dev_words, c)
-        _sync()
-
+    for tile in [kernels.CUDA_TILE, *(kernels.TileShape(*t) for t in tiles)]:
+        row(f"ours popcount kernel alone, tile {tuple(tile)}",
+            lambda tile=tile: kernels.popcount_cuda(dev_words, None, c, tile=tile))
     # Every tile computed: the rate the kernel itself reaches, comparable with the ceiling.
-    bench.timed(table, "ours popcount kernel alone, full C (no symmetry)", full, gpu=True,
-                check=lambda: check(c))
-
-    def bmma() -> None:
-        from .._kernels.bmma import bmma_cuda
-
-        bmma_cuda(dev_words, None, c)
-        _sync()
-
-    bench.timed(table, "ours bmma kernel alone (symmetric)", bmma, gpu=True,
-                check=lambda: check(c))
-
-    def int8() -> None:
-        kernels.int8_cuda(dev_words, None, c)
-        _sync()
-
-    bench.timed(table, "ours int8 kernels alone (unpack + 3 GEMMs)", int8, gpu=True,
-                check=lambda: check(c))
+    row("ours popcount kernel alone, full C (no symmetry)",
+        lambda: kernels.popcount_cuda(dev_words, dev_words, c))
+    row("ours bmma kernel alone (symmetric)", lambda: bmma_cuda(dev_words, None, c))
+    row("ours int8 kernels alone (unpack + 3 GEMMs)", lambda: kernels.int8_cuda(dev_words, None, c))
 
 
 def _peers(bench: _Bench, table: str, dev_words: Any, n: int, k: int, seed_rows: int,
