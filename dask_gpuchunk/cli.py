@@ -86,17 +86,16 @@ def environment() -> dict[str, Any]:
                  "(dask_gpuchunk.placement)") if count else "every chunk on the CPU (no GPU visible)",
     }
     if count:
-        from .gram import resolve_method
+        from .gram import _compute_capability, resolve_method
 
         auto = resolve_method("auto", on_gpu=True)
-        from ._kernels.bmma import bmma_supported
-
-        int8 = "int8 (cuBLAS int8 tensor cores)" + ("" if auto in ("int8", "bmma") else
-                                                     ": not on this GPU")
-        bmma = "bmma (1-bit tensor cores)" + ("" if bmma_supported() else
-                                              ": not on this GPU (needs compute capability 8.0)")
-        paths["gram"] = (f"GPU methods: popcount, {int8}, {bmma}; method='auto' uses {auto}; "
-                         "NumPy chunks computed on the GPU")
+        cc = "%d.%d" % _compute_capability()
+        fallback = {"bmma": "",
+                    "int8": f" (no 1-bit MMA on this GPU: compute capability {cc} < 8.0)",
+                    "popcount": f" (no int8 or 1-bit MMA on this GPU: compute capability {cc} < 7.5)"}
+        paths["gram"] = (f"GPU methods: popcount, int8 (cuBLAS int8 tensor cores, cc >= 7.5), "
+                         f"bmma (1-bit tensor cores, cc >= 8.0); method='auto' uses "
+                         f"{auto}{fallback[auto]}; NumPy chunks computed on the GPU")
     else:
         paths["gram"] = "popcount on the CPU (method='auto'); int8 and bmma need a GPU"
     return {

@@ -150,6 +150,19 @@ def test_gpu_only_requests_fail_clearly_without_gpu():
         dg.gram(np.zeros((2, 2), np.uint8), device="gpu")
 
 
+@pytest.mark.parametrize("cc, expected", [((6, 1), "popcount"), ((7, 0), "popcount"),
+                                          ((7, 5), "int8"), ((8, 0), "bmma"), ((9, 0), "bmma")])
+def test_auto_method_follows_compute_capability(monkeypatch, cc, expected):
+    import importlib
+
+    gram_module = importlib.import_module("dask_gpuchunk.gram")
+
+    monkeypatch.setattr(gram_module, "_compute_capability", lambda: cc)
+    assert gram_module.resolve_method("auto", on_gpu=True) == expected
+    assert gram_module.resolve_method("auto", on_gpu=False) == "popcount"
+    assert gram_module.resolve_method("int8", on_gpu=True) == "int8"
+
+
 def test_threads_scheduler_and_sync_agree(rng):
     a = random_bits(rng, (120, 500), 0.5)
     g = dg.gram(da.from_array(a, chunks=(31, 200)))

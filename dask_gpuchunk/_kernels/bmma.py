@@ -4,85 +4,224 @@ One instruction multiplies a 16 x 256-bit tile of A by a 256-bit x 8 tile of B�
 POPC and adds into 16 x 8 int32 accumulators: exact, and on sm_80 and later the native BMMA
 path. No library exposes it for ``A · Aᵀ`` (cuBLAS has no 1-bit GEMM), so the kernel is CUDA
 C++ with inline PTX, compiled at first use with NVRTC through a CuPy ``RawModule`` for the
-device's own architecture and cached per device. A CuPy raw module was chosen over numba's
-``declare_device`` + ``link=`` because the whole kernel (register fragments, unrolled MMA loop)
-is CUDA C++ either way and the raw module needs no glue between two compilers.
+device's own architecture and cached per device and tile shape. A CuPy raw module was chosen
+over numba's ``declare_device`` + ``link=`` because the whole kernel (asynchronous copies,
+register fragments, unrolled MMA loop) is CUDA C++ either way and the raw module needs no glue
+between two compilers.
 
-Each block of 128 threads computes a 128 x 128 tile of C: each of its four warps a 64 x 64
-sub-tile of 4 x 8 MMA tiles, 128 int32 accumulators per thread in registers. Per 256 bits of k
-a thread loads 16 words of A and 16 of B (its fragments) and issues 32 MMAs. Rows beyond the
-block's data read as zero; tiles below the diagonal of a diagonal block are skipped and then
-mirrored. No dask here.
+Counts. An MMA does 16 x 8 x 256 bit-MACs on 2 x 512 bytes of operands; the H200 issues about
+5e15 bit-MAC/s, so operands must be reused from registers and shared memory: a block tile of
+``BM x BN`` rows moves ``(BM + BN)`` x 64 bytes per 512 bits of k through L2 for
+``BM * BN / 64`` MMAs. Each block stages those tiles in shared memory with ``cp.async``
+(``STAGES`` deep, so the copies of later k steps overlap the MMAs of this one; rows beyond the
+data are zero-filled by the copy itself). Each warp computes ``WM x WN`` of C from shared
+memory: per 512 bits a lane makes one 16-byte load per fragment row and issues two MMAs per
+tile. The 512 bits are consumed in an order of our choosing (words 4t, 4t+1 for the first MMA's
+t and t + 4, 4t+2, 4t+3 for the second's), the same for A and B, so every bit pair meets once:
+a Gram sum does not depend on the order of its terms. Blocks wholly below the diagonal of a
+symmetric block exit at once, warps wholly below it skip their MMAs, and the mirror fills the
+lower triangle. No dask here.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["BMMA_MIN_CC", "bmma_cuda", "bmma_supported"]
+__all__ = ["BMMA_MIN_CC", "TILE", "BmmaTile", "bmma_cuda", "bmma_supported"]
 
 #: Compute capability from which ``mma.sync.m16n8k256 .b1.and.popc`` exists.
 BMMA_MIN_CC = (8, 0)
 
+
+class BmmaTile(NamedTuple):
+    """How the kernel is cut: block tile ``bm x bn`` of C, warp tile ``wm x wn``, ``stages``
+    copies in flight of ``kbits`` bits of k each, blocks launched in groups of ``group`` block
+    rows (so that the blocks running at once share their rows of A and columns of B in L2), and
+    ``split``: the first MMA of every tile before the second (more independent MMAs between two
+    that add into the same accumulators) instead of the two back to back."""
+
+    bm: int
+    bn: int
+    wm: int
+    wn: int
+    stages: int
+    kbits: int = 512
+    group: int = 1
+    split: int = 0
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.bm // self.wm) * (self.bn // self.wn)
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.stages * (self.bm + self.bn) * self.kbits // 8
+
+    @property
+    def kwords(self) -> int:
+        """32-bit words of k per stage; the words of a row are padded to a multiple of it."""
+        return self.kbits // 32
+
+
+#: The tile used unless one is given (chosen by measurement; see docs/perf-notes.md).
+TILE = BmmaTile(128, 128, 64, 64, 3, kbits=1024, split=1)
+
 _SOURCE = r"""
-extern "C" __global__ void __launch_bounds__(128)
-gram_bmma(const unsigned* __restrict__ a, const unsigned* __restrict__ b, int* __restrict__ c,
-          int na, int nb, int kw, int ldc, int upper)
+#define THREADS (32 * (BM / WM) * (BN / WN))
+#define MI (WM / 16)
+#define NJ (WN / 8)
+#define ROW_VECS (KBITS / 128)  // uint4 per row per stage
+#define HALVES (ROW_VECS / 4)   // 512-bit pieces per row per stage
+
+__device__ __forceinline__ void copy16(uint4* dst, const unsigned* src, bool valid)
 {
-    // a: na x kw and b: nb x kw 32-bit words, row-major, kw a multiple of 8 (256 bits).
-    const int row_block = blockIdx.y * 128;
-    const int col_block = blockIdx.x * 128;
-    if (upper && row_block >= col_block + 128) return;  // the mirror of a tile above
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;  // fragment row (or column) and word within it
-    const int row0 = row_block + (warp >> 1) * 64;
-    const int col0 = col_block + (warp & 1) * 64;
-    int acc[4][8][4];
+    // cp.async with src-size 0 zero-fills the 16 bytes: rows beyond the data read as zero.
+    size_t shared;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(shared) : "l"(dst));
+    const unsigned d = (unsigned)shared;
+    const int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(d), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ int slot_of(int r, int q)
+{
+    // Where vector q of row r lives in a stage: rows of more than 64 bytes are XOR-swizzled by
+    // 64-byte halves so that the two rows a quarter-warp reads fall in different banks.
+    return r * ROW_VECS + (q ^ ((r & (HALVES - 1)) << 2));
+}
+
+__device__ __forceinline__ void bmma(int* acc, const unsigned a0, const unsigned a1,
+                                     const unsigned a2, const unsigned a3,
+                                     const unsigned b0, const unsigned b1)
+{
+    asm("mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(acc[0]), "+r"(acc[1]), "+r"(acc[2]), "+r"(acc[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+gram_bmma(const unsigned* __restrict__ a, const unsigned* __restrict__ b, int* __restrict__ c,
+          int na, int nb, int kw, int ldc, int upper, int pair_store)
+{
+    // a: na x kw and b: nb x kw 32-bit words, row-major, kw a multiple of KBITS / 32, 16-byte
+    // aligned. One-dimensional grid, block rows taken GROUP at a time.
+    extern __shared__ uint4 smem[];
+    const int tiles_m = (na + BM - 1) / BM, tiles_n = (nb + BN - 1) / BN;
+    const int per_group = GROUP * tiles_n;
+    const int first_m = (blockIdx.x / per_group) * GROUP;
+    const int rows_here = min(tiles_m - first_m, GROUP);
+    const int in_group = blockIdx.x % per_group;
+    const int row_block = (first_m + in_group % rows_here) * BM;
+    const int col_block = (in_group / rows_here) * BN;
+    if (upper && row_block >= col_block + BN) return;  // the mirror of a tile above
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int wr = (warp / (BN / WN)) * WM;  // warp tile within the block
+    const int wc = (warp % (BN / WN)) * WN;
+    const bool active = !(upper && row_block + wr >= col_block + wc + WN);
+
+    int acc[MI][NJ][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < MI; ++i)
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < NJ; ++j)
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[i][j][q] = 0;
-    for (int k = 0; k < kw; k += 8) {
-        unsigned af[4][4], bf[8][2];
+
+    const int steps = kw / (KBITS / 32);
+    auto load_stage = [&](int slot, int step) {
+        uint4* sa = smem + slot * (BM + BN) * ROW_VECS;
+        uint4* sb = sa + BM * ROW_VECS;
+        const int k = step * (KBITS / 32);
+        // Unsigned: with signed division by ROW_VECS these few lines cost 20% of the kernel
+        // (more registers, measured on the H200).
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r0 = row0 + i * 16 + g, r1 = r0 + 8;
-            const unsigned* p0 = a + (size_t)r0 * kw + k + t;
-            const unsigned* p1 = a + (size_t)r1 * kw + k + t;
-            af[i][0] = r0 < na ? __ldg(p0) : 0u;
-            af[i][A1] = r1 < na ? __ldg(p1) : 0u;
-            af[i][A2] = r0 < na ? __ldg(p0 + 4) : 0u;
-            af[i][3] = r1 < na ? __ldg(p1 + 4) : 0u;
+        for (unsigned v = tid; v < BM * ROW_VECS; v += THREADS) {
+            const int r = v / ROW_VECS, q = v % ROW_VECS;
+            const bool ok = row_block + r < na;
+            copy16(sa + slot_of(r, q), ok ? a + (size_t)(row_block + r) * kw + k + 4 * q : a, ok);
         }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int cc = col0 + j * 8 + g;
-            const unsigned* p = b + (size_t)cc * kw + k + t;
-            bf[j][0] = cc < nb ? __ldg(p) : 0u;
-            bf[j][1] = cc < nb ? __ldg(p + 4) : 0u;
+        for (unsigned v = tid; v < BN * ROW_VECS; v += THREADS) {
+            const int r = v / ROW_VECS, q = v % ROW_VECS;
+            const bool ok = col_block + r < nb;
+            copy16(sb + slot_of(r, q), ok ? b + (size_t)(col_block + r) * kw + k + 4 * q : b, ok);
         }
+    };
+
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-                asm("mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc "
-                    "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                    : "+r"(acc[i][j][0]), "+r"(acc[i][j][1]), "+r"(acc[i][j][2]),
-                      "+r"(acc[i][j][3])
-                    : "r"(af[i][0]), "r"(af[i][1]), "r"(af[i][2]), "r"(af[i][3]),
-                      "r"(bf[j][0]), "r"(bf[j][1]));
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) load_stage(s, s);
+        asm volatile("cp.async.commit_group;\n" ::);
     }
+    for (int step = 0; step < steps; ++step) {
+        asm volatile("cp.async.wait_group %0;\n" :: "n"(STAGES - 2));
+        __syncthreads();  // this step's tiles are in; every warp is done with the slot reused next
+        const int next = step + STAGES - 1;
+        if (next < steps) load_stage(next % STAGES, next);
+        asm volatile("cp.async.commit_group;\n" ::);
+        if (!active) continue;
+        const uint4* sa = smem + (step % STAGES) * (BM + BN) * ROW_VECS;
+        const uint4* sb = sa + BM * ROW_VECS;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int r0 = row0 + i * 16 + g, r1 = r0 + 8;
+        for (int h = 0; h < HALVES; ++h) {
+            // 512 bits of a row per h: lane t loads words 4t..4t+3 of it with one 16-byte load.
+            // The PTX fragment of m16n8k256 wants words t and t + 4 of 256 bits (a0 row g,
+            // a1 row g + 8, a2 and a3 the same rows' upper words; b0, b1 column g; checked on
+            // the H200 with the first version of this kernel, commit 8ea0fe0); words 4t, 4t+1
+            // play those parts in the first MMA and 4t+2, 4t+3 in the second. A and B take the
+            // same order, so every bit pair still meets once.
+            uint4 av[MI][2];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int c0 = col0 + j * 8 + 2 * t;
+            for (int i = 0; i < MI; ++i) {
+                av[i][0] = sa[slot_of(wr + i * 16 + g, t + 4 * h)];
+                av[i][1] = sa[slot_of(wr + i * 16 + g + 8, t + 4 * h)];
+            }
+            if (SPLIT) {
+                uint4 bv[NJ];
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) bv[j] = sb[slot_of(wc + j * 8 + g, t + 4 * h)];
+#pragma unroll
+                for (int i = 0; i < MI; ++i)
+#pragma unroll
+                    for (int j = 0; j < NJ; ++j)
+                        bmma(acc[i][j], av[i][0].x, av[i][1].x, av[i][0].y, av[i][1].y, bv[j].x, bv[j].y);
+#pragma unroll
+                for (int i = 0; i < MI; ++i)
+#pragma unroll
+                    for (int j = 0; j < NJ; ++j)
+                        bmma(acc[i][j], av[i][0].z, av[i][1].z, av[i][0].w, av[i][1].w, bv[j].z, bv[j].w);
+            } else {
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    const uint4 bv = sb[slot_of(wc + j * 8 + g, t + 4 * h)];
+#pragma unroll
+                    for (int i = 0; i < MI; ++i) {
+                        bmma(acc[i][j], av[i][0].x, av[i][1].x, av[i][0].y, av[i][1].y, bv.x, bv.y);
+                        bmma(acc[i][j], av[i][0].z, av[i][1].z, av[i][0].w, av[i][1].w, bv.z, bv.w);
+                    }
+                }
+            }
+        }
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    if (!active) return;
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+        const int r0 = row_block + wr + i * 16 + g, r1 = r0 + 8;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const int c0 = col_block + wc + j * 8 + 2 * t;
+            if (pair_store && c0 + 1 < nb) {  // 8-byte stores where C's rows allow them
+                if (r0 < na) *reinterpret_cast<int2*>(c + (size_t)r0 * ldc + c0) = make_int2(acc[i][j][0], acc[i][j][1]);
+                if (r1 < na) *reinterpret_cast<int2*>(c + (size_t)r1 * ldc + c0) = make_int2(acc[i][j][2], acc[i][j][3]);
+                continue;
+            }
             if (r0 < na) {
                 if (c0 < nb) c[(size_t)r0 * ldc + c0] = acc[i][j][0];
                 if (c0 + 1 < nb) c[(size_t)r0 * ldc + c0 + 1] = acc[i][j][1];
@@ -96,12 +235,7 @@ gram_bmma(const unsigned* __restrict__ a, const unsigned* __restrict__ b, int* _
 }
 """
 
-#: Which A registers hold rows g + 8 and the upper k words: the PTX fragment layout of
-#: m16n8k256 (a0: row g, k words t; a1: row g + 8; a2: row g, words t + 4; a3: both).
-#: Checked on the H200 with tools/probe_bmma_layout.py: (1, 2) exact, (2, 1) off by up to 252.
-A_LAYOUT = (1, 2)
-
-_modules: dict[tuple[int, tuple[int, int]], Any] = {}
+_kernels: dict[tuple[int, BmmaTile], Any] = {}
 _lock = threading.Lock()
 
 
@@ -113,40 +247,58 @@ def bmma_supported() -> bool:
     return (int(props["major"]), int(props["minor"])) >= BMMA_MIN_CC
 
 
-def _kernel(layout: tuple[int, int] = A_LAYOUT) -> Any:
-    """The compiled kernel for the current device (NVRTC at first use, then cached)."""
+def _check_tile(tile: BmmaTile) -> None:
+    if tile.wm % 16 or tile.wn % 8 or tile.bm % tile.wm or tile.bn % tile.wn or tile.stages < 2:
+        raise ValueError(f"bad bmma tile {tile}: wm a multiple of 16, wn of 8, bm of wm, "
+                         "bn of wn, stages >= 2")
+    if tile.threads > 1024:
+        raise ValueError(f"bad bmma tile {tile}: {tile.threads} threads per block (at most 1024)")
+    if tile.kbits not in (512, 1024, 2048) or tile.group < 1 or tile.split not in (0, 1):
+        raise ValueError(f"bad bmma tile {tile}: kbits 512, 1024 or 2048, group >= 1, split 0 or 1")
+
+
+def _kernel(tile: BmmaTile) -> Any:
+    """The compiled kernel for the current device and tile (NVRTC at first use, then cached)."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
-    key = (device, layout)
+    key = (device, tile)
     with _lock:
-        if key not in _modules:
+        if key not in _kernels:
+            _check_tile(tile)
             props = cupy.cuda.runtime.getDeviceProperties(device)
             arch = f"sm_{props['major']}{props['minor']}"
-            source = _SOURCE.replace("A1", str(layout[0])).replace("A2", str(layout[1]))
-            module = cupy.RawModule(code=source, options=("-std=c++17", f"--gpu-architecture={arch}"))
-            _modules[key] = module.get_function("gram_bmma")
-    return _modules[key]
+            defines = "".join(f"#define {name.upper()} {value}\n"
+                              for name, value in tile._asdict().items())
+            module = cupy.RawModule(code=defines + _SOURCE,
+                                    options=("-std=c++17", f"--gpu-architecture={arch}"))
+            kernel = module.get_function("gram_bmma")
+            kernel.max_dynamic_shared_size_bytes = tile.shared_bytes
+            _kernels[key] = kernel
+    return _kernels[key]
 
 
-def _words32(words: Any) -> Any:
-    """``uint64`` words ``(n, m)`` as ``uint32`` ``(n, kw)``, ``kw`` a multiple of 8 (zero-padded)."""
+def _words32(words: Any, kbits: int) -> Any:
+    """``uint64`` words ``(n, m)`` as ``uint32`` ``(n, kw)``: rows zero-padded to a multiple of
+    ``kbits`` bits, 16-byte aligned."""
     import cupy
 
     n, m = words.shape
-    m4 = -(-m // 4) * 4
-    if m4 != m or not words.flags.c_contiguous:
-        padded = cupy.zeros((n, m4), dtype=np.uint64)
+    per_stage = kbits // 64
+    padded_m = -(-m // per_stage) * per_stage
+    if padded_m != m or not words.flags.c_contiguous or words.data.ptr % 16:
+        padded = cupy.zeros((n, padded_m), dtype=np.uint64)
         padded[:, :m] = words
         words = padded
-    return words.view(np.uint32).reshape(n, 2 * m4)
+    return words.view(np.uint32).reshape(n, 2 * padded_m)
 
 
-def bmma_cuda(a: Any, b: Any | None, c: Any, layout: tuple[int, int] = A_LAYOUT) -> None:
+def bmma_cuda(a: Any, b: Any | None, c: Any, tile: BmmaTile = TILE) -> None:
     """Gram block ``c = popcount(a & b)`` per pair of rows on the 1-bit tensor cores.
 
     ``a``, ``b``: CuPy ``uint64`` words (``b=None``: the symmetric ``a · aᵀ``, upper tiles then
-    mirrored); ``c``: CuPy ``int32`` ``(na, nb)``. Queued on the current CuPy stream.
+    mirrored); ``c``: CuPy ``int32`` ``(na, nb)``, C-contiguous. Queued on the current CuPy
+    stream.
     """
     import cupy
 
@@ -161,11 +313,14 @@ def bmma_cuda(a: Any, b: Any | None, c: Any, layout: tuple[int, int] = A_LAYOUT)
     if a.shape[1] == 0:
         c[...] = 0
         return
-    a32 = _words32(a)
-    b32 = a32 if diagonal else _words32(b)
-    grid = (-(-nb // 128), -(-na // 128))
+    if not c.flags.c_contiguous or c.shape != (na, nb):
+        raise ValueError(f"c must be a C-contiguous ({na}, {nb}) array")
+    a32 = _words32(a, tile.kbits)
+    b32 = a32 if diagonal else _words32(b, tile.kbits)
+    pair_store = c.shape[1] % 2 == 0 and c.data.ptr % 8 == 0
+    grid = (-(-nb // tile.bn) * -(-na // tile.bm),)
     args = (a32, b32, c, np.int32(na), np.int32(nb), np.int32(a32.shape[1]),
-            np.int32(c.shape[1]), np.int32(1 if diagonal else 0))
-    _kernel(layout)(grid, (128,), args)
+            np.int32(c.shape[1]), np.int32(1 if diagonal else 0), np.int32(pair_store))
+    _kernel(tile)(grid, (tile.threads,), args, shared_mem=tile.shared_bytes)
     if diagonal:
         _mirror_cuda(c, numba_stream(cupy.cuda.get_current_stream()))

@@ -147,3 +147,35 @@ def test_bmma_cuda_rectangular(rng):
     bmma_cuda(cupy.asarray(reference_bitpack(a)), cupy.asarray(reference_bitpack(b)), c)
     expected = (a.astype(np.int64) @ b.T.astype(np.int64)).astype(np.int32)
     np.testing.assert_array_equal(cupy.asnumpy(c), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(128, 128, 64, 64, 4, 512, 1, 0), (128, 256, 64, 64, 3, 1024, 8, 1),
+                                  (256, 128, 64, 64, 2, 2048, 3, 1), (64, 128, 32, 64, 3, 1024, 2, 0)])
+def test_bmma_cuda_tile_shapes(rng, tile):
+    import cupy
+
+    from dask_gpuchunk._kernels.bmma import BmmaTile, bmma_cuda
+
+    tile = BmmaTile(*tile)
+    for n, k in ((5, 70), (333, 1043), (600, 4100)):
+        a = random_bits(rng, (n, k), rng.uniform(0.05, 0.95))
+        words = cupy.asarray(reference_bitpack(a))
+        expected = reference_gram(a)
+        for b in (None, words):
+            c = cupy.empty((n, n), dtype=np.int32)
+            bmma_cuda(words, b, c, tile=tile)
+            np.testing.assert_array_equal(cupy.asnumpy(c), expected,
+                                          err_msg=f"{tile} n={n} k={k} diagonal={b is None}")
+
+
+def test_bmma_tile_checks():
+    from dask_gpuchunk._kernels.bmma import TILE, BmmaTile, _check_tile
+
+    _check_tile(TILE)
+    assert TILE.shared_bytes == TILE.stages * (TILE.bm + TILE.bn) * TILE.kbits // 8
+    for bad in (BmmaTile(128, 128, 48, 64, 3), BmmaTile(128, 128, 64, 64, 1),
+                BmmaTile(128, 128, 64, 64, 3, kbits=256), BmmaTile(1024, 256, 64, 64, 3),
+                BmmaTile(128, 128, 64, 64, 3, group=0)):
+        with pytest.raises(ValueError, match="bad bmma tile"):
+            _check_tile(bad)
