@@ -384,16 +384,20 @@ def multiply(a: str, b: str, output: str, chunk_size: str, overwrite: bool, devi
               show_default=True)
 @click.option("--chunk-rows", default=4096, show_default=True, type=click.IntRange(min=1),
               help="Rows per chunk (and per output block).")
+@click.option("--layout", type=click.Choice(["auto", "blocks", "rows"]), default="auto",
+              show_default=True, help="blocks: upper blocks, the rest transposed on the host; "
+              "rows: each row slab whole in one task; auto: rows on GPUs with tensor cores "
+              "when the packed input is at most 4 GiB.")
 @click.option("--overwrite", is_flag=True, help="Replace the output if it exists.")
 @_cluster_options
 def gram_command(bits: str, output: str, packed: bool, method: str, chunk_rows: int,
-                 overwrite: bool, device: str, as_json: bool, **opts: Any) -> None:
+                 layout: str, overwrite: bool, device: str, as_json: bool, **opts: Any) -> None:
     """G = A · Aᵀ (exact, int32) of the 0/1 matrix in BITS, written to OUTPUT."""
     from .jobs import gram_job
 
     _run_job(as_json, opts, lambda: gram_job(
         bits, output, packed=packed, method=method, device=device, chunk_rows=chunk_rows,
-        overwrite=overwrite))
+        layout=layout, overwrite=overwrite))
 
 
 @main.command()

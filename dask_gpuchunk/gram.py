@@ -38,7 +38,7 @@ from .devices import (
     gpu_available,
 )
 
-__all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "gram", "resolve_method"]
+__all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "gram", "gram_slab", "resolve_method", "slab_after"]
 
 #: ``method=`` values of :func:`gram`.
 METHODS = kernels.METHODS
@@ -227,6 +227,71 @@ def _gram_block(a: Any, b: Any, method: str, device: str) -> Any:
     if method in kernels.GPU_METHODS:
         raise ValueError(f"method={method!r} runs on a GPU only; use method='popcount' or 'auto' here")
     return backend.run_cpu_kernel(kernels.popcount_cpu, inputs[0], None if diagonal else inputs[1])
+
+
+def _slab_launcher(method: str) -> Any:
+    """``launch`` for a whole-width row slab: each column block into one device scratch block,
+    then into its columns of the slab (so every kernel writes a contiguous ``C``)."""
+    block_launch = _launcher(method, diagonal=False)
+
+    def launch(out: Any, inputs: list[Any], nb_stream: Any) -> None:
+        import cupy
+
+        a, col, block = inputs[0], 0, None
+        for b in inputs[1:]:
+            width = b.shape[0]
+            if block is None or block.shape[1] != width:
+                block = cupy.empty((a.shape[0], width), dtype=np.int32)
+            block_launch(block, [a, b], nb_stream)
+            out[:, col:col + width] = block
+            col += width
+
+    return launch
+
+
+def gram_slab(a: Any, others: list[Any], method: str = "auto", device: str = "auto") -> Any:
+    """One whole-width row slab of a Gram matrix, every block computed, in one call.
+
+    ``a``: packed words of some rows; ``others``: the packed words of all rows, in order, in
+    row chunks (each with every word of its rows). Returns ``popcount(a & row)`` against every
+    row: ``int32`` ``(len(a), sum of len(others))``, on the device ``a`` is on (NumPy chunks
+    on a GPU where one is visible, as :func:`gram`). For writing a Gram row by row to a file
+    with nothing left for the host to do but write (no transposes, no joining of blocks).
+
+    Examples
+    --------
+    >>> a = np.array([[1, 0, 1], [0, 1, 1], [1, 1, 1]], dtype=np.uint8)
+    >>> w = np.packbits(a, axis=1)
+    >>> gram_slab(w[:1], [w[:2], w[2:]], device="cpu")
+    array([[2, 1, 2]], dtype=int32)
+    """
+    inputs = [bits.words64(a), *(bits.words64(b) for b in others)]
+    shape = (a.shape[0], sum(b.shape[0] for b in inputs[1:]))
+    if any(backend.is_cupy(v) for v in inputs):
+        if device == "cpu":
+            raise ValueError(
+                "device='cpu' was given CuPy chunks; use device='gpu' or 'auto', or move the "
+                "data to the host first (x.map_blocks(cupy.asnumpy))"
+            )
+        return backend.run_on_device(_slab_launcher(resolve_method(method, on_gpu=True)), shape,
+                                     np.int32, inputs)
+    if _device_for_host_chunk(device) == "gpu":
+        return backend.run_staged(_slab_launcher(resolve_method(method, on_gpu=True)), shape,
+                                  np.int32, inputs)
+    if method in kernels.GPU_METHODS:
+        raise ValueError(f"method={method!r} runs on a GPU only; use method='popcount' or 'auto' here")
+    out = np.empty(shape, dtype=np.int32)
+    col = 0
+    for b in inputs[1:]:
+        out[:, col:col + b.shape[0]] = backend.run_cpu_kernel(kernels.popcount_cpu, inputs[0], b)
+        col += b.shape[0]
+    return out
+
+
+def slab_after(_previous: Any, a: Any, others: list[Any], method: str, device: str) -> Any:
+    """:func:`gram_slab`, as a task that also waits for ``_previous`` (a task key in a graph:
+    so that slabs are computed no further ahead of their writer than the graph allows)."""
+    return gram_slab(a, others, method, device)
 
 
 def _sum_blocks(*blocks: Any) -> Any:

@@ -42,6 +42,65 @@ Progress = Callable[[int, int], None] | None
 
 #: Largest whole-width row slab of a Gram output written as one piece (bytes).
 SLAB_BYTES = 2 << 30
+#: Largest packed input for which a Gram job on GPUs computes whole row slabs, one task each
+#: (every such task holds all the words on its device).
+ROWS_LAYOUT_WORDS_BYTES = 4 << 30
+#: Row slabs computed ahead of the one being written (layout "rows"): each waits for the
+#: write of the slab this many places before it, so finished slabs never pile up in memory.
+SLABS_AHEAD = 2
+
+
+def _gpus_where_it_runs() -> int:
+    """GPUs of the workers of the active distributed client, or of this process."""
+    from .devices import distributed_client_active, gpu_count
+
+    if not distributed_client_active():
+        return gpu_count()
+    from distributed import default_client
+
+    return int(sum(default_client().run(gpu_count).values()))
+
+
+def _gram_rows_to_npy(words: Any, target: Path, method: str, device: str, overwrite: bool,
+                      progress: Progress) -> None:
+    """Write the Gram of ``words`` (whole-width row chunks) to ``target`` slab by slab: each
+    task computes one whole row slab (:func:`dask_gpuchunk.gram.gram_slab`), each write task
+    puts it in its place, and slab ``i`` starts only once slab ``i - SLABS_AHEAD`` is written.
+    Never half-written, as :func:`dask_gpuchunk.to_npy`."""
+    import contextlib
+
+    import dask.array as da
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+
+    from .gram import slab_after
+    from .io import _check_target, _create_file, _run_writes, _temporary_name, _write_region
+
+    n = words.shape[0]
+    _check_target(target, overwrite)
+    tmp = _temporary_name(target)
+    try:
+        header = _create_file(tmp, np.dtype(np.int32), (n, n))
+        token = tokenize(words, method, device, str(tmp))
+        slab, write = f"gram-slab-{token}", f"gram-slab-write-{token}"
+        everything = [(words.name, j, 0) for j in range(len(words.chunks[0]))]
+        dsk: dict[tuple, Any] = {}
+        start = 0
+        for i, rows in enumerate(words.chunks[0]):
+            previous = (write, i - SLABS_AHEAD, 0) if i >= SLABS_AHEAD else None
+            dsk[(slab, i, 0)] = (slab_after, previous, (words.name, i, 0), everything, method, device)
+            dsk[(write, i, 0)] = (_write_region, (slab, i, 0), str(tmp), header,
+                                  (slice(start, start + rows), slice(0, n)))
+            start += rows
+        graph = HighLevelGraph.from_collections(write, dsk, dependencies=[words])
+        written = da.Array(graph, write, ((1,) * len(words.chunks[0]), (1,)), dtype=np.int64,
+                           meta=np.empty((0, 0), np.int64))
+        _run_writes(written, progress)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 class JobError(Exception):
@@ -250,18 +309,26 @@ def gram_job(
     method: str = "auto",
     device: str = "auto",
     chunk_rows: int = 4096,
+    layout: str = "auto",
     overwrite: bool = False,
 ) -> Job:
     """Check the files of a Gram job now; return the job, to run as ``job(progress)``.
 
     ``chunk_rows``: rows per chunk of ``A``, and so per block of the output (4096 measured best
-    for the int8 method on an H200). Values other than 0/1 raise :class:`InputError` when found,
-    with nothing written.
+    for the int8 method on an H200). ``layout``: ``"blocks"`` (:func:`dask_gpuchunk.gram`'s
+    square blocks, only those above the diagonal computed, joined into row slabs on the host),
+    ``"rows"`` (each whole row slab computed in one task and written, at most
+    :data:`SLABS_AHEAD` ahead of the writer), or ``"auto"``: ``"rows"`` where the job runs on
+    GPUs with a method other than popcount and the packed words take at most
+    :data:`ROWS_LAYOUT_WORDS_BYTES`, else ``"blocks"``. Values other than 0/1 raise
+    :class:`InputError` when found, with nothing written.
     """
     from .gram import METHODS, bitpack, gram
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    if layout not in ("auto", "blocks", "rows"):
+        raise ValueError(f"layout must be one of auto, blocks, rows; got {layout!r}")
     if chunk_rows < 1:
         raise ValueError(f"chunk rows must be positive, got {chunk_rows}")
     h = _header(bits, "input")
@@ -282,6 +349,14 @@ def gram_job(
         x = from_npy(bits, chunks=(chunk_rows, max(64, (1 << 27) // max(1, chunk_rows) // 64 * 64)))
         words = bitpack(x, device="cpu" if device == "cpu" else "auto").rechunk({1: -1})
         k_bits = k
+    if layout == "auto":
+        # On tensor cores the whole Gram costs less than moving it: computing each row slab
+        # whole on the GPU leaves the host nothing to do but write it (no transposes of the
+        # blocks below the diagonal, no joining of blocks into slabs).
+        words_bytes = n * words.shape[1] * words.dtype.itemsize
+        rows = (device != "cpu" and method != "popcount" and chunk_rows * n * 4 <= SLAB_BYTES
+                and words_bytes <= ROWS_LAYOUT_WORDS_BYTES and _gpus_where_it_runs() > 0)
+        layout = "rows" if rows else "blocks"
     result = gram(words, packed=True, method=method, device=device)
     if 1 < result.numblocks[1] and chunk_rows * n * 4 <= SLAB_BYTES:
         # Whole-width row slabs: each is one sequential write, as np.save's is. Square blocks
@@ -290,16 +365,20 @@ def gram_job(
         result = result.rechunk({1: -1})
 
     def run(progress: Progress) -> dict[str, Any]:
-        seconds = _run(
-            lambda: to_npy(result, target, overwrite=overwrite, progress=progress),
-            lambda: _start_warmup(_warm_gram, str(words.dtype), method, device),
-        )
+        if layout == "rows":
+            def write() -> None:
+                _gram_rows_to_npy(words, target, method, device, overwrite, progress)
+        else:
+            def write() -> None:
+                to_npy(result, target, overwrite=overwrite, progress=progress)
+        seconds = _run(write, lambda: _start_warmup(_warm_gram, str(words.dtype), method, device))
         return {
             "command": "gram",
             "inputs": [{"path": str(bits), "shape": list(h.shape), "dtype": str(h.dtype),
                         "packed": packed}],
             "output": {"path": str(target), "shape": [n, n], "dtype": "int32"},
-            "chunks": int(np.prod(result.numblocks)),
+            "chunks": len(words.chunks[0]) if layout == "rows" else int(np.prod(result.numblocks)),
+            "layout": layout,
             "method": method,
             "device": device,
             "seconds": seconds,

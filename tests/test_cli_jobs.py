@@ -58,6 +58,13 @@ def test_multiply_and_gram_on_a_local_cluster(inputs):
     assert r.returncode == 0, r.stderr
     np.testing.assert_array_equal(np.load(d / "g2.npy"), expected)
 
+    r = run_cli("gram", str(d / "bits.npy"), "-o", str(d / "g3.npy"), "--chunk-rows", "70",
+                "--layout", "rows", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["layout"] == "rows" and summary["chunks"] == -(-len(bits) // 70)
+    np.testing.assert_array_equal(np.load(d / "g3.npy"), expected)
+
 
 def test_demo_runs_and_checks_itself():
     r = run_cli("demo", "--rows", "20000", "--bit-rows", "300", "--bits", "2000", "--json")
@@ -197,6 +204,9 @@ BAD = [
      "chunk-size"),
     ("zero chunk rows", ["gram", "bits.npy", "-o", "c.npy", "--chunk-rows", "0"], 2, "chunk-rows"),
     ("bad method", ["gram", "bits.npy", "-o", "c.npy", "--method", "magic"], 2, "method"),
+    ("bad layout", ["gram", "bits.npy", "-o", "c.npy", "--layout", "cols"], 2, "layout"),
+    ("non-0/1 bits, row slabs", ["gram", "badbits.npy", "-o", "c.npy", "--layout", "rows",
+                                 "--chunk-rows", "2"], 3, "row 4, column 66"),
     ("bad device", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--device", "tpu"], 2, "device"),
     ("both scheduler options", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--scheduler-file",
                                 "s.json", "--scheduler-address", "tcp://127.0.0.1:1"], 2, "not both"),
@@ -243,13 +253,16 @@ def test_gpus_on_a_machine_without_gpu(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gram_command_on_the_gpu(rng, tmp_path):
+@pytest.mark.parametrize("layout", ["auto", "blocks", "rows"])
+def test_gram_command_on_the_gpu(rng, tmp_path, layout):
     bits = random_bits(rng, (3000, 5000), 0.5)
     np.save(tmp_path / "bits.npy", np.packbits(bits, axis=1))
     r = run_cli("gram", str(tmp_path / "bits.npy"), "-o", str(tmp_path / "g.npy"), "--packed",
-                "--chunk-rows", "1024", "--device", "gpu", "--json")
+                "--chunk-rows", "1024", "--device", "gpu", "--layout", layout, "--json")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout.strip().splitlines()[-1])["where"]["gpus"] >= 1
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["where"]["gpus"] >= 1
+    assert summary["layout"] == ("rows" if layout == "auto" else layout)
     g = np.load(tmp_path / "g.npy")
     rows = rng.choice(3000, 10, replace=False)
     expected = bits[rows].astype(np.int64) @ bits.T.astype(np.int64)

@@ -85,6 +85,25 @@ def test_only_upper_blocks_are_computed(rng):
     np.testing.assert_array_equal(g.compute(), reference_gram(a))
 
 
+@pytest.mark.parametrize("n, k, rows", [(1, 1, (1,)), (65, 63, (20, 20, 20, 5)),
+                                        (301, 999, (100, 1, 77, 123))])
+def test_gram_slab_is_a_whole_row_block(rng, n, k, rows):
+    a = random_bits(rng, (n, k), rng.uniform(0.05, 0.95))
+    words = reference_bitpack(a)
+    chunks = np.split(words, np.cumsum(rows)[:-1])
+    expected = reference_gram(a)
+    start = 0
+    for chunk in chunks:
+        slab = gram_module.gram_slab(chunk, chunks, device="cpu")
+        assert slab.dtype == np.int32 and slab.shape == (len(chunk), n)
+        np.testing.assert_array_equal(slab, expected[start:start + len(chunk)])
+        start += len(chunk)
+    np.testing.assert_array_equal(gram_module.slab_after(None, chunks[0], chunks, "auto", "auto"),
+                                  expected[:rows[0]])
+    with pytest.raises(ValueError, match="GPU only"):
+        gram_module.gram_slab(chunks[0], chunks, method="bmma", device="cpu")
+
+
 def test_row_slices_stream_to_store(rng, tmp_path):
     a = random_bits(rng, (90, 130), 0.5)
     out = np.lib.format.open_memmap(tmp_path / "c.npy", mode="w+", dtype=np.int32, shape=(90, 90))
@@ -197,6 +216,23 @@ def test_gram_host_chunks_on_gpu(rng, method):
     result = dg.gram(x, method=method, device="gpu").compute()
     assert isinstance(result, np.ndarray)
     np.testing.assert_array_equal(result, reference_gram(a))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["popcount", "int8", "bmma"])
+def test_gram_slab_on_gpu(rng, method):
+    import cupy
+
+    a = random_bits(rng, (700, 3001), 0.3)
+    words = reference_bitpack(a)
+    chunks = np.split(words, [250, 251, 600])
+    expected = reference_gram(a)
+    slab = gram_module.gram_slab(chunks[2], chunks, method=method, device="gpu")
+    assert isinstance(slab, np.ndarray)
+    np.testing.assert_array_equal(slab, expected[251:600])
+    on_device = [cupy.asarray(c) for c in chunks]
+    slab = gram_module.gram_slab(on_device[0], on_device, method=method)
+    np.testing.assert_array_equal(cupy.asnumpy(slab), expected[:250])
 
 
 @pytest.mark.gpu

@@ -133,11 +133,13 @@ def multiply_figures(work: Path, result: dict) -> None:
 
 
 PROFILE = False
-#: DASK_GPUCHUNK_PINNED_RESULTS values tried for the gram job; the first is reported.
+#: DASK_GPUCHUNK_PINNED_RESULTS values and --layout values tried for the gram job; the first
+#: of each is reported.
 GRAM_PINNED_RESULTS = ["1"]
+GRAM_LAYOUTS = ["auto"]
 
 
-def profiled_gram(bits_path: Path, g_path: Path, result: dict) -> dict:
+def profiled_gram(bits_path: Path, g_path: Path, result: dict, layout: str) -> dict:
     """The gram job in this process, on the same local cluster, with Dask's task stream:
     thread-seconds per kind of task, and when the first and last of each ran."""
     from dask.utils import key_split
@@ -148,7 +150,7 @@ def profiled_gram(bits_path: Path, g_path: Path, result: dict) -> dict:
 
     gpus = int(CLI_EXTRA[1]) if CLI_EXTRA else None
     with dg.local_cluster(gpus=gpus, device_memory_limit="8GB", dashboard_address=None) as client:
-        job = gram_job(bits_path, g_path, packed=True, overwrite=True)
+        job = gram_job(bits_path, g_path, packed=True, layout=layout, overwrite=True)
         t0 = time.time()
         with get_task_stream(client) as ts:
             summary = job(None)
@@ -162,7 +164,7 @@ def profiled_gram(bits_path: Path, g_path: Path, result: dict) -> dict:
                 k["first"] = min(k["first"], ss["start"] - t0)
                 k["last"] = max(k["last"], ss["stop"] - t0)
         summary["where"] = {"workers": len(client.scheduler_info()["workers"])}
-    result["gram_task_profile"] = kinds
+    result.setdefault("gram_task_profiles", {})[layout] = kinds
     for name, k in sorted(kinds.items(), key=lambda kv: -kv[1]["thread_s"]):
         print(f"  {name:40s} {k['n']:5d} tasks {k['thread_s']:8.2f} thread-s  "
               f"{k['first']:6.2f}..{k['last']:6.2f} s", flush=True)
@@ -183,20 +185,24 @@ def gram_figures(work: Path, result: dict, rows: int, bits: int) -> None:
     (work / "gram_numpy.npy").unlink()
     drop_caches()
     variants = {}
+    runs = [(layout, pinned) for layout in GRAM_LAYOUTS for pinned in GRAM_PINNED_RESULTS]
     with GpuMemorySampler() as sampler:
-        for pinned in GRAM_PINNED_RESULTS:
+        for layout, pinned in runs:
             os.environ["DASK_GPUCHUNK_PINNED_RESULTS"] = pinned
             drop_caches()
+            name = f"layout {layout}, pinned results {pinned}"
             if PROFILE:
-                variants[pinned] = profiled_gram(bits_path, g_path, result)
+                variants[name] = profiled_gram(bits_path, g_path, result, layout)
             else:
-                variants[pinned] = cli("gram", str(bits_path), "-o", str(g_path), "--packed",
-                                       "--device-memory-limit", "8GB", "--overwrite")
-            print(f"gram, pinned results {pinned}: {variants[pinned]['seconds']:.1f} s", flush=True)
-            if pinned != GRAM_PINNED_RESULTS[-1]:
+                variants[name] = cli("gram", str(bits_path), "-o", str(g_path), "--packed",
+                                     "--device-memory-limit", "8GB", "--layout", layout,
+                                     "--overwrite")
+            print(f"gram, {name}: {variants[name]['seconds']:.1f} s "
+                  f"(layout used: {variants[name].get('layout')})", flush=True)
+            if (layout, pinned) != runs[-1]:
                 g_path.unlink()  # the disk holds one 40 GB output, not two
-    ours = variants[GRAM_PINNED_RESULTS[0]]
-    result["gram_seconds_by_pinned_results"] = {k: v["seconds"] for k, v in variants.items()}
+    ours = variants[f"layout {runs[0][0]}, pinned results {runs[0][1]}"]
+    result["gram_seconds_by_variant"] = {k: v["seconds"] for k, v in variants.items()}
     g = np.load(g_path, mmap_mode="r")
     words = packed.view(np.uint8)
     exact = True
@@ -210,8 +216,17 @@ def gram_figures(work: Path, result: dict, rows: int, bits: int) -> None:
         "peak_device_memory_mib": sampler.peak,
         "input_plus_output_bytes": packed.nbytes + rows * rows * 4,
     }
-    print(json.dumps(result["gram"], default=str), flush=True)
     g_path.unlink()
+    # The same NumPy write again after ours: this virtual disk's write rate varies between
+    # runs (13.8 s and 21.0 s for the first write on two machines of the same kind).
+    c_numpy = np.empty((rows, rows), dtype=np.int32)
+    c_numpy[...] = 7
+    t_after = timed(lambda: np.save(work / "gram_numpy.npy", c_numpy))
+    c_numpy = None
+    (work / "gram_numpy.npy").unlink()
+    result["gram"]["numpy_write_again_after_ours_s"] = t_after
+    result["gram"]["ratio_to_numpy_write_after"] = ours["seconds"] / t_after
+    print(json.dumps(result["gram"], default=str), flush=True)
     bits_path.unlink()
 
 
@@ -225,6 +240,8 @@ def main() -> None:
     parser.add_argument("--gpus", default=None, help="--gpus for the jobs (default: all)")
     parser.add_argument("--pinned-results", nargs="*", default=None,
                         help="DASK_GPUCHUNK_PINNED_RESULTS values to try for gram")
+    parser.add_argument("--layouts", nargs="*", default=None,
+                        help="--layout values to try for gram (auto, blocks, rows)")
     parser.add_argument("--profile", action="store_true",
                         help="run the gram job in this process and profile its tasks")
     parser.add_argument("--reads", nargs="*", type=int, default=None,
@@ -236,6 +253,8 @@ def main() -> None:
     PROFILE = args.profile
     if args.pinned_results:
         GRAM_PINNED_RESULTS[:] = args.pinned_results
+    if args.layouts:
+        GRAM_LAYOUTS[:] = args.layouts
     if args.reads is not None:
         READS_VARIANTS[:] = args.reads
     args.workdir.mkdir(parents=True, exist_ok=True)
