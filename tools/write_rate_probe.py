@@ -7,7 +7,8 @@ dirty pages (sync, drop caches), timed until the last write call returns (as np.
 jobs are timed); the file is then deleted before any writeback of it matters. Variants: NumPy's
 np.save of one array; os.write of one slab buffer again and again (append); the jobs' pattern
 (header, file extended to full size, one pwrite per slab at its offset) from a pageable and
-from a page-locked slab; the same from two threads; and pwrite without the extension.
+from a page-locked slab; the same from two threads; pwrite without the extension; pwrite with
+``posix_fadvise(DONTNEED)`` after each slab; pwrite from as many distinct buffers as slabs.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=40.0)
     parser.add_argument("--slab-gb", type=float, default=1.6)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="run only the variants whose name contains one of these")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     slab_bytes = int(args.slab_gb * 1e9) // 4096 * 4096
@@ -67,19 +70,22 @@ def main() -> None:
                 f.write(memoryview(buf))
         return time.perf_counter() - t0
 
-    def pwrite(buf: np.ndarray, extend: bool, threads: int = 1) -> float:
+    def pwrite(buf: np.ndarray | list[np.ndarray], extend: bool, threads: int = 1,
+               fadvise: bool = False) -> float:
         clean()
         t0 = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         if extend:
             os.ftruncate(fd, total)
-        view = memoryview(buf)
+        views = [memoryview(b) for b in buf] if isinstance(buf, list) else [memoryview(buf)]
 
         def writer(first: int) -> None:
             for s in range(first, slabs, threads):
-                done = 0
+                view, done = views[s % len(views)], 0
                 while done < slab_bytes:
                     done += os.pwrite(fd, view[done:], s * slab_bytes + done)
+                if fadvise:  # start this slab's writeback now, and let its pages go once clean
+                    os.posix_fadvise(fd, s * slab_bytes, slab_bytes, os.POSIX_FADV_DONTNEED)
 
         pool = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
         for t in pool:
@@ -96,11 +102,16 @@ def main() -> None:
         "pwrite per slab into extended file, pinned": lambda: pwrite(pinned, True),
         "pwrite per slab, not extended, pinned": lambda: pwrite(pinned, False),
         "pwrite, 2 threads, extended, pinned": lambda: pwrite(pinned, True, 2),
+        "pwrite per slab + fadvise DONTNEED, pageable": lambda: pwrite(pageable, True,
+                                                                      fadvise=True),
+        "pwrite per slab from distinct buffers, pageable": lambda: pwrite(
+            [np.full(slab_bytes, 7, dtype=np.uint8) for _ in range(slabs)], True),
     }
     results: dict[str, list[float]] = {}
     for round_ in range(2):
         for name, fn in variants.items():
-            if "pinned" in name and pinned is None:
+            if ("pinned" in name and pinned is None) or (
+                    args.only and not any(o in name for o in args.only)):
                 continue
             seconds = fn()
             path.unlink()
