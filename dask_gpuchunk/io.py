@@ -21,7 +21,7 @@ import os
 import tempfile
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -421,21 +421,36 @@ def to_npy(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
         raise TypeError(f"cannot write an array of Python objects ({x.dtype}) to a .npy file")
     _check_target(target, overwrite)
     x = asarray(x)
-    dtype = _native(x.dtype)
-    tmp = _temporary_name(target)
-    try:
-        header = _create_file(tmp, dtype, x.shape)
-        name = "to-npy-" + tokenize(x, str(tmp))
+    with _file_in_place(target, _native(x.dtype), x.shape) as (tmp, header):
+        name = "to-npy-" + tokenize(x, tmp)
         dsk: dict[tuple, Any] = {}
         for idx, region in zip(np.ndindex(*x.numblocks), slices_from_chunks(x.chunks)):
-            dsk[(name, *idx)] = (_write_region, (x.name, *idx), str(tmp), header, region)
-        graph = HighLevelGraph.from_collections(name, dsk, dependencies=[x])
-        written = da.Array(graph, name, tuple((1,) * n for n in x.numblocks), dtype=np.int64,
-                           meta=np.empty((0,) * x.ndim, np.int64))
-        _run_writes(written, progress)
+            dsk[(name, *idx)] = (_write_region, (x.name, *idx), tmp, header, region)
+        _run_write_graph(name, dsk, x, x.numblocks, progress)
+    return target
+
+
+@contextlib.contextmanager
+def _file_in_place(target: Path, dtype: np.dtype,
+                   shape: tuple[int, ...]) -> Iterator[tuple[str, NpyHeader]]:
+    """A temporary ``.npy`` beside ``target``, header written and sized: ``(its path, header)``.
+    Renamed onto ``target`` when the block ends, removed if it raises (never half-written)."""
+    tmp = _temporary_name(target)
+    try:
+        header = _create_file(tmp, dtype, shape)
+        yield str(tmp), header
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    return target
+
+
+def _run_write_graph(name: str, dsk: dict[tuple, Any], source: da.Array,
+                     numblocks: tuple[int, ...], progress: Callable[[int, int], None] | None) -> None:
+    """Run the write tasks ``(name, *index)`` of ``dsk`` (one per block of ``numblocks``, each
+    returning a one-element array; ``dsk`` may hold other tasks too) over ``source``'s graph."""
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[source])
+    written = da.Array(graph, name, tuple((1,) * n for n in numblocks), dtype=np.int64,
+                       meta=np.empty((0,) * len(numblocks), np.int64))
+    _run_writes(written, progress)

@@ -67,21 +67,15 @@ def _gram_rows_to_npy(words: Any, target: Path, method: str, device: str, overwr
     task computes one whole row slab (:func:`dask_gpuchunk.gram.gram_slab`), each write task
     puts it in its place, and slab ``i`` starts only once slab ``i - SLABS_AHEAD`` is written.
     Never half-written, as :func:`dask_gpuchunk.to_npy`."""
-    import contextlib
-
-    import dask.array as da
     from dask.base import tokenize
-    from dask.highlevelgraph import HighLevelGraph
 
     from .gram import slab_after
-    from .io import _check_target, _create_file, _run_writes, _temporary_name, _write_region
+    from .io import _check_target, _file_in_place, _run_write_graph, _write_region
 
     n = words.shape[0]
     _check_target(target, overwrite)
-    tmp = _temporary_name(target)
-    try:
-        header = _create_file(tmp, np.dtype(np.int32), (n, n))
-        token = tokenize(words, method, device, str(tmp))
+    with _file_in_place(target, np.dtype(np.int32), (n, n)) as (tmp, header):
+        token = tokenize(words, method, device, tmp)
         slab, write = f"gram-slab-{token}", f"gram-slab-write-{token}"
         everything = [(words.name, j, 0) for j in range(len(words.chunks[0]))]
         dsk: dict[tuple, Any] = {}
@@ -89,18 +83,10 @@ def _gram_rows_to_npy(words: Any, target: Path, method: str, device: str, overwr
         for i, rows in enumerate(words.chunks[0]):
             previous = (write, i - SLABS_AHEAD, 0) if i >= SLABS_AHEAD else None
             dsk[(slab, i, 0)] = (slab_after, previous, (words.name, i, 0), everything, method, device)
-            dsk[(write, i, 0)] = (_write_region, (slab, i, 0), str(tmp), header,
+            dsk[(write, i, 0)] = (_write_region, (slab, i, 0), tmp, header,
                                   (slice(start, start + rows), slice(0, n)))
             start += rows
-        graph = HighLevelGraph.from_collections(write, dsk, dependencies=[words])
-        written = da.Array(graph, write, ((1,) * len(words.chunks[0]), (1,)), dtype=np.int64,
-                           meta=np.empty((0, 0), np.int64))
-        _run_writes(written, progress)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+        _run_write_graph(write, dsk, words, (len(words.chunks[0]), 1), progress)
 
 
 class JobError(Exception):
