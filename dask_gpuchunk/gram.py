@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import dask.array as da
@@ -38,7 +39,7 @@ from .devices import (
     gpu_available,
 )
 
-__all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "gram", "gram_slab", "resolve_method", "slab_after"]
+__all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "gram", "gram_slab", "resolve_method"]
 
 #: ``method=`` values of :func:`gram`.
 METHODS = kernels.METHODS
@@ -208,25 +209,36 @@ def _launcher(method: str, diagonal: bool) -> Any:
     return launch
 
 
-def _gram_block(a: Any, b: Any, method: str, device: str) -> Any:
-    """One partial block ``popcount(a & b)`` (``b=None``: the symmetric ``a · aᵀ``)."""
-    diagonal = b is None
-    inputs = [bits.words64(a)] if diagonal else [bits.words64(a), bits.words64(b)]
-    shape = (a.shape[0], inputs[-1].shape[0])
+def _run_counts(inputs: list[Any], shape: tuple[int, int], method: str, device: str,
+                gpu_launch: Callable[[str], Any], on_cpu: Callable[[], Any]) -> Any:
+    """Counts of packed ``inputs`` (``uint64`` words) where they are: CuPy chunks on their GPU,
+    NumPy chunks on a GPU or the CPU (:func:`_device_for_host_chunk`). ``gpu_launch(method)``
+    makes the ``launch`` for the resolved method; ``on_cpu()`` computes on the CPU."""
     if any(backend.is_cupy(v) for v in inputs):
         if device == "cpu":
             raise ValueError(
                 "device='cpu' was given CuPy chunks; use device='gpu' or 'auto', or move the "
                 "data to the host first (x.map_blocks(cupy.asnumpy))"
             )
-        launch = _launcher(resolve_method(method, on_gpu=True), diagonal)
+        launch = gpu_launch(resolve_method(method, on_gpu=True))
         return backend.run_on_device(launch, shape, np.int32, inputs)
     if _device_for_host_chunk(device) == "gpu":
-        launch = _launcher(resolve_method(method, on_gpu=True), diagonal)
+        launch = gpu_launch(resolve_method(method, on_gpu=True))
         return backend.run_staged(launch, shape, np.int32, inputs)
     if method in kernels.GPU_METHODS:
         raise ValueError(f"method={method!r} runs on a GPU only; use method='popcount' or 'auto' here")
-    return backend.run_cpu_kernel(kernels.popcount_cpu, inputs[0], None if diagonal else inputs[1])
+    return on_cpu()
+
+
+def _gram_block(a: Any, b: Any, method: str, device: str) -> Any:
+    """One partial block ``popcount(a & b)`` (``b=None``: the symmetric ``a · aᵀ``)."""
+    diagonal = b is None
+    inputs = [bits.words64(a)] if diagonal else [bits.words64(a), bits.words64(b)]
+    return _run_counts(
+        inputs, (a.shape[0], inputs[-1].shape[0]), method, device,
+        lambda resolved: _launcher(resolved, diagonal),
+        lambda: backend.run_cpu_kernel(kernels.popcount_cpu, inputs[0],
+                                       None if diagonal else inputs[1]))
 
 
 def _slab_launcher(method: str) -> Any:
@@ -266,32 +278,17 @@ def gram_slab(a: Any, others: list[Any], method: str = "auto", device: str = "au
     array([[2, 1, 2]], dtype=int32)
     """
     inputs = [bits.words64(a), *(bits.words64(b) for b in others)]
+
+    def on_cpu() -> np.ndarray:
+        out = np.empty(shape, dtype=np.int32)
+        col = 0
+        for b in inputs[1:]:
+            out[:, col:col + b.shape[0]] = backend.run_cpu_kernel(kernels.popcount_cpu, inputs[0], b)
+            col += b.shape[0]
+        return out
+
     shape = (a.shape[0], sum(b.shape[0] for b in inputs[1:]))
-    if any(backend.is_cupy(v) for v in inputs):
-        if device == "cpu":
-            raise ValueError(
-                "device='cpu' was given CuPy chunks; use device='gpu' or 'auto', or move the "
-                "data to the host first (x.map_blocks(cupy.asnumpy))"
-            )
-        return backend.run_on_device(_slab_launcher(resolve_method(method, on_gpu=True)), shape,
-                                     np.int32, inputs)
-    if _device_for_host_chunk(device) == "gpu":
-        return backend.run_staged(_slab_launcher(resolve_method(method, on_gpu=True)), shape,
-                                  np.int32, inputs)
-    if method in kernels.GPU_METHODS:
-        raise ValueError(f"method={method!r} runs on a GPU only; use method='popcount' or 'auto' here")
-    out = np.empty(shape, dtype=np.int32)
-    col = 0
-    for b in inputs[1:]:
-        out[:, col:col + b.shape[0]] = backend.run_cpu_kernel(kernels.popcount_cpu, inputs[0], b)
-        col += b.shape[0]
-    return out
-
-
-def slab_after(_previous: Any, a: Any, others: list[Any], method: str, device: str) -> Any:
-    """:func:`gram_slab`, as a task that also waits for ``_previous`` (a task key in a graph:
-    so that slabs are computed no further ahead of their writer than the graph allows)."""
-    return gram_slab(a, others, method, device)
+    return _run_counts(inputs, shape, method, device, _slab_launcher, on_cpu)
 
 
 def _sum_blocks(*blocks: Any) -> Any:

@@ -61,6 +61,14 @@ def _gpus_where_it_runs() -> int:
     return int(sum(default_client().run(gpu_count).values()))
 
 
+def _slab_after(_previous: Any, a: Any, others: list[Any], method: str, device: str) -> Any:
+    """:func:`dask_gpuchunk.gram.gram_slab`, as a task that also waits for ``_previous`` (the
+    write of an earlier slab), so that slabs are computed no further ahead of their writer."""
+    from .gram import gram_slab
+
+    return gram_slab(a, others, method, device)
+
+
 def _gram_rows_to_npy(words: Any, target: Path, method: str, device: str, overwrite: bool,
                       progress: Progress) -> None:
     """Write the Gram of ``words`` (whole-width row chunks) to ``target`` slab by slab: each
@@ -69,7 +77,6 @@ def _gram_rows_to_npy(words: Any, target: Path, method: str, device: str, overwr
     Never half-written, as :func:`dask_gpuchunk.to_npy`."""
     from dask.base import tokenize
 
-    from .gram import slab_after
     from .io import _check_target, _file_in_place, _run_write_graph, _write_region
 
     n = words.shape[0]
@@ -82,7 +89,7 @@ def _gram_rows_to_npy(words: Any, target: Path, method: str, device: str, overwr
         start = 0
         for i, rows in enumerate(words.chunks[0]):
             previous = (write, i - SLABS_AHEAD, 0) if i >= SLABS_AHEAD else None
-            dsk[(slab, i, 0)] = (slab_after, previous, (words.name, i, 0), everything, method, device)
+            dsk[(slab, i, 0)] = (_slab_after, previous, (words.name, i, 0), everything, method, device)
             dsk[(write, i, 0)] = (_write_region, (slab, i, 0), tmp, header,
                                   (slice(start, start + rows), slice(0, n)))
             start += rows
@@ -343,27 +350,32 @@ def gram_job(
         rows = (device != "cpu" and method != "popcount" and chunk_rows * n * 4 <= SLAB_BYTES
                 and words_bytes <= ROWS_LAYOUT_WORDS_BYTES and _gpus_where_it_runs() > 0)
         layout = "rows" if rows else "blocks"
-    result = gram(words, packed=True, method=method, device=device)
-    if 1 < result.numblocks[1] and chunk_rows * n * 4 <= SLAB_BYTES:
-        # Whole-width row slabs: each is one sequential write, as np.save's is. Square blocks
-        # dirty the page cache in short runs all over the file, and its writeback then goes
-        # to the disk in small pieces.
-        result = result.rechunk({1: -1})
+    if layout == "rows":
+        chunks = len(words.chunks[0])
+
+        def write(progress: Progress) -> None:
+            _gram_rows_to_npy(words, target, method, device, overwrite, progress)
+    else:
+        result = gram(words, packed=True, method=method, device=device)
+        if 1 < result.numblocks[1] and chunk_rows * n * 4 <= SLAB_BYTES:
+            # Whole-width row slabs: each is one sequential write, as np.save's is. Square
+            # blocks dirty the page cache in short runs all over the file, and its writeback
+            # then goes to the disk in small pieces.
+            result = result.rechunk({1: -1})
+        chunks = int(np.prod(result.numblocks))
+
+        def write(progress: Progress) -> None:
+            to_npy(result, target, overwrite=overwrite, progress=progress)
 
     def run(progress: Progress) -> dict[str, Any]:
-        if layout == "rows":
-            def write() -> None:
-                _gram_rows_to_npy(words, target, method, device, overwrite, progress)
-        else:
-            def write() -> None:
-                to_npy(result, target, overwrite=overwrite, progress=progress)
-        seconds = _run(write, lambda: _start_warmup(_warm_gram, str(words.dtype), method, device))
+        seconds = _run(lambda: write(progress),
+                       lambda: _start_warmup(_warm_gram, str(words.dtype), method, device))
         return {
             "command": "gram",
             "inputs": [{"path": str(bits), "shape": list(h.shape), "dtype": str(h.dtype),
                         "packed": packed}],
             "output": {"path": str(target), "shape": [n, n], "dtype": "int32"},
-            "chunks": len(words.chunks[0]) if layout == "rows" else int(np.prod(result.numblocks)),
+            "chunks": chunks,
             "layout": layout,
             "method": method,
             "device": device,

@@ -11,6 +11,7 @@ import pytest
 from helpers import random_bits
 
 import dask_gpuchunk as dg
+from dask_gpuchunk import jobs
 from dask_gpuchunk._kernels.bitpack import BitValueError, reference_bitpack
 from dask_gpuchunk._kernels.gram import reference_gram
 
@@ -98,7 +99,7 @@ def test_gram_slab_is_a_whole_row_block(rng, n, k, rows):
         assert slab.dtype == np.int32 and slab.shape == (len(chunk), n)
         np.testing.assert_array_equal(slab, expected[start:start + len(chunk)])
         start += len(chunk)
-    np.testing.assert_array_equal(gram_module.slab_after(None, chunks[0], chunks, "auto", "auto"),
+    np.testing.assert_array_equal(jobs._slab_after(None, chunks[0], chunks, "auto", "auto"),
                                   expected[:rows[0]])
     with pytest.raises(ValueError, match="GPU only"):
         gram_module.gram_slab(chunks[0], chunks, method="bmma", device="cpu")

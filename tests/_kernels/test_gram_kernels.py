@@ -99,13 +99,17 @@ def test_popcount_and_int8_cuda_on_gpu(rng, n, k):
 
 
 @pytest.mark.gpu
-def test_int8_cuda_rectangular(rng):
+@pytest.mark.parametrize("kernel", ["int8", "bmma"])
+def test_tensor_core_kernels_rectangular(rng, kernel):
     import cupy
+
+    from dask_gpuchunk._kernels.bmma import bmma_cuda
 
     a = random_bits(rng, (301, 777), 0.5)
     b = random_bits(rng, (45, 777), 0.2)
     c = cupy.empty((301, 45), dtype=np.int32)
-    int8_cuda(cupy.asarray(reference_bitpack(a)), cupy.asarray(reference_bitpack(b)), c)
+    run = {"int8": int8_cuda, "bmma": bmma_cuda}[kernel]
+    run(cupy.asarray(reference_bitpack(a)), cupy.asarray(reference_bitpack(b)), c)
     expected = (a.astype(np.int64) @ b.T.astype(np.int64)).astype(np.int32)
     np.testing.assert_array_equal(cupy.asnumpy(c), expected)
 
@@ -133,20 +137,6 @@ def test_bmma_cuda_on_gpu(rng, n, k):
         c = cupy.empty((n, n), dtype=np.int32)
         bmma_cuda(words, b, c)
         np.testing.assert_array_equal(cupy.asnumpy(c), expected, err_msg=f"diagonal={b is None}")
-
-
-@pytest.mark.gpu
-def test_bmma_cuda_rectangular(rng):
-    import cupy
-
-    from dask_gpuchunk._kernels.bmma import bmma_cuda
-
-    a = random_bits(rng, (301, 777), 0.5)
-    b = random_bits(rng, (45, 777), 0.2)
-    c = cupy.empty((301, 45), dtype=np.int32)
-    bmma_cuda(cupy.asarray(reference_bitpack(a)), cupy.asarray(reference_bitpack(b)), c)
-    expected = (a.astype(np.int64) @ b.T.astype(np.int64)).astype(np.int32)
-    np.testing.assert_array_equal(cupy.asnumpy(c), expected)
 
 
 @pytest.mark.gpu
