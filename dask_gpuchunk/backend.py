@@ -38,7 +38,12 @@ from typing import Any
 import numpy as np
 
 from . import placement
-from ._kernels.elementwise import ElementwiseKernels, collapse_dims
+from ._kernels.elementwise import (
+    ElementwiseKernels,
+    StridedArg,
+    collapse_dims,
+    direct_launch_available,
+)
 from .devices import GPUNotAvailableError, check_device, gpu_available
 
 __all__ = [
@@ -68,20 +73,38 @@ def _scalars_by_value(inputs: Sequence[Any]) -> list[Any]:
     return [a[()] if isinstance(a, np.ndarray) and a.ndim == 0 else a for a in inputs]
 
 
+def _collapsed_layout(out: Any, inputs: Sequence[Any]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """The collapsed shape, and the byte strides of ``out`` then of each array input in it.
+
+    Array inputs are broadcast to ``out``'s shape (stride 0 along the dimensions they are
+    broadcast in), then all are collapsed alike (:func:`collapse_dims`). Scalars
+    (``np.generic``) are skipped.
+    """
+    shape = out.shape
+    strides = [out.strides]
+    for a in inputs:
+        if isinstance(a, np.generic):
+            continue
+        lead = len(shape) - a.ndim
+        strides.append((0,) * lead + tuple(
+            0 if n == 1 and shape[lead + d] != 1 else st
+            for d, (n, st) in enumerate(zip(a.shape, a.strides))
+        ))
+    return collapse_dims(shape, strides)
+
+
 def _collapsed_views(xp: Any, out: Any, inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
-    """Broadcast array inputs to ``out``'s shape, then collapse them all alike.
+    """``out`` and array ``inputs`` as views of :func:`_collapsed_layout`'s shape and strides.
 
     Scalars (``np.generic``) pass through unchanged.
     """
-    shape = out.shape
-    arrays = [i for i, a in enumerate(inputs) if not isinstance(a, np.generic)]
-    views = [xp.broadcast_to(inputs[i], shape) for i in arrays]
-    new_shape, new_strides = collapse_dims(shape, [out.strides, *(v.strides for v in views)])
+    new_shape, new_strides = _collapsed_layout(out, inputs)
     as_strided = xp.lib.stride_tricks.as_strided
     extra = {"writeable": False} if xp is np else {}
     result = list(inputs)
-    for i, v, st in zip(arrays, views, new_strides[1:]):
-        result[i] = as_strided(v, new_shape, st, **extra)
+    arrays = [i for i, a in enumerate(inputs) if not isinstance(a, np.generic)]
+    for i, st in zip(arrays, new_strides[1:]):
+        result[i] = as_strided(inputs[i], new_shape, st, **extra)
     out_v = as_strided(out, new_shape, new_strides[0], **({"writeable": True} if xp is np else {}))
     return out_v, result
 
@@ -184,6 +207,17 @@ def run_cpu_kernel(kernel: Callable[..., Any], *args: Any, threads: int | None =
 
 
 def _launch(kernels: ElementwiseKernels, out: Any, inputs: Sequence[Any], nb_stream: Any) -> None:
+    """Queue ``out[...] = f(*inputs)`` on ``nb_stream`` (CuPy arrays, broadcastable to ``out``)."""
+    if direct_launch_available():
+        shape, strides = _collapsed_layout(out, inputs)
+        by_address = iter(strides[1:])
+        kernels.cuda_strided(
+            StridedArg(out.data.ptr, shape, strides[0], out.dtype),
+            *(a if isinstance(a, np.generic) else StridedArg(a.data.ptr, shape, next(by_address), a.dtype)
+              for a in inputs),
+            stream=nb_stream,
+        )
+        return
     from numba import cuda
 
     out_v, in_v = _collapsed_views(__import__("cupy"), out, inputs)

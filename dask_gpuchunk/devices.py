@@ -108,6 +108,7 @@ def check_device_for_graph(device: str) -> str:
     """
     if not isinstance(device, str) or device not in DEVICES:
         raise ValueError(f"device must be one of 'auto', 'gpu', 'cpu'; got {device!r}")
-    if device == "gpu" and not distributed_client_active():
+    # gpu_available() is cached; looking for a client is not (it raises when there is none).
+    if device == "gpu" and not gpu_available() and not distributed_client_active():
         check_device(device)
     return device

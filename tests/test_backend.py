@@ -9,7 +9,7 @@ import pytest
 from helpers import assert_same
 
 from dask_gpuchunk._kernels.elementwise import ElementwiseKernels
-from dask_gpuchunk.backend import is_cupy, run_cpu, run_elementwise
+from dask_gpuchunk.backend import _collapsed_layout, is_cupy, run_cpu, run_elementwise
 from dask_gpuchunk.devices import gpu_available
 
 
@@ -18,6 +18,25 @@ def mul(a, b):
 
 
 KERNELS = ElementwiseKernels(mul, 2)
+
+
+@pytest.mark.parametrize("out_shape, in_shapes", [
+    ((100, 40, 5), [(40, 5), (100, 40, 5)]),
+    ((6, 7), [(6, 1), (7,), (1, 1)]),
+    ((3, 1, 4), [(1, 4), (3, 1, 1)]),
+    ((5,), [()]),
+])
+def test_collapsed_layout_walks_the_broadcast_inputs(rng, out_shape, in_shapes):
+    # Every element of out and of every input sits where the collapsed shape and strides say.
+    out = rng.random(out_shape)
+    inputs = [rng.random(s) for s in in_shapes]
+    if inputs[0].ndim > 1:
+        inputs[0] = np.asfortranarray(inputs[0])  # non-C strides: nothing of it may collapse
+    shape, strides = _collapsed_layout(out, [*inputs, np.float64(2.0)])
+    assert len(strides) == 1 + len(inputs)
+    for a, st in zip([out, *inputs], strides):
+        view = np.lib.stride_tricks.as_strided(a, shape, st)
+        assert np.array_equal(view.reshape(out_shape), np.broadcast_to(a, out_shape))
 
 
 def test_cpu_writes_into_dest_and_returns_it(rng):

@@ -1,30 +1,38 @@
-"""Where the per-chunk time goes on the device-resident path (run on a GPU machine).
+"""Where the time of a device-resident persist goes (run on a GPU machine).
 
-    python3 tools/profile_overheads.py [out_dir]
+    python3 tools/profile_overheads.py              # everything below
+    python3 tools/profile_overheads.py bench-rows   # the bench's device rows alone
 
-Prints per-call microseconds of each step of run_gpu_on_device on a tiny CuPy chunk (so that
-only overhead is left), a cProfile of 300 such calls, and the device-resident product of two
-4 GB arrays at several chunk counts against CuPy's own a*b.
+Prints, on the seed-000 product (two 1,000,000 x 500 float64 arrays already on the device):
+
+* per-call microseconds of one tiny chunk through ``run_gpu_on_device``, with the direct
+  launch (``_kernels.elementwise._DirectLaunch``) and through numba's dispatcher, and CuPy's
+  own ``a * b`` on the same tiny arrays;
+* the kernel alone on the 4 GB arrays (CUDA events): CuPy's multiply, ours, and the same
+  product written in CUDA C and in numba under several launch shapes;
+* a cProfile of building the graph of a device-resident product;
+* stamps of single persists (1 and 4 chunks): graph build, Dask's optimisation, submission
+  to the first task, the tasks, the return, the device draining;
+* medians of whole persists against CuPy's ``a * b``, every variant interleaved round by round
+  so that drifts of the host hit all alike.
 """
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
+import gc
 import time
+from collections.abc import Callable
 
 import cupy
 import dask
 import numpy as np
-from numba import cuda
 
 import dask_gpuchunk as dg
-from dask_gpuchunk.backend import _launch, run_gpu_on_device
-from dask_gpuchunk.staging import numba_stream
+from dask_gpuchunk import backend
+from dask_gpuchunk._kernels import elementwise as kmod
 
 
-def per_call(fn, n=300):
+def per_call_us(fn: Callable[[], object], n: int = 500) -> float:
     fn()
     cupy.cuda.runtime.deviceSynchronize()
     t0 = time.perf_counter()
@@ -34,127 +42,124 @@ def per_call(fn, n=300):
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def main() -> None:
-    kernels = dg.multiply.kernels
-    x = cupy.arange(1000, dtype=np.float64)
-    out = cupy.empty_like(x)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    nb = numba_stream(stream)
-    steps = {
-        "run_gpu_on_device (whole chunk)": lambda: run_gpu_on_device(kernels, np.dtype("f8"), [x, x]),
-        "_launch (views + as_cuda_array + dispatch)": lambda: _launch(kernels, out, [x, x], nb),
-        "as_cuda_array x1": lambda: cuda.as_cuda_array(x, sync=False),
-        "cupy.empty": lambda: cupy.empty(1000),
-        "stream.synchronize": stream.synchronize,
-        "event record + wait": lambda: stream.wait_event(cupy.cuda.get_current_stream().record()),
-        "broadcast_to + as_strided": lambda: cupy.lib.stride_tricks.as_strided(
-            cupy.broadcast_to(x, x.shape), x.shape, x.strides),
-    }
-    ax, ao = cuda.as_cuda_array(x, sync=False), cuda.as_cuda_array(out, sync=False)
-    steps["kernels.cuda (dispatch + launch)"] = lambda: kernels.cuda(ao, ax, ax, stream=nb)
-    for name, fn in steps.items():
-        print(f"{name:45s} {per_call(fn):8.1f} us")
+def events_ms(fn: Callable[[], object], n: int = 10) -> float:
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    fn()
+    ts = []
+    for _ in range(n):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        ts.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(ts))
 
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(300):
-        run_gpu_on_device(kernels, np.dtype("f8"), [x, x])
-    pr.disable()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
-    print(s.getvalue())
+
+_CUDA_C = r"""
+extern "C" __global__ void grid_stride(const double* a, const double* b, double* c, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x)
+        c[i] = a[i] * b[i];
+}
+extern "C" __global__ void grid_stride_restrict(const double* __restrict__ a,
+        const double* __restrict__ b, double* __restrict__ c, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x)
+        c[i] = a[i] * b[i];
+}
+extern "C" __global__ void one_each(const double* a, const double* b, double* c, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) c[i] = a[i] * b[i];
+}
+"""
+
+
+def kernel_variants(a, b, c, expected, ten) -> None:
+    """The same product written in CUDA C and in numba, under several launch shapes."""
+    from numba import cuda
+
+    n = a.size
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    module = cupy.RawModule(code=_CUDA_C)
+    shapes = {"32 blocks/SM x 256": (sms * 32, 256), "full grid x 128": (-(-n // 128), 128),
+              "full grid x 256": (-(-n // 256), 256), "8 blocks/SM x 1024": (sms * 8, 1024)}
+    for kname in ("grid_stride", "grid_stride_restrict", "one_each"):
+        k = module.get_function(kname)
+        for label, (grid, block) in shapes.items():
+            if kname == "one_each" and not label.startswith("full"):
+                continue
+            c[...] = 0
+            t = events_ms(ten(lambda k=k, g=grid, bl=block: k((g,), (bl,), (a, b, c, np.int64(n))))) / 10
+            print(f"  CUDA C {kname:22s} {label:20s} {t:.3f} ms, exact "
+                  f"{bool(cupy.array_equal(c, expected))}")
+
+    @cuda.jit
+    def numba_one_each(x, y, out):
+        i = cuda.grid(1)
+        if i < out.size:
+            out[i] = x[i] * y[i]
+
+    @cuda.jit
+    def numba_grid_stride(x, y, out):
+        i = cuda.grid(1)
+        step = cuda.gridsize(1)
+        while i < out.size:
+            out[i] = x[i] * y[i]
+            i += step
+
+    xa, xb, xc = (cuda.as_cuda_array(v.reshape(-1), sync=False) for v in (a, b, c))
+    for kname, kern in (("numba one_each", numba_one_each), ("numba grid_stride", numba_grid_stride)):
+        for label, (grid, block) in shapes.items():
+            if kname.endswith("one_each") and not label.startswith("full"):
+                continue
+            c[...] = 0
+            t = events_ms(ten(lambda kern=kern, g=grid, bl=block: kern[g, bl](xa, xb, xc))) / 10
+            print(f"  {kname:29s} {label:20s} {t:.3f} ms, exact "
+                  f"{bool(cupy.array_equal(c, expected))}")
+
+
+def main() -> None:
+    tiny = cupy.arange(1000, dtype=np.float64)
+    f8 = np.dtype("f8")
+    print("per call, one 1000-element chunk:")
+    for direct in (True, False):
+        kmod.DIRECT_LAUNCH = direct
+        us = per_call_us(lambda: backend.run_gpu_on_device(dg.multiply.kernels, f8, [tiny, tiny]))
+        print(f"  run_gpu_on_device, {'direct launch' if direct else 'numba dispatch':14s} {us:7.1f} us")
+    kmod.DIRECT_LAUNCH = True
+    print(f"  cupy a * b                         {per_call_us(lambda: tiny * tiny):7.1f} us")
 
     a = cupy.random.random((1_000_000, 500))
     b = cupy.random.random((1_000_000, 500))
     c = cupy.empty_like(a)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    expected = a * b
+    print("kernel alone, 4 GB product (events around 10 launches back to back, per launch):")
+    def ten(fn: Callable[[], object]) -> Callable[[], object]:
+        return lambda: [fn() for _ in range(10)]  # each launch hides behind the kernel before
 
-    def events_ms(fn, n=10):
-        fn()
-        ts = []
-        for _ in range(n):
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            ts.append(cupy.cuda.get_elapsed_time(start, stop))
-        return float(np.median(ts))
+    t = events_ms(ten(lambda: cupy.multiply(a, b, out=c))) / 10
+    print(f"  cupy multiply(a, b, out=c)        {t:.3f} ms")
+    kernels = dg.multiply.kernels
+    t = events_ms(ten(lambda: backend.run_gpu_on_device(kernels, f8, [a, b]))) / 10
+    r = backend.run_gpu_on_device(kernels, f8, [a, b])
+    print(f"  ours (dg.multiply's kernel)       {t:.3f} ms, exact {bool(cupy.array_equal(r, expected))}")
+    del r
+    kernel_variants(a, b, c, expected, ten)
 
-    print(f"kernel only, cupy multiply(a, b, out=c): {events_ms(lambda: cupy.multiply(a, b, out=c)):.3f} ms")
-    from dask_gpuchunk._kernels import elementwise as kmod
+    import cProfile
+    import pstats
 
-    na, nb_, nc = (cuda.as_cuda_array(v.reshape(-1), sync=False) for v in (a, b, c))
-    original = kmod._launch_config
-    for label, config in [
-        ("grid-stride, 16 blocks/SM x 256", original),
-        ("full grid x 256", lambda n: (256, -(-n // 256))),
-        ("grid-stride, 32 blocks/SM x 256", lambda n: (256, 132 * 32)),
-        ("grid-stride, 8 blocks/SM x 512", lambda n: (512, 132 * 8)),
-        ("full grid x 1024", lambda n: (1024, -(-n // 1024))),
-    ]:
-        kmod._launch_config = config
-        t = events_ms(lambda: kernels.cuda(nc, na, nb_))
-        print(f"kernel only, ours {label:35s}: {t:.3f} ms")
-    kmod._launch_config = original
-    ok = bool(cupy.array_equal(c, a * b))
-    print("ours kernel result exact:", ok)
-    for unroll in (2, 4):
-        k = kmod.ElementwiseKernels(kernels.func, 2)
-        k.cuda_unroll = unroll
-        for label, config in [("16 blocks/SM", original), ("32 blocks/SM", lambda n: (256, 132 * 32)),
-                              ("8 blocks/SM", lambda n: (256, 132 * 8))]:
-            kmod._launch_config = config
-            c[...] = 0
-            t = events_ms(lambda: k.cuda(nc, na, nb_))
-            print(f"kernel only, ours unroll {unroll}, {label:14s}: {t:.3f} ms, exact "
-                  f"{bool(cupy.array_equal(c, a * b))}")
-        kmod._launch_config = original
+    xa, xb = dg.asarray(a, chunks=a.shape), dg.asarray(b, chunks=b.shape)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(500):
+        dg.multiply(xa, xb, device="gpu")
+    profile.disable()
+    print(f"build, per call: {per_call_us(lambda: dg.multiply(xa, xb, device='gpu')):.1f} us; "
+          "cProfile of 500:")
+    pstats.Stats(profile).sort_stats("cumulative").print_stats(18)
 
-    def trivial(nchunks):
-        xa = dg.asarray(a, chunks=(1_000_000 // nchunks, 500))
-
-        def run():
-            (r,) = dask.persist(xa.map_blocks(lambda blk: blk, dtype=xa.dtype, meta=xa._meta),
-                                scheduler="threads")
-            return r
-        return run
-
-    for n in (1, 4):
-        t0 = time.perf_counter()
-        for _ in range(50):
-            trivial(n)()
-        print(f"dask persist of an identity map_blocks, {n} chunks: "
-              f"{(time.perf_counter() - t0) / 50 * 1e3:.3f} ms")
-
-    def cupy_mul():
-        r = a * b
-        cupy.cuda.runtime.deviceSynchronize()
-        return r
-
-    def ours(nchunks):
-        xa = dg.asarray(a, chunks=(1_000_000 // nchunks, 500))
-        xb = dg.asarray(b, chunks=(1_000_000 // nchunks, 500))
-
-        def run():
-            (r,) = dask.persist(dg.multiply(xa, xb, device="gpu"), scheduler="threads")
-            cupy.cuda.runtime.deviceSynchronize()
-            return r
-        return run
-
-    def best(fn, n=7):
-        fn()
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            r = fn()
-            ts.append(time.perf_counter() - t0)
-            del r
-        return np.median(ts) * 1e3
-
-    # Where a device-resident persist spends its time: stamps around each chunk's execution.
-    import dask_gpuchunk.backend as backend
-
-    stamps = []
+    stamps: list[tuple[float, float]] = []
     original_run = backend.run_gpu_on_device
 
     def stamped(*args, **kwargs):
@@ -163,36 +168,106 @@ def main() -> None:
         stamps.append((t0, time.perf_counter()))
         return r
 
-    for n in (2, 4):
-        run = ours(n)
-        run()
+    from dask.base import collections_to_expr
+
+    print("stamps of single persists:")
+    for n in (1, 4):
+        xa = dg.asarray(a, chunks=(1_000_000 // n, 500))
+        xb = dg.asarray(b, chunks=(1_000_000 // n, 500))
+        (r,) = dask.persist(dg.multiply(xa, xb, device="gpu"), scheduler="threads")
+        del r
         backend.run_gpu_on_device = stamped
-        for _ in range(3):
+        for _ in range(4):
             stamps.clear()
+            cupy.cuda.runtime.deviceSynchronize()
             t0 = time.perf_counter()
-            xa = dg.asarray(a, chunks=(1_000_000 // n, 500))
-            xb = dg.asarray(b, chunks=(1_000_000 // n, 500))
             graph = dg.multiply(xa, xb, device="gpu")
+            t1 = time.perf_counter()
+            collections_to_expr([graph], optimize_graph=True).__dask_graph__()
+            t_opt = time.perf_counter() - t1
             t1 = time.perf_counter()
             (r,) = dask.persist(graph, scheduler="threads")
             t2 = time.perf_counter()
             cupy.cuda.runtime.deviceSynchronize()
             t3 = time.perf_counter()
             first, last = min(s[0] for s in stamps), max(s[1] for s in stamps)
-            print(f"{n} chunks: build {1e3 * (t1 - t0):.2f} ms, persist->first task "
-                  f"{1e3 * (first - t1):.2f}, tasks {1e3 * (last - first):.2f} "
-                  f"(each {np.mean([1e3 * (e - s) for s, e in stamps]):.2f}), last task->persist "
-                  f"returns {1e3 * (t2 - last):.2f}, then GPU drain {1e3 * (t3 - t2):.2f}; "
-                  f"total {1e3 * (t3 - t0):.2f} ms")
+            each = np.mean([1e3 * (e - s) for s, e in stamps])
+            print(f"  {n} chunks: build {1e3 * (t1 - t0 - t_opt):.2f} ms (optimise alone "
+                  f"{1e3 * t_opt:.2f}), persist->first task {1e3 * (first - t1):.2f}, tasks "
+                  f"{1e3 * (last - first):.2f} (each {each:.2f}), last task->persist returns "
+                  f"{1e3 * (t2 - last):.2f}, device drain {1e3 * (t3 - t2):.2f}; persist+drain "
+                  f"{1e3 * (t3 - t1):.2f} ms")
             del r
         backend.run_gpu_on_device = original_run
 
-    t_cupy = best(cupy_mul)
-    print(f"cupy a*b 4 GB: {t_cupy:.2f} ms")
-    for n in (1, 2, 4, 8, 20):
-        t = best(ours(n))
-        print(f"ours device-resident, {n:2d} chunks: {t:.2f} ms ({t / t_cupy:.2f} x cupy)")
+    def cupy_mul() -> None:
+        r = a * b
+        cupy.cuda.runtime.deviceSynchronize()
+        del r
+
+    def ours(op: dg.ElementwiseOp, n: int, direct: bool, hold: bool = False) -> Callable[[], None]:
+        xa = dg.asarray(a, chunks=(1_000_000 // n, 500))
+        xb = dg.asarray(b, chunks=(1_000_000 // n, 500))
+        held: list[object] = []
+
+        def run() -> None:
+            kmod.DIRECT_LAUNCH = direct
+            (r,) = dask.persist(op(xa, xb, device="gpu"), scheduler="threads")
+            cupy.cuda.runtime.deviceSynchronize()
+            if hold:  # the previous result lives until this one is done, as in seed 002
+                held[:] = [r]
+            del r
+        return run
+
+    variants: dict[str, Callable[[], None]] = {"cupy a * b": cupy_mul}
+    for n in (1, 4):
+        for direct in (True, False):
+            name = f"ours {n} chunk{'s' if n > 1 else ''}, {'direct' if direct else 'dispatch'}"
+            variants[name] = ours(dg.multiply, n, direct)
+        variants[f"ours {n} chunk{'s' if n > 1 else ''}, direct, holding the last"] = ours(
+            dg.multiply, n, True, hold=True)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for fn in variants.values():
+        fn()
+    for _ in range(15):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    kmod.DIRECT_LAUNCH = True
+    gc.collect()
+    print(f"gc thresholds {gc.get_threshold()}, counts {gc.get_count()}, "
+          f"objects {len(gc.get_objects())}")
+    base = float(np.median(times["cupy a * b"]))
+    print("whole persists, median of 15 interleaved rounds:")
+    for name, ts in times.items():
+        med = float(np.median(ts))
+        print(f"  {name:36s} {1e3 * med:6.2f} ms  ({med / base:.2f} x cupy; "
+              f"min {1e3 * min(ts):.2f})")
+
+
+
+
+def bench_rows() -> None:
+    """The bench's own device-resident rows, alone in a process (no rows before them)."""
+    from dask_gpuchunk.bench.elementwise import _Bench, _device_rows
+
+    rng = np.random.default_rng(0)
+    a, b = rng.random((1_000_000, 500)), rng.random((1_000_000, 500))
+    expected = a * b
+    bench = _Bench(3, (), print)
+
+    def check(result: np.ndarray) -> None:
+        assert np.array_equal(result, expected)
+
+    _device_rows(bench, "product", dg.multiply, a, b, check)
+    print("the bench's device rows, alone:")
+    for e in bench.entries:
+        print(f"  {e.name:48s} {1e3 * e.seconds:6.2f} ms  runs "
+              f"{' '.join(f'{1e3 * t:.2f}' for t in e.runs)}")
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    bench_rows() if sys.argv[1:] == ["bench-rows"] else main()

@@ -14,19 +14,22 @@ an any-stride variant otherwise. No dask here.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 __all__ = [
     "SUPPORTED_DTYPES",
     "ElementwiseKernels",
+    "StridedArg",
     "check_dtype",
     "kernels_for",
     "collapse_dims",
+    "direct_launch_available",
     "infer_result_dtype",
     "reference",
 ]
@@ -236,35 +239,37 @@ def _cpu_source(scalars: Sequence[bool], ndim: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _cuda_source(scalars: Sequence[bool], ndim: int, unroll: int = 1) -> str:
+def _cuda_source(scalars: Sequence[bool], ndim: int) -> str:
+    """One element per thread (:func:`_launch_config` covers ``out`` with the grid), then a
+    grid-stride loop for what a smaller grid leaves (numba's simulator runs tiny grids).
+
+    Measured on an H200 (4 GB float64 product, docs/perf-notes.md): one element per thread in
+    blocks of 128 ran in 2.73 ms, as CuPy's own multiply (2.75) and the same kernel in CUDA C
+    (2.71); every grid-stride launch shape took 2.86-3.06 ms in numba, 2.79-2.98 in CUDA C.
+    """
     idx = ", ".join(f"i{d}" for d in range(ndim)) if ndim > 1 else "i"
     params, call = _args(scalars, idx)
+    unravel = []
+    if ndim > 1:
+        unravel.append("r = i")
+        for d in range(ndim - 1, 0, -1):
+            unravel.append(f"q = r // out.shape[{d}]")
+            unravel.append(f"i{d} = r - q * out.shape[{d}]")
+            unravel.append("r = q")
+        unravel.append("i0 = r")
+    body = [*unravel, f"out[{idx}] = f({call})"]
     lines = [
         f"def kernel(out, {params}):",
         "    n = out.size",
         "    i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x",
+        "    if i < n:",
+        *("        " + line for line in body),
         "    step = int64(cuda.gridDim.x) * cuda.blockDim.x",
+        "    i += step",
+        "    while i < n:",
+        *("        " + line for line in body),
+        "        i += step",
     ]
-    if ndim == 1 and unroll > 1:
-        # Several independent elements per thread and round, all loaded and computed before
-        # any is stored (a store may alias a later load): more loads in flight.
-        lines.append(f"    while i + {unroll - 1} * step < n:")
-        for u in range(unroll):
-            _, call_u = _args(scalars, f"i + {u} * step")
-            lines.append(f"        v{u} = f({call_u})")
-        for u in range(unroll):
-            lines.append(f"        out[i + {u} * step] = v{u}")
-        lines.append(f"        i += {unroll} * step")
-    lines.append("    while i < n:")
-    if ndim > 1:
-        lines.append("        r = i")
-        for d in range(ndim - 1, 0, -1):
-            lines.append(f"        q = r // out.shape[{d}]")
-            lines.append(f"        i{d} = r - q * out.shape[{d}]")
-            lines.append("        r = q")
-        lines.append("        i0 = r")
-    lines.append(f"        out[{idx}] = f({call})")
-    lines.append("        i += step")
     return "\n".join(lines) + "\n"
 
 
@@ -276,6 +281,33 @@ def _generate(source: str, namespace: dict[str, Any]) -> Callable:
 
 def _is_scalar(x: Any) -> bool:
     return isinstance(x, np.generic)
+
+
+class StridedArg(NamedTuple):
+    """A device array given by address: all that a kernel launch reads of an array.
+
+    ``ptr`` is the device address of element ``(0, ..., 0)``, ``strides`` are in bytes (zero
+    along broadcast dimensions).
+    """
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def flags(self) -> dict[str, bool]:
+        """``{"C_CONTIGUOUS": ...}`` by NumPy's rule (dimensions of length 1 do not count)."""
+        expected = self.dtype.itemsize
+        for n, st in zip(reversed(self.shape), reversed(self.strides)):
+            if n != 1 and st != expected:
+                return {"C_CONTIGUOUS": False}
+            expected *= n
+        return {"C_CONTIGUOUS": True}
 
 
 def _signature_key(out: Any, inputs: Sequence[Any]) -> tuple:
@@ -320,11 +352,6 @@ class ElementwiseKernels:
     array([0., 2., 4., 6.])
     """
 
-    #: Elements per thread and round of the 1-D CUDA kernel (set before the first launch).
-    #: On the H200, 2 and 4 ran the 4 GB product in 2.93 ms, as 1 did: kept at 1, the knob
-    #: stays for profiling other devices (tools/profile_overheads.py).
-    cuda_unroll = 1
-
     def __init__(self, func: Callable, nargs: int, token: str | None = None) -> None:
         self.func = func
         self.nargs = nargs
@@ -334,6 +361,7 @@ class ElementwiseKernels:
         self._cuda: dict[tuple, Callable] = {}
         self._cpu_scalar: Callable | None = None
         self._cuda_device: Callable | None = None
+        self._direct: dict[tuple, _DirectLaunch] = {}
 
     def __reduce__(self) -> tuple:
         # Compiled kernels stay in the process that built them. A worker unpickles every task
@@ -385,7 +413,7 @@ class ElementwiseKernels:
                     self._cuda_device = cuda.jit(device=True)(self.func)
                 ndim, _, args, _ = key
                 pyfunc = _generate(
-                    _cuda_source([scalar for _, scalar in args], ndim, self.cuda_unroll),
+                    _cuda_source([scalar for _, scalar in args], ndim),
                     {"f": self._cuda_device, "cuda": cuda, "int64": numba.int64},
                 )
                 kernel = cuda.jit(_numba_signature(key, readonly_inputs=False))(pyfunc)
@@ -402,6 +430,109 @@ class ElementwiseKernels:
         kernel = self._cuda_kernel(_signature_key(out, inputs))
         threads, blocks = _launch_config(out.size)
         kernel[blocks, threads, stream](out, *inputs)
+
+    def cuda_strided(self, out: StridedArg, *inputs: StridedArg | np.generic,
+                     stream: Any) -> None:
+        """Launch the CUDA kernel on arrays given by address: ``out[...] = f(*inputs)``.
+
+        As :meth:`cuda`, but arrays are :class:`StridedArg` (all of one shape) and the launch
+        goes straight to the compiled function (:class:`_DirectLaunch`); ``stream`` is a numba
+        stream. Only where :func:`direct_launch_available` says so (not under the simulator).
+        """
+        key = _signature_key(out, inputs)
+        device = _current_device()
+        launcher = self._direct.get((key, device))
+        if launcher is None:
+            launcher = self._direct[(key, device)] = _DirectLaunch(self._cuda_kernel(key))
+        threads, blocks = _launch_config(math.prod(out.shape))
+        launcher(blocks, threads, stream, (out, *inputs))
+
+
+#: Whether GPU launches go through :class:`_DirectLaunch` (``DASK_GPUCHUNK_DIRECT_LAUNCH``,
+#: default 1); 0 sends every launch through numba's dispatcher, as under the simulator.
+DIRECT_LAUNCH = os.environ.get("DASK_GPUCHUNK_DIRECT_LAUNCH", "1") != "0"
+
+
+def direct_launch_available() -> bool:
+    """Whether :meth:`ElementwiseKernels.cuda_strided` can run here: a real GPU (not numba's
+    simulator), ``DIRECT_LAUNCH`` on, and numba-cuda launching through ``cuda.core``."""
+    if not DIRECT_LAUNCH:
+        return False
+    from numba.cuda import config as cuda_config
+
+    if cuda_config.ENABLE_CUDASIM:
+        return False
+    if not _DIRECT_OK:
+        try:
+            import cuda.core  # noqa: F401 - numba-cuda launches through it
+            from numba.cuda.cudadrv.driver import _to_core_stream  # noqa: F401
+        except ImportError:
+            _DIRECT_OK.append(False)
+        else:
+            _DIRECT_OK.append(True)
+    return _DIRECT_OK[0]
+
+
+_DIRECT_OK: list[bool] = []
+_core_streams = threading.local()
+
+
+def _current_device() -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDevice())
+
+
+def _core_stream(nb_stream: Any) -> Any:
+    """The ``cuda.core`` stream of a numba stream, cached per thread (as numba converts it)."""
+    cache = getattr(_core_streams, "by_id", None)
+    if cache is None:
+        cache = _core_streams.by_id = {}
+    entry = cache.get(id(nb_stream))
+    if entry is None or entry[0] is not nb_stream:
+        from numba.cuda.cudadrv.driver import _to_core_stream
+
+        entry = cache[id(nb_stream)] = (nb_stream, _to_core_stream(nb_stream))
+    return entry[1]
+
+
+class _DirectLaunch:
+    """One compiled elementwise kernel, launched with its arguments built from addresses.
+
+    numba's dispatcher spends ~40 us per launch typing its arguments and another ~20 us per
+    array wrapping CuPy memory as numba device arrays (docs/measurements/…profile-overheads);
+    with one kernel per chunk on device-resident data that is most of a chunk's cost. The
+    kernels here have one fixed signature each, so this flattens each array into numba's
+    kernel ABI (meminfo, parent, nitems, itemsize, data, shape..., strides...: what
+    ``_Kernel._prepare_args`` passes) directly from its address, lets numba convert scalars
+    as it always does, and hands the compiled function to ``cuda.core.launch`` as numba does.
+    """
+
+    def __init__(self, dispatcher: Any) -> None:
+        from cuda.core import LaunchConfig, launch
+
+        (self.overload,) = dispatcher.overloads.values()
+        if getattr(self.overload, "debug", False) or getattr(self.overload, "cooperative", False):
+            raise RuntimeError("debug and cooperative kernels launch through numba")
+        self.types = tuple(self.overload.argument_types)
+        self.function = self.overload._codelibrary.get_cufunc().kernel  # this device's
+        self._config = LaunchConfig
+        self._launch = launch
+        self._configs: dict[tuple[int, int], Any] = {}
+
+    def __call__(self, blocks: int, threads: int, stream: Any,
+                 args: Sequence[StridedArg | np.generic]) -> None:
+        flat: list[Any] = []
+        for ty, a in zip(self.types, args):
+            if isinstance(a, StridedArg):
+                flat += (0, 0, math.prod(a.shape), a.dtype.itemsize, a.ptr, *a.shape,
+                         *a.strides)
+            else:
+                self.overload._prepare_args(ty, a, stream, [], flat)
+        config = self._configs.get((blocks, threads))
+        if config is None:
+            config = self._configs[(blocks, threads)] = self._config(grid=blocks, block=threads)
+        self._launch(_core_stream(stream), config, self.function, *flat)
 
 
 _registry: dict[str, ElementwiseKernels] = {}
@@ -420,23 +551,18 @@ def kernels_for(func: Callable, nargs: int, token: str) -> ElementwiseKernels:
         return kernels
 
 
-_SM_COUNT: list[int] = []
+#: Most blocks of one launch (CUDA's limit on gridDim.x).
+MAX_BLOCKS = 2**31 - 1
 
 
 def _launch_config(n: int) -> tuple[int, int]:
-    """Threads per block and blocks for a grid-stride loop over ``n`` elements."""
-    from numba import cuda
+    """Threads per block and blocks: one thread per element of ``n`` (see :func:`_cuda_source`)."""
     from numba.cuda import config as cuda_config
 
     if cuda_config.ENABLE_CUDASIM:
-        # The simulator runs every CUDA thread as a Python thread: keep grids tiny.
+        # The simulator runs every CUDA thread as a Python thread: keep grids tiny (the
+        # kernel's grid-stride loop covers the rest).
         threads = 32
         return threads, max(1, min(math.ceil(n / threads), 4))
-    if not _SM_COUNT:
-        _SM_COUNT.append(int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
-    threads = 256
-    # 32 blocks of 256 per SM: four times what fits at once, so the grid-stride loop runs few
-    # rounds. Measured on an H200 (4 GB float64 product): 1.05 x CuPy's own kernel, against
-    # 1.09 x with 16 blocks per SM and 1.06 x with one thread per element.
-    blocks = max(1, min(math.ceil(n / threads), _SM_COUNT[0] * 32))
-    return threads, blocks
+    threads = 128
+    return threads, max(1, min(math.ceil(n / threads), MAX_BLOCKS))

@@ -9,8 +9,10 @@ chunks of about 200 MB along the rows. Two tables, one run, one machine:
     10-step loop of persists timed per step), ours ``device="cpu"`` and ``"auto"``; NumPy
     (one thread); numba parallel CPU; naive dask-cuda (``from_array -> cupy.asarray -> * ->
     cupy.asnumpy``, computed on a ``LocalCUDACluster``);
-    CuPy ``a * b`` on device arrays (once, and a 10-step loop); seed 000's whole-array approach
-    (``cuda.to_device`` of everything, one thread per row, copy back).
+    CuPy ``a * b`` on device arrays (once, and a 10-step loop); Dask's own ``a * b`` persisted
+    on the same CuPy chunks (what any Dask operation pays); seed 000's whole-array approach
+    (``cuda.to_device`` of everything, one thread per row, copy back). The device rows are
+    timed interleaved, 15 rounds.
 ``rk4`` (a compute-heavy user function, two RK4 steps of ``y' = -k y + sin y`` per element)
     ours ``gpu`` (pageable), device-resident, ``cpu``, ``auto``; numba parallel CPU; NumPy
     (vectorised, one thread; timed on at most 50,000 rows and scaled, as noted in the JSON).
@@ -167,7 +169,7 @@ class _Bench:
         return self.add(entry)
 
     def interleaved(self, table: str, fns: dict[str, Callable[[], Any]],
-                    check: Callable[[], None]) -> list[Entry]:
+                    check: Callable[[], None], repeat: int | None = None) -> list[Entry]:
         """Time several ways of doing the same work round-robin, so that drifts in the
         machine's state (clocks, memory placement, other load) fall on all of them alike.
 
@@ -180,7 +182,7 @@ class _Bench:
             fn()
             entries[name].first_run = time.perf_counter() - t0
             check()
-        for _ in range(self.repeat):
+        for _ in range(repeat or self.repeat):
             for name, fn in fns.items():
                 t0 = time.perf_counter()
                 fn()
@@ -310,34 +312,33 @@ def _table(bench: _Bench, table: str, scalar_op: Callable, op: Any, shape: tuple
         e.extra.setdefault("workload_bytes", {"in": a.nbytes + b.nbytes, "out": out.nbytes})
 
 
+#: Rounds of the device-resident rows: each run takes milliseconds, and Dask's share of it
+#: varies by a few tenths of a millisecond between runs, so three would be noise.
+DEVICE_ROUNDS = 15
+
+
 def _device_rows(bench: _Bench, table: str, op: Any, a: np.ndarray, b: np.ndarray,
                  check: Callable[[np.ndarray], None]) -> None:
-    """Ours on persisted CuPy chunks, and CuPy's own ``a * b``, on the same device arrays."""
+    """Ours on persisted CuPy chunks, and CuPy's own ``a * b``, on the same device arrays.
+
+    All rows of the table are timed interleaved, round by round (:meth:`_Bench.interleaved`),
+    so that the ratios to CuPy compare runs made under the same conditions.
+    """
     import cupy
 
     dev_a, dev_b = cupy.asarray(a), cupy.asarray(b)
     rows = max(1, a.shape[0] // 4)  # four chunks of a quarter each: device memory is ample
     xa, xb = asarray(dev_a, (rows, a.shape[1])), asarray(dev_b, (rows, a.shape[1]))
+    # The same arrays as one chunk each (they fit): Dask's cost per persist is mostly per task.
+    whole_a, whole_b = asarray(dev_a, dev_a.shape), asarray(dev_b, dev_b.shape)
     held: list[Any] = []
+    steps = 10
 
     def ours() -> None:
         held[:] = [_sync_persist(op(xa, xb, device="gpu"))]
 
-    def check_device() -> None:
-        check(cupy.asnumpy(held[0].compute(scheduler="threads")))
-
-    bench.timed(table, "ours device-resident (CuPy chunks)", ours, gpu=True, check=check_device)
-    held.clear()
-    # The same arrays as one chunk each (they fit): Dask's cost per persist is mostly per task.
-    whole_a, whole_b = asarray(dev_a, dev_a.shape), asarray(dev_b, dev_b.shape)
-
     def ours_whole() -> None:
         held[:] = [_sync_persist(op(whole_a, whole_b, device="gpu"))]
-
-    bench.timed(table, "ours device-resident, one chunk per array", ours_whole, gpu=True,
-                check=check_device)
-    held.clear()
-    steps = 10
 
     def ours_loop() -> None:
         # Seed 002's pattern: persist each step without waiting; the device runs step k
@@ -346,26 +347,39 @@ def _device_rows(bench: _Bench, table: str, op: Any, a: np.ndarray, b: np.ndarra
             held[:] = [persist(op(xa, xb, device="gpu"), scheduler="threads")[0]]
         cupy.cuda.runtime.deviceSynchronize()
 
-    e = bench.timed(table, f"ours device-resident, {steps}-step loop (per step)", ours_loop,
-                    gpu=True)
-    _per_step(e, steps)
-    held.clear()
-    if table == "product":
-        def cupy_mul() -> None:
+    def cupy_mul() -> None:
+        result = dev_a * dev_b
+        cupy.cuda.runtime.deviceSynchronize()
+        del result
+
+    def cupy_loop() -> None:
+        for _ in range(steps):
             result = dev_a * dev_b
-            cupy.cuda.runtime.deviceSynchronize()
-            del result
+        cupy.cuda.runtime.deviceSynchronize()
+        del result
 
-        def cupy_loop() -> None:
-            for _ in range(steps):
-                result = dev_a * dev_b
-            cupy.cuda.runtime.deviceSynchronize()
-            del result
+    def check_ours() -> None:
+        if held:  # the last of ours that ran
+            check(cupy.asnumpy(held[0].compute(scheduler="threads")))
 
-        bench.timed(table, "peer cupy a*b (device arrays)", cupy_mul, gpu=True)
-        e = bench.timed(table, f"peer cupy a*b, {steps}-step loop (per step)", cupy_loop,
-                        gpu=True)
-        _per_step(e, steps)
+    fns: dict[str, Callable[[], None]] = {
+        "ours device-resident (CuPy chunks)": ours,
+        "ours device-resident, one chunk per array": ours_whole,
+        f"ours device-resident, {steps}-step loop (per step)": ours_loop,
+    }
+    if table == "product":
+        fns["peer cupy a*b (device arrays)"] = cupy_mul
+        fns[f"peer cupy a*b, {steps}-step loop (per step)"] = cupy_loop
+        # Dask's own multiply on the same CuPy chunks: what any Dask operation pays per persist.
+        fns["peer dask.array a*b (CuPy chunks)"] = lambda: held.__setitem__(
+            slice(None), [_sync_persist(xa * xb)])
+        fns["peer dask.array a*b, one chunk per array"] = lambda: held.__setitem__(
+            slice(None), [_sync_persist(whole_a * whole_b)])
+    for e in bench.interleaved(table, fns, check_ours, repeat=max(bench.repeat, DEVICE_ROUNDS)):
+        e.extra["interleaved_rounds"] = len(e.runs)
+        if "loop" in e.name:
+            _per_step(e, steps)
+    held.clear()
 
 
 def _per_step(entry: Entry | None, steps: int) -> None:
@@ -451,7 +465,8 @@ def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> 
                 continue
             if best:
                 e.extra["vs_best"] = e.seconds / best
-            device_row = "device-resident" in e.name or e.name.startswith("peer cupy")
+            device_row = ("device-resident" in e.name or e.name.startswith("peer cupy")
+                          or "CuPy chunk" in e.name or "one chunk per array" in e.name)
             floor = f.get("hbm_floor_s" if device_row else "pcie_floor_s")
             if floor:
                 e.extra["vs_floor"] = e.seconds / floor

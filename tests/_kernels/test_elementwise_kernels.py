@@ -15,6 +15,7 @@ from helpers import DTYPES, assert_same, random_array
 
 from dask_gpuchunk._kernels.elementwise import (
     ElementwiseKernels,
+    StridedArg,
     check_dtype,
     collapse_dims,
     infer_result_dtype,
@@ -200,13 +201,73 @@ def test_cuda_kernel_nan_inf_pass_through():
         assert_same(_cuda(mul, 2, np.float64, a, b), a * b)
 
 
-@pytest.mark.parametrize("unroll", [2, 4])
-def test_cuda_kernel_unrolled_variant(rng, unroll):
+@pytest.mark.parametrize("shape", [(301,), (3, 5, 7)])
+def test_cuda_kernel_grid_smaller_than_the_array(rng, shape, monkeypatch):
+    # One thread per element, and a grid-stride loop for what a smaller grid leaves.
     from numba import cuda
 
+    from dask_gpuchunk._kernels import elementwise as kmod
+
+    monkeypatch.setattr(kmod, "_launch_config", lambda n: (32, 2))
     k = ElementwiseKernels(mul, 2)
-    k.cuda_unroll = unroll
-    a, b = rng.random(301), rng.random(301)  # not a multiple of the grid: the tail loop runs
-    out = cuda.device_array(301)
-    k.cuda(out, cuda.to_device(a), cuda.to_device(b))
+    a = rng.random(shape)
+    b = rng.random(shape[-1:])
+    out = cuda.device_array(shape)
+    k.cuda(out, cuda.to_device(a), cuda.to_device(np.ascontiguousarray(np.broadcast_to(b, shape))))
     assert_same(out.copy_to_host(), a * b)
+
+
+def test_launch_config_covers_the_array_with_one_thread_each(monkeypatch):
+    from numba.cuda import config as cuda_config
+
+    from dask_gpuchunk._kernels.elementwise import MAX_BLOCKS, _launch_config
+
+    monkeypatch.setattr(cuda_config, "ENABLE_CUDASIM", False)
+    for n in (1, 127, 128, 129, 500_000_000):
+        threads, blocks = _launch_config(n)
+        assert threads * blocks >= n > threads * (blocks - 1)
+    assert _launch_config(0)[1] == 1
+    assert _launch_config(2**60)[1] == MAX_BLOCKS  # the loop covers the rest
+
+
+@pytest.mark.parametrize("shape, view", [
+    ((7, 5), np.s_[:, :]), ((7, 5), np.s_[:, ::2]), ((7, 5), np.s_[::-1]), ((1, 6), np.s_[:, :]),
+    ((6, 1, 3), np.s_[:, :, 1:]), ((1,), np.s_[:]), ((4, 3), np.s_[:, :1]),
+])
+def test_strided_arg_contiguity_follows_numpy(shape, view):
+    a = np.empty(shape)[view]
+    arg = StridedArg(0, a.shape, a.strides, a.dtype)
+    assert arg.ndim == a.ndim
+    assert arg.flags["C_CONTIGUOUS"] == a.flags["C_CONTIGUOUS"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint16", "int32", "uint64", "float32",
+                                   "float64", "complex64", "complex128"])
+def test_direct_launch_matches_numba_dispatch(rng, dtype):
+    # Arrays by address (broadcast, strided, with a scalar of each dtype) through the direct
+    # launch, against the same kernel through numba's dispatcher.
+    import cupy
+    from numba import cuda
+
+    from dask_gpuchunk._kernels.elementwise import direct_launch_available
+
+    assert direct_launch_available(), "the GPU path fell back to numba's dispatcher"
+    k = ElementwiseKernels(fma3, 3)
+    a = cupy.asarray(random_array(rng, (9, 33), dtype))[:, ::2]  # strided
+    c = cupy.asarray(random_array(rng, (17,), dtype))             # broadcast along rows
+    s = random_array(rng, (1,), dtype)[0]
+    out_dtype = (np.asarray(a[:1, :1].get()) * s + c[:1].get()).dtype
+    shape = a.shape
+    outs = [cupy.zeros(shape, out_dtype) for _ in range(2)]
+    cb = cupy.broadcast_to(c, shape)
+    k.cuda_strided(StridedArg(outs[0].data.ptr, shape, outs[0].strides, outs[0].dtype),
+                   StridedArg(a.data.ptr, shape, a.strides, a.dtype), s,
+                   StridedArg(cb.data.ptr, shape, cb.strides, cb.dtype),
+                   stream=cuda.default_stream())
+    k.cuda(cuda.as_cuda_array(outs[1]), cuda.as_cuda_array(a), s, cuda.as_cuda_array(cb))
+    cupy.cuda.runtime.deviceSynchronize()
+    assert_same(outs[0].get(), outs[1].get())
+    with np.errstate(all="ignore"):
+        assert_same(outs[0].get(), (a.get() * s + c.get()).astype(out_dtype),
+                    exact=dtype[0] not in "cf")
