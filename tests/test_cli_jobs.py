@@ -91,9 +91,11 @@ def scheduler_and_two_workers(tmp_path):
         time.sleep(0.2)
     worker = [sys.executable, "-m", "distributed.cli.dask_worker"]
     for i in range(2):
+        preload = ["--preload", "dask_gpuchunk.cluster"] if i == 0 else []  # as README's recipe
         procs.append(_start([*worker, "--scheduler-file", str(sched_file), "--nthreads", "1",
                              "--no-nanny", "--host", "127.0.0.1", "--name", f"w{i}",
-                             "--dashboard-address", ":0", "--local-directory", str(tmp_path)]))
+                             "--dashboard-address", ":0", "--local-directory", str(tmp_path),
+                             *preload]))
     from distributed import Client
 
     with Client(scheduler_file=str(sched_file), timeout=60) as client:
