@@ -22,6 +22,14 @@ def _real_gpu() -> bool:
 
 
 REAL_GPU = _real_gpu()
+# Kernels cached on disk (dg.multiply's, those of cache=True functions) go to a directory of
+# this session, not the user's ~/.cache: every run of the suite compiles once and is checked.
+_SESSION_CACHE = None
+if "DASK_GPUCHUNK_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _SESSION_CACHE = os.environ["DASK_GPUCHUNK_CACHE_DIR"] = tempfile.mkdtemp(
+        prefix="dask-gpuchunk-test-cache-")
 if not REAL_GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
     if "numba.core.config" in sys.modules:  # imported early (by a plugin): read the env again
@@ -45,3 +53,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def rng() -> np.random.Generator:
     """A fresh random generator per test (seeded, so a failure reproduces)."""
     return np.random.default_rng(20261122)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _SESSION_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)

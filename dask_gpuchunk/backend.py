@@ -50,6 +50,7 @@ __all__ = [
     "cpu_threads",
     "dask_threads",
     "is_cupy",
+    "prepare_process",
     "run_cpu",
     "run_cpu_kernel",
     "run_elementwise",
@@ -163,6 +164,20 @@ def _threadsafe_layer() -> bool:
                 _touch(np.empty(2))
                 _layer_checked.append(numba.threading_layer() in ("omp", "tbb"))
     return _layer_checked[0]
+
+
+def prepare_process() -> None:
+    """Initialise now what the first chunk of this process would otherwise wait for: numba's
+    threading layer (its first parallel kernel), and where a GPU is visible CuPy, numba's
+    CUDA module and the device's context. Workers of ``dg.local_cluster`` call it as they
+    start (:func:`dask_gpuchunk.cluster.dask_setup`)."""
+    _threadsafe_layer()
+    if gpu_available():
+        import cupy
+        from numba import cuda
+
+        cupy.cuda.Device().synchronize()  # creates the device's primary context
+        cuda.current_context()  # numba's handle on the same context
 
 
 def run_cpu(

@@ -34,20 +34,13 @@ def dask_setup(worker: Any) -> None:
     """Worker start-up hook (Dask calls it for a ``preload`` module): import what tasks run.
 
     A fresh worker otherwise imports the package, numba and CuPy when it unpickles its first
-    task (~1 s on the H200 machine, every task of a job waiting behind it), and creates its
-    CUDA context in the first task that touches the GPU (0.3-0.7 s there, in the task that
-    compiles the job's kernels while the first chunks are read).
+    task (~1 s on the H200 machine, every task of a job waiting behind it), and initialises
+    numba's threading layer and the CUDA context in its first chunks
+    (:func:`dask_gpuchunk.backend.prepare_process`: 0.3-0.7 s for the context there).
     """
-    import dask_gpuchunk  # noqa: F401 - the operators, numba, dask.array
+    from . import backend, io, jobs  # noqa: F401 - the package, and what the tasks of jobs call
 
-    from . import backend, io, jobs  # noqa: F401 - what the tasks of jobs call
-
-    if gpu_count() > 0:
-        import cupy
-        from numba import cuda
-
-        cupy.cuda.Device().synchronize()  # creates the device's primary context
-        cuda.current_context()  # numba's handle on the same context
+    backend.prepare_process()
 
 
 def parse_memory_limit(value: Any, what: str) -> Any:

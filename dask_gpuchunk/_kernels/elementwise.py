@@ -13,11 +13,15 @@ an any-stride variant otherwise. No dask here.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import math
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -29,10 +33,15 @@ __all__ = [
     "check_dtype",
     "kernels_for",
     "collapse_dims",
+    "cache_dir",
     "direct_launch_available",
+    "function_stamp",
     "infer_result_dtype",
     "reference",
 ]
+
+#: Part of every cache file's key (kernel sources may change between versions).
+_PACKAGE_VERSION = "0.1.0"
 
 #: The dtypes elementwise operations accept and produce.
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
@@ -71,12 +80,13 @@ def check_dtype(dtype: Any, what: str) -> np.dtype:
     )
 
 
-def _numba_return_dtype(func: Callable, dtypes: Sequence[np.dtype]) -> np.dtype:
+def _numba_return_dtype(func: Callable, dtypes: Sequence[np.dtype],
+                        cache: bool = False) -> np.dtype:
     """Compile ``func`` for the CPU at these argument dtypes and return its result dtype."""
     import numba
     from numba.np.numpy_support import as_dtype
 
-    dispatcher = numba.njit(func)
+    dispatcher = numba.njit(func, cache=cache)
     args = tuple(numba.from_dtype(dt) for dt in dtypes)
     try:
         dispatcher.compile(args)
@@ -98,14 +108,15 @@ def _numba_return_dtype(func: Callable, dtypes: Sequence[np.dtype]) -> np.dtype:
         ) from None
 
 
-def infer_result_dtype(func: Callable, dtypes: Sequence[np.dtype]) -> np.dtype:
+def infer_result_dtype(func: Callable, dtypes: Sequence[np.dtype], *,
+                       cache: bool = False) -> np.dtype:
     """Result dtype of ``func`` applied to scalars of ``dtypes``, by NumPy's rules.
 
     The function is first compiled by numba for these dtypes (which also checks it can run as
     a kernel), then called once on NumPy scalars of value 1: NumPy's promotion decides the
     result dtype (``int8 * int8 -> int8``, ``float32 * 2.0 -> float32``). If that call fails
     (a function that is only valid inside numba, or a value-dependent domain error), numba's
-    inferred return type is used.
+    inferred return type is used. ``cache``: numba keeps that compilation on disk.
 
     Examples
     --------
@@ -114,7 +125,7 @@ def infer_result_dtype(func: Callable, dtypes: Sequence[np.dtype]) -> np.dtype:
     >>> infer_result_dtype(lambda a, b: a * b, [np.dtype("int32"), np.dtype("float32")])
     dtype('float64')
     """
-    numba_dtype = _numba_return_dtype(func, dtypes)
+    numba_dtype = _numba_return_dtype(func, dtypes, cache)
     ones = [np.ones((), dtype=dt)[()] for dt in dtypes]
     try:
         with np.errstate(all="ignore"), warnings.catch_warnings():
@@ -273,10 +284,90 @@ def _cuda_source(scalars: Sequence[bool], ndim: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _generate(source: str, namespace: dict[str, Any]) -> Callable:
-    code = compile(source, "<dask_gpuchunk elementwise kernel>", "exec")
-    exec(code, namespace)  # noqa: S102 - source generated above from integers only
-    return namespace["kernel"]
+def _generate(source: str, namespace: dict[str, Any], file_key: str | None = None) -> Callable:
+    """The function ``kernel`` defined by ``source``, with ``namespace`` as its globals.
+
+    With ``file_key``, the source lives in a file of :func:`cache_dir` named after a hash of the
+    source and the key, so that numba can keep what it compiles from it on disk (numba's
+    ``cache=True`` needs a function defined in a file, and keys its cache on that file).
+    """
+    path = _kernel_file(source, file_key) if file_key is not None else None
+    if path is None:
+        code = compile(source, "<dask_gpuchunk elementwise kernel>", "exec")
+        exec(code, namespace)  # noqa: S102 - source generated above from integers only
+        return namespace["kernel"]
+    # One module per file and process (the file names the function and the source, so
+    # another load would have the same globals); numba's cached code refers to it by name.
+    name = f"dask_gpuchunk_kernel_{path.stem}"
+    with _registry_lock:
+        if name in _kernel_modules:
+            return _kernel_modules[name].kernel
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    module.__dict__.update(namespace)
+    spec.loader.exec_module(module)
+    with _registry_lock:
+        module = _kernel_modules.setdefault(name, module)
+        sys.modules[name] = module  # where numba's cached code finds its globals again
+    return module.kernel
+
+
+_kernel_modules: dict[str, Any] = {}
+
+
+def cache_dir() -> Path | None:
+    """Where kernels compiled with ``cache=True`` are kept; ``None`` where it cannot be written.
+
+    ``DASK_GPUCHUNK_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/dask_gpuchunk`` (by default
+    ``~/.cache/dask_gpuchunk``). Holds the generated kernel sources and, in ``__pycache__``,
+    numba's compiled code for them.
+    """
+    root = os.environ.get("DASK_GPUCHUNK_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "dask_gpuchunk")
+    path = Path(root) / "kernels"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK) else None
+
+
+def _kernel_file(source: str, file_key: str) -> Path | None:
+    """The cache file holding ``source`` for ``file_key``, written once (atomically)."""
+    import numba
+
+    root = cache_dir()
+    if root is None:
+        return None
+    key = f"{source}\n{file_key}\n{numba.__version__}\n{_PACKAGE_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    path = root / f"k{digest}.py"
+    if not path.exists():
+        # Never rewritten once there: numba keys its cache on the file's size and mtime.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        try:
+            tmp.write_text(f"# generated by dask_gpuchunk for {file_key}\n{source}")
+            os.replace(tmp, path)
+        except OSError:
+            return None
+    return path
+
+
+def function_stamp(func: Callable) -> str | None:
+    """What identifies ``func``'s code for a cache on disk, as numba's ``cache=True`` does:
+    its source file (path, size, modification time), qualified name and first line. ``None``
+    for a function defined outside a file (a REPL, ``exec``), which is then never cached.
+
+    As with numba's cache, changes to other functions ``func`` calls from other files are not
+    seen: clear :func:`cache_dir` after editing those.
+    """
+    code = getattr(func, "__code__", None)
+    if code is None or not os.path.isfile(code.co_filename):
+        return None
+    st = os.stat(code.co_filename)
+    return (f"{os.path.abspath(code.co_filename)}:{st.st_size}:{st.st_mtime_ns}:"
+            f"{getattr(func, '__qualname__', '')}:{code.co_firstlineno}")
 
 
 def _is_scalar(x: Any) -> bool:
@@ -352,10 +443,14 @@ class ElementwiseKernels:
     array([0., 2., 4., 6.])
     """
 
-    def __init__(self, func: Callable, nargs: int, token: str | None = None) -> None:
+    def __init__(self, func: Callable, nargs: int, token: str | None = None,
+                 cache: bool = False) -> None:
         self.func = func
         self.nargs = nargs
         self.token = token if token is not None else f"{id(func):x}-{nargs}"
+        #: numba's compiled code kept on disk (:func:`cache_dir`), found again by later
+        #: processes, where ``cache`` was asked for and ``func`` is defined in a file.
+        self.stamp = function_stamp(func) if cache else None
         self._lock = threading.Lock()
         self._cpu: dict[tuple, Callable] = {}
         self._cuda: dict[tuple, Callable] = {}
@@ -366,7 +461,7 @@ class ElementwiseKernels:
     def __reduce__(self) -> tuple:
         # Compiled kernels stay in the process that built them. A worker unpickles every task
         # afresh, so it looks the kernels up by token and compiles each signature only once.
-        return (kernels_for, (self.func, self.nargs, self.token))
+        return (kernels_for, (self.func, self.nargs, self.token, self.stamp is not None))
 
     # ---- CPU -----------------------------------------------------------------------------
     def _cpu_kernel(self, key: tuple) -> Callable:
@@ -378,15 +473,18 @@ class ElementwiseKernels:
             if kernel is None:
                 import numba
 
+                cache = self.stamp is not None
                 if self._cpu_scalar is None:
-                    self._cpu_scalar = numba.njit(self.func)
+                    self._cpu_scalar = numba.njit(self.func, cache=cache)
                 ndim, _, args, _ = key
                 pyfunc = _generate(
                     _cpu_source([scalar for _, scalar in args], ndim),
                     {"f": self._cpu_scalar, "prange": numba.prange},
+                    f"cpu {self.stamp}" if cache else None,
                 )
                 sig = _numba_signature(key, readonly_inputs=True)
-                kernel = numba.njit(sig, parallel=True, nogil=True, error_model="numpy")(pyfunc)
+                kernel = numba.njit(sig, parallel=True, nogil=True, error_model="numpy",
+                                    cache=cache and os.path.isfile(pyfunc.__code__.co_filename))(pyfunc)
                 self._cpu[key] = kernel
         return kernel
 
@@ -412,11 +510,16 @@ class ElementwiseKernels:
                 if self._cuda_device is None:
                     self._cuda_device = cuda.jit(device=True)(self.func)
                 ndim, _, args, _ = key
+                from numba.cuda import config as cuda_config
+
+                cache = self.stamp is not None and not cuda_config.ENABLE_CUDASIM
                 pyfunc = _generate(
                     _cuda_source([scalar for _, scalar in args], ndim),
                     {"f": self._cuda_device, "cuda": cuda, "int64": numba.int64},
+                    f"cuda {self.stamp}" if cache else None,
                 )
-                kernel = cuda.jit(_numba_signature(key, readonly_inputs=False))(pyfunc)
+                kernel = cuda.jit(_numba_signature(key, readonly_inputs=False),
+                                  cache=cache and os.path.isfile(pyfunc.__code__.co_filename))(pyfunc)
                 self._cuda[key] = kernel
         return kernel
 
@@ -535,19 +638,19 @@ class _DirectLaunch:
         self._launch(_core_stream(stream), config, self.function, *flat)
 
 
-_registry: dict[str, ElementwiseKernels] = {}
+_registry: dict[tuple[str, bool], ElementwiseKernels] = {}
 _registry_lock = threading.Lock()
 
 
-def kernels_for(func: Callable, nargs: int, token: str) -> ElementwiseKernels:
-    """The process's one :class:`ElementwiseKernels` for ``token``, created on first use.
+def kernels_for(func: Callable, nargs: int, token: str, cache: bool = False) -> ElementwiseKernels:
+    """The process's one :class:`ElementwiseKernels` for ``(token, cache)``, made on first use.
 
     ``token`` must identify the function (``dask.base.tokenize(func)`` does).
     """
     with _registry_lock:
-        kernels = _registry.get(token)
+        kernels = _registry.get((token, cache))
         if kernels is None:
-            kernels = _registry[token] = ElementwiseKernels(func, nargs, token)
+            kernels = _registry[(token, cache)] = ElementwiseKernels(func, nargs, token, cache)
         return kernels
 
 
