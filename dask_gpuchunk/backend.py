@@ -168,16 +168,14 @@ def _threadsafe_layer() -> bool:
 
 def prepare_process() -> None:
     """Initialise now what the first chunk of this process would otherwise wait for: numba's
-    threading layer (its first parallel kernel), and where a GPU is visible CuPy, numba's
-    CUDA module and the device's context. Workers of ``dg.local_cluster`` call it as they
-    start (:func:`dask_gpuchunk.cluster.dask_setup`)."""
+    threading layer (its first parallel kernel) and, where a GPU is visible, the imports of
+    CuPy and numba's CUDA module. Workers of ``dg.local_cluster`` call it as they start
+    (:func:`dask_gpuchunk.cluster.dask_setup`). It creates no CUDA context: dask-cuda creates
+    each worker's, on its own device, after the preload (and warns if one exists already)."""
     _threadsafe_layer()
     if gpu_available():
-        import cupy
-        from numba import cuda
-
-        cupy.cuda.Device().synchronize()  # creates the device's primary context
-        cuda.current_context()  # numba's handle on the same context
+        import cupy  # noqa: F401
+        from numba import cuda  # noqa: F401
 
 
 def run_cpu(

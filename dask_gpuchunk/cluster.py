@@ -35,8 +35,7 @@ def dask_setup(worker: Any) -> None:
 
     A fresh worker otherwise imports the package, numba and CuPy when it unpickles its first
     task (~1 s on the H200 machine, every task of a job waiting behind it), and initialises
-    numba's threading layer and the CUDA context in its first chunks
-    (:func:`dask_gpuchunk.backend.prepare_process`: 0.3-0.7 s for the context there).
+    numba's threading layer in its first CPU chunk (:func:`dask_gpuchunk.backend.prepare_process`).
     """
     from . import backend, io, jobs  # noqa: F401 - the package, and what the tasks of jobs call
 

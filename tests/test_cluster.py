@@ -69,7 +69,7 @@ def test_connect_bad_arguments(tmp_path):
 
 
 @pytest.mark.gpu
-def test_local_cuda_cluster_runs_operators_on_worker_gpus(rng, tmp_path):
+def test_local_cuda_cluster_runs_operators_on_worker_gpus(rng, tmp_path, capfd):
     a = rng.random((4000, 64))
     bits = (rng.random((700, 3000)) < 0.5).astype(np.uint8)
     np.save(tmp_path / "a.npy", a)
@@ -82,3 +82,5 @@ def test_local_cuda_cluster_runs_operators_on_worker_gpus(rng, tmp_path):
         dg.to_npy(g, tmp_path / "g.npy")
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), a * a)
     np.testing.assert_array_equal(np.load(tmp_path / "g.npy"), bits.astype(np.int64) @ bits.T)
+    # The workers' preload left the CUDA context to dask-cuda (which warns about an earlier one).
+    assert "already exists" not in capfd.readouterr().err

@@ -546,7 +546,13 @@ class ElementwiseKernels:
         device = _current_device()
         launcher = self._direct.get((key, device))
         if launcher is None:
-            launcher = self._direct[(key, device)] = _DirectLaunch(self._cuda_kernel(key))
+            dispatcher = self._cuda_kernel(key)
+            # One thread loads the module: numba's get_cufunc is not safe to race (two loads
+            # of one image on an H200: "key already in dictionary: <CUlibrary ...>").
+            with _LOAD_LOCK:
+                launcher = self._direct.get((key, device))
+                if launcher is None:
+                    launcher = self._direct[(key, device)] = _DirectLaunch(dispatcher)
         threads, blocks = _launch_config(math.prod(out.shape))
         launcher(blocks, threads, stream, (out, *inputs))
 
@@ -577,6 +583,7 @@ def direct_launch_available() -> bool:
 
 
 _DIRECT_OK: list[bool] = []
+_LOAD_LOCK = threading.Lock()
 _core_streams = threading.local()
 
 
