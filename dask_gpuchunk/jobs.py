@@ -173,12 +173,18 @@ def _warm_multiply(a_shape: tuple[int, ...], a_dtype: str, b_shape: tuple[int, .
             multiply(a, b, device=where).compute(scheduler="sync")
 
 
-def _warm_gram(words_dtype: str, method: str, device: str) -> None:
-    """Compile the kernels of a Gram job: two row blocks of packed words (a mirror, a transpose)."""
+def _warm_gram(words_dtype: str, method: str, device: str, layout: str) -> None:
+    """Compile the kernels a Gram job of this layout runs, on two row blocks of packed words:
+    for ``blocks`` (a mirror, a transpose), for ``rows`` one slab, and nothing else (numba
+    compiles under one lock per process, so a kernel compiled but not needed can still hold
+    up the first slab: 2.4 s of it on the H200 machine)."""
     from .arrays import asarray
-    from .gram import gram
+    from .gram import gram, gram_slab
 
     words = np.ones((96, 16), dtype=words_dtype)
+    if layout == "rows":
+        gram_slab(words[:48], [words[:48], words[48:]], method, device)
+        return
     gram(asarray(words, (48, 16)), packed=True, method=method, device=device).compute(
         scheduler="sync")
 
@@ -369,7 +375,8 @@ def gram_job(
 
     def run(progress: Progress) -> dict[str, Any]:
         seconds = _run(lambda: write(progress),
-                       lambda: _start_warmup(_warm_gram, str(words.dtype), method, device))
+                       lambda: _start_warmup(_warm_gram, str(words.dtype), method, device,
+                                             layout))
         return {
             "command": "gram",
             "inputs": [{"path": str(bits), "shape": list(h.shape), "dtype": str(h.dtype),
