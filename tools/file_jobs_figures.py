@@ -124,36 +124,33 @@ def multiply_figures(work: Path, result: dict) -> None:
           flush=True)
     for p in small:
         p.unlink()
-    runs: list[dict] = []
-    exact = None
-    for who in ORDER:
-        cold = drop_caches()
-        if who == "numpy":
-            arrays: dict = {}
-            t_read = timed(lambda: arrays.update(a=np.load(a_path), b=np.load(b_path)))
-            product = arrays["a"] * arrays["b"]
-            arrays.clear()
-            t_write = timed(lambda: np.save(work / "c_numpy.npy", product))
-            product = None  # free it before the next step
-            durable = t_read + t_write + fsync_seconds(work / "c_numpy.npy")
-            (work / "c_numpy.npy").unlink()
-            run = {"read_s": t_read, "write_s": t_write, "buffered_s": t_read + t_write,
-                   "durable_s": durable}
-        else:
-            run = ours_in_fresh_cluster(lambda: multiply_job(a_path, b_path, c_path, overwrite=True),
-                                        c_path, PROFILE and exact is None)
-            if exact is None:
-                sample = np.random.default_rng(1).choice(1_000_000, 200, replace=False)
-                a, b, c = (np.load(p, mmap_mode="r") for p in (a_path, b_path, c_path))
-                exact = bool(np.array_equal(c[sample], a[sample] * b[sample]))
-                del a, b, c
-            c_path.unlink()  # the next run writes a new file, as NumPy's does
-        run.update(who=who, caches_dropped_before=cold)
-        runs.append(run)
-        print(f"multiply comparison, {who}: buffered {run['buffered_s']:.2f} s, durable "
-              f"{run['durable_s']:.2f} s", flush=True)
-    med = {who: {kind: float(np.median([r[kind] for r in runs if r["who"] == who]))
-                 for kind in ("buffered_s", "durable_s")} for who in ("numpy", "ours")}
+    checked: list[bool] = []
+
+    def numpy_run() -> dict:
+        arrays: dict = {}
+        t_read = timed(lambda: arrays.update(a=np.load(a_path), b=np.load(b_path)))
+        product = arrays["a"] * arrays["b"]
+        arrays.clear()
+        t_write = timed(lambda: np.save(work / "c_numpy.npy", product))
+        product = None  # freed before the next step
+        durable = t_read + t_write + fsync_seconds(work / "c_numpy.npy")
+        (work / "c_numpy.npy").unlink()
+        return {"read_s": t_read, "write_s": t_write, "buffered_s": t_read + t_write,
+                "durable_s": durable}
+
+    def ours_run() -> dict:
+        run = ours_in_fresh_cluster(lambda: multiply_job(a_path, b_path, c_path, overwrite=True),
+                                    c_path, PROFILE and not checked)
+        if not checked:
+            sample = np.random.default_rng(1).choice(1_000_000, 200, replace=False)
+            a, b, c = (np.load(p, mmap_mode="r") for p in (a_path, b_path, c_path))
+            checked.append(bool(np.array_equal(c[sample], a[sample] * b[sample])))
+            del a, b, c
+        c_path.unlink()  # the next run writes a new file, as NumPy's does
+        return run
+
+    runs, med = alternate("multiply", numpy_run, ours_run)
+    exact = checked[0]
     variants = {}
     for reads in READS_VARIANTS:  # region reads in flight per worker (0: no limit)
         drop_caches()
@@ -189,6 +186,23 @@ def fsync_seconds(path: Path) -> float:
     finally:
         os.close(fd)
     return time.perf_counter() - t0
+
+
+def alternate(label: str, numpy_run, ours_run) -> tuple[list[dict], dict]:
+    """Run NumPy's side and ours in ORDER, each from a clean page cache (no dirty pages of the
+    last run, the inputs not cached); return the runs and the medians of each side's
+    ``buffered_s`` and ``durable_s``."""
+    runs: list[dict] = []
+    for who in ORDER:
+        cold = drop_caches()
+        run = numpy_run() if who == "numpy" else ours_run()
+        run.update(who=who, caches_dropped_before=cold)
+        runs.append(run)
+        print(f"{label} comparison, {who}: buffered {run['buffered_s']:.2f} s, durable "
+              f"{run['durable_s']:.2f} s", flush=True)
+    med = {who: {kind: float(np.median([r[kind] for r in runs if r["who"] == who]))
+                 for kind in ("buffered_s", "durable_s")} for who in ("numpy", "ours")}
+    return runs, med
 
 
 def numpy_write(path: Path, rows: int) -> dict:
@@ -261,30 +275,29 @@ def gram_figures(work: Path, result: dict, rows: int, bits: int) -> None:
     print(f"gram, first small job on this machine (compiles): {first['seconds']:.1f} s", flush=True)
     small_bits.unlink()
     small_out.unlink()
-    runs: list[dict] = []
-    exact = None
+    checked: list[bool] = []
+
+    def numpy_run() -> dict:
+        run = numpy_write(numpy_path, rows)
+        numpy_path.unlink()
+        return run
+
+    def ours_run() -> dict:
+        run = ours_gram(bits_path, g_path, PROFILE and not checked)
+        if not checked:
+            g = np.load(g_path, mmap_mode="r")
+            ok = True
+            for r in np.random.default_rng(3).choice(rows, 8, replace=False):
+                expected = np.bitwise_count(packed & packed[r]).sum(axis=1, dtype=np.int64)
+                ok &= bool(np.array_equal(g[r], expected.astype(np.int32)))
+            checked.append(ok)
+            del g
+        g_path.unlink()
+        return run
+
     with GpuMemorySampler() as sampler:
-        for who in ORDER:
-            cold = drop_caches()  # no dirty pages of the last run, the input not cached
-            if who == "numpy":
-                run = numpy_write(numpy_path, rows)
-                numpy_path.unlink()
-            else:
-                run = ours_gram(bits_path, g_path, PROFILE and exact is None)
-                if exact is None:
-                    g = np.load(g_path, mmap_mode="r")
-                    exact = True
-                    for r in np.random.default_rng(3).choice(rows, 8, replace=False):
-                        expected = np.bitwise_count(packed & packed[r]).sum(axis=1, dtype=np.int64)
-                        exact &= bool(np.array_equal(g[r], expected.astype(np.int32)))
-                    del g
-                g_path.unlink()
-            run.update(who=who, caches_dropped_before=cold)
-            runs.append(run)
-            print(f"gram comparison, {who}: buffered {run['buffered_s']:.1f} s, durable "
-                  f"{run['durable_s']:.1f} s", flush=True)
-    med = {who: {kind: float(np.median([r[kind] for r in runs if r["who"] == who]))
-                 for kind in ("buffered_s", "durable_s")} for who in ("numpy", "ours")}
+        runs, med = alternate("gram", numpy_run, ours_run)
+    exact = checked[0]
     result["gram"] = {
         "runs": runs, "order": ORDER, "sampled_rows_exact": exact, "median": med,
         "ratio_buffered": med["ours"]["buffered_s"] / med["numpy"]["buffered_s"],

@@ -16,20 +16,12 @@ import argparse
 import json
 import os
 import queue
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
-
-
-def clean() -> None:
-    subprocess.run(["sync"], check=True)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        pass
+from write_rate_probe import clean  # a sibling script: sync, then drop the page cache
 
 
 def pooled_reads(regions: list[tuple[Path, int, int]], threads: int, advice: int | None,
