@@ -361,6 +361,13 @@ def function_stamp(func: Callable) -> str | None:
 
     As with numba's cache, changes to other functions ``func`` calls from other files are not
     seen: clear :func:`cache_dir` after editing those.
+
+    Examples
+    --------
+    >>> function_stamp(check_dtype).endswith(":check_dtype:" + str(check_dtype.__code__.co_firstlineno))
+    True
+    >>> function_stamp(eval("lambda x: x")) is None
+    True
     """
     code = getattr(func, "__code__", None)
     if code is None or not os.path.isfile(code.co_filename):
