@@ -38,12 +38,8 @@ from typing import Any
 import numpy as np
 
 from . import placement
-from ._kernels.elementwise import (
-    ElementwiseKernels,
-    StridedArg,
-    collapse_dims,
-    direct_launch_available,
-)
+from ._kernels.elementwise import ElementwiseKernels, collapse_dims
+from ._kernels.launch import StridedArg, direct_launch_available
 from .devices import GPUNotAvailableError, check_device, gpu_available
 
 __all__ = [

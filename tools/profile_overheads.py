@@ -6,7 +6,7 @@
 Prints, on the seed-000 product (two 1,000,000 x 500 float64 arrays already on the device):
 
 * per-call microseconds of one tiny chunk through ``run_gpu_on_device``, with the direct
-  launch (``_kernels.elementwise._DirectLaunch``) and through numba's dispatcher, and CuPy's
+  launch (``_kernels.launch.DirectLaunch``) and through numba's dispatcher, and CuPy's
   own ``a * b`` on the same tiny arrays;
 * the kernel alone on the 4 GB arrays (CUDA events): CuPy's multiply, ours, and the same
   product written in CUDA C and in numba under several launch shapes;
@@ -29,7 +29,7 @@ import numpy as np
 
 import dask_gpuchunk as dg
 from dask_gpuchunk import backend
-from dask_gpuchunk._kernels import elementwise as kmod
+from dask_gpuchunk._kernels import launch
 
 
 def per_call_us(fn: Callable[[], object], n: int = 500) -> float:
@@ -123,10 +123,10 @@ def main() -> None:
     f8 = np.dtype("f8")
     print("per call, one 1000-element chunk:")
     for direct in (True, False):
-        kmod.DIRECT_LAUNCH = direct
+        launch.DIRECT_LAUNCH = direct
         us = per_call_us(lambda: backend.run_gpu_on_device(dg.multiply.kernels, f8, [tiny, tiny]))
         print(f"  run_gpu_on_device, {'direct launch' if direct else 'numba dispatch':14s} {us:7.1f} us")
-    kmod.DIRECT_LAUNCH = True
+    launch.DIRECT_LAUNCH = True
     print(f"  cupy a * b                         {per_call_us(lambda: tiny * tiny):7.1f} us")
 
     a = cupy.random.random((1_000_000, 500))
@@ -211,7 +211,7 @@ def main() -> None:
         held: list[object] = []
 
         def run() -> None:
-            kmod.DIRECT_LAUNCH = direct
+            launch.DIRECT_LAUNCH = direct
             (r,) = dask.persist(op(xa, xb, device="gpu"), scheduler="threads")
             cupy.cuda.runtime.deviceSynchronize()
             if hold:  # the previous result lives until this one is done, as in seed 002
@@ -234,7 +234,7 @@ def main() -> None:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    kmod.DIRECT_LAUNCH = True
+    launch.DIRECT_LAUNCH = True
     gc.collect()
     print(f"gc thresholds {gc.get_threshold()}, counts {gc.get_count()}, "
           f"objects {len(gc.get_objects())}")

@@ -1,0 +1,136 @@
+"""Launching compiled elementwise kernels straight from array addresses.
+
+numba's dispatcher spends ~40 us per launch typing its arguments and another ~20 us per array
+wrapping CuPy memory as numba device arrays (docs/measurements/…profile-overheads*); with one
+kernel per chunk on device-resident data that was most of a chunk's cost. The elementwise
+kernels have one fixed signature each, so :class:`DirectLaunch` flattens each array
+(:class:`StridedArg`) into numba's kernel argument layout itself and hands the compiled function
+to ``cuda.core.launch``, as numba does: 146-221 us per chunk became 37-62 us on the H200 machine.
+No dask here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["DIRECT_LAUNCH", "DirectLaunch", "StridedArg", "current_device",
+           "direct_launch_available", "load_lock"]
+
+
+class StridedArg(NamedTuple):
+    """A device array given by address: all that a kernel launch reads of an array.
+
+    ``ptr`` is the device address of element ``(0, ..., 0)``, ``strides`` are in bytes (zero
+    along broadcast dimensions).
+    """
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def flags(self) -> dict[str, bool]:
+        """``{"C_CONTIGUOUS": ...}`` by NumPy's rule (dimensions of length 1 do not count)."""
+        expected = self.dtype.itemsize
+        for n, st in zip(reversed(self.shape), reversed(self.strides)):
+            if n != 1 and st != expected:
+                return {"C_CONTIGUOUS": False}
+            expected *= n
+        return {"C_CONTIGUOUS": True}
+
+
+#: Whether GPU launches go through :class:`DirectLaunch` (``DASK_GPUCHUNK_DIRECT_LAUNCH``,
+#: default 1); 0 sends every launch through numba's dispatcher, as under the simulator.
+DIRECT_LAUNCH = os.environ.get("DASK_GPUCHUNK_DIRECT_LAUNCH", "1") != "0"
+
+
+def direct_launch_available() -> bool:
+    """Whether :class:`DirectLaunch` can run here: a real GPU (not numba's simulator),
+    ``DIRECT_LAUNCH`` on, and numba-cuda launching through ``cuda.core``."""
+    if not DIRECT_LAUNCH:
+        return False
+    from numba.cuda import config as cuda_config
+
+    if cuda_config.ENABLE_CUDASIM:
+        return False
+    if not _DIRECT_OK:
+        try:
+            import cuda.core  # noqa: F401 - numba-cuda launches through it
+            from numba.cuda.cudadrv.driver import _to_core_stream  # noqa: F401
+        except ImportError:
+            _DIRECT_OK.append(False)
+        else:
+            _DIRECT_OK.append(True)
+    return _DIRECT_OK[0]
+
+
+_DIRECT_OK: list[bool] = []
+#: Held while a :class:`DirectLaunch` is made: numba's ``get_cufunc`` is not safe to race (two
+#: loads of one image on an H200: "key already in dictionary: <CUlibrary ...>").
+load_lock = threading.Lock()
+_core_streams = threading.local()
+
+
+def current_device() -> int:
+    """The CUDA device of this thread (CuPy's)."""
+    import cupy
+
+    return int(cupy.cuda.runtime.getDevice())
+
+
+def _core_stream(nb_stream: Any) -> Any:
+    """The ``cuda.core`` stream of a numba stream, cached per thread (as numba converts it)."""
+    cache = getattr(_core_streams, "by_id", None)
+    if cache is None:
+        cache = _core_streams.by_id = {}
+    entry = cache.get(id(nb_stream))
+    if entry is None or entry[0] is not nb_stream:
+        from numba.cuda.cudadrv.driver import _to_core_stream
+
+        entry = cache[id(nb_stream)] = (nb_stream, _to_core_stream(nb_stream))
+    return entry[1]
+
+
+class DirectLaunch:
+    """One compiled kernel (a numba dispatcher of one signature) on this thread's device,
+    launched with its arguments built from addresses: each :class:`StridedArg` as numba's
+    ``_Kernel._prepare_args`` lays out an array (meminfo, parent, nitems, itemsize, data,
+    shape..., strides...), scalars converted by numba itself. Made under :data:`load_lock`.
+    """
+
+    def __init__(self, dispatcher: Any) -> None:
+        from cuda.core import LaunchConfig, launch
+
+        (self.overload,) = dispatcher.overloads.values()
+        if getattr(self.overload, "debug", False) or getattr(self.overload, "cooperative", False):
+            raise RuntimeError("debug and cooperative kernels launch through numba")
+        self.types = tuple(self.overload.argument_types)
+        self.function = self.overload._codelibrary.get_cufunc().kernel  # this device's
+        self._config = LaunchConfig
+        self._launch = launch
+        self._configs: dict[tuple[int, int], Any] = {}
+
+    def __call__(self, blocks: int, threads: int, stream: Any,
+                 args: Sequence[StridedArg | np.generic]) -> None:
+        flat: list[Any] = []
+        for ty, a in zip(self.types, args):
+            if isinstance(a, StridedArg):
+                flat += (0, 0, math.prod(a.shape), a.dtype.itemsize, a.ptr, *a.shape,
+                         *a.strides)
+            else:
+                self.overload._prepare_args(ty, a, stream, [], flat)
+        config = self._configs.get((blocks, threads))
+        if config is None:
+            config = self._configs[(blocks, threads)] = self._config(grid=blocks, block=threads)
+        self._launch(_core_stream(stream), config, self.function, *flat)

@@ -1,0 +1,88 @@
+"""Generated kernel sources kept in files: numba's on-disk cache across processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from helpers import assert_same
+
+from dask_gpuchunk._kernels.elementwise import ElementwiseKernels
+from dask_gpuchunk._kernels.source_cache import cache_dir, function_stamp
+
+
+def mul(a, b):
+    return a * b
+
+
+def test_cache_dir_is_the_environment_s_and_writable(tmp_path, monkeypatch):
+    monkeypatch.setenv("DASK_GPUCHUNK_CACHE_DIR", str(tmp_path / "c"))
+    assert cache_dir() == tmp_path / "c" / "kernels" and cache_dir().is_dir()
+    monkeypatch.setenv("DASK_GPUCHUNK_CACHE_DIR", "/proc/no-such-place")
+    assert cache_dir() is None  # kernels are then compiled, not cached
+
+
+_CACHE_SCRIPT = """
+import sys
+import numpy as np
+sys.path.insert(0, {moddir!r})
+import userfunc
+import dask_gpuchunk as dg
+from dask_gpuchunk.devices import gpu_available
+
+op = dg.elementwise(userfunc.f, cache=True)
+device = {device!r}
+a = np.arange(12.0).reshape(3, 4)
+r = op(a, a[0], device=device).compute(scheduler="sync")
+assert np.array_equal(r, userfunc.f(a, a[0])), r
+table = op.kernels._cuda if device == "gpu" else op.kernels._cpu
+hits = sum(sum(d.stats.cache_hits.values()) for d in table.values())
+print("hits", hits)
+"""
+
+
+def _run_cached(tmp_path, device, body):
+    moddir = tmp_path / "mod"
+    moddir.mkdir(exist_ok=True)
+    source = f"def f(a, b):\n    return {body}\n"
+    if not (moddir / "userfunc.py").exists() or (moddir / "userfunc.py").read_text() != source:
+        (moddir / "userfunc.py").write_text(source)
+    env = {**os.environ, "DASK_GPUCHUNK_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT.format(moddir=str(moddir), device=device)],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return int(done.stdout.split("hits")[-1])
+
+
+def _cache_round_trip(tmp_path, device):
+    assert _run_cached(tmp_path, device, "a * b + 1") == 0  # compiled, and kept
+    assert _run_cached(tmp_path, device, "a * b + 1") >= 1  # a later process loads it
+    time.sleep(0.01)  # a new modification time for the edited file
+    # The function's file changes: its kernels are compiled again, never the stale ones.
+    assert _run_cached(tmp_path, device, "a * b + 2") == 0
+
+
+def test_cache_loads_in_a_later_process_and_follows_the_source(tmp_path):
+    _cache_round_trip(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_cache_loads_in_a_later_process_and_follows_the_source(tmp_path):
+    _cache_round_trip(tmp_path, "gpu")
+
+
+def test_functions_without_a_file_are_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("DASK_GPUCHUNK_CACHE_DIR", str(tmp_path))
+    namespace: dict = {}
+    exec("def g(a, b):\n    return a - b\n", namespace)  # noqa: S102 - a function with no file
+    assert function_stamp(namespace["g"]) is None
+    assert function_stamp(mul) is not None
+    k = ElementwiseKernels(namespace["g"], 2, cache=True)
+    out = np.empty(3)
+    k.cpu(out, np.arange(3.0), np.ones(3))
+    assert_same(out, np.arange(3.0) - 1)
+    assert not any(tmp_path.rglob("*.py"))  # nothing written for it
