@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import marshal
 import os
 import sys
 import threading
@@ -99,15 +100,16 @@ def _kernel_file(source: str, file_key: str) -> Path | None:
 
 def function_stamp(func: Callable) -> str | None:
     """What identifies ``func``'s code for a cache on disk, as numba's ``cache=True`` does:
-    its source file (path, size, modification time), qualified name and first line. ``None``
-    for a function defined outside a file (a REPL, ``exec``), which is then never cached.
+    its source file (path, size, modification time), qualified name, first line and a hash of
+    its compiled code. ``None`` for a function defined outside a file (a REPL, ``exec``),
+    which is then never cached.
 
     As with numba's cache, changes to other functions ``func`` calls from other files are not
     seen: clear :func:`cache_dir` after editing those.
 
     Examples
     --------
-    >>> function_stamp(cache_dir).endswith(":cache_dir:" + str(cache_dir.__code__.co_firstlineno))
+    >>> f":cache_dir:{cache_dir.__code__.co_firstlineno}:" in function_stamp(cache_dir)
     True
     >>> function_stamp(eval("lambda x: x")) is None
     True
@@ -116,5 +118,8 @@ def function_stamp(func: Callable) -> str | None:
     if code is None or not os.path.isfile(code.co_filename):
         return None
     st = os.stat(code.co_filename)
+    # The code itself too: a process may still run the function as it was before its file
+    # was edited (and the file's stamp would then name the old code).
+    digest = hashlib.sha256(marshal.dumps(code)).hexdigest()[:16]
     return (f"{os.path.abspath(code.co_filename)}:{st.st_size}:{st.st_mtime_ns}:"
-            f"{getattr(func, '__qualname__', '')}:{code.co_firstlineno}")
+            f"{getattr(func, '__qualname__', '')}:{code.co_firstlineno}:{digest}")
