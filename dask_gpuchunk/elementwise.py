@@ -267,9 +267,9 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
     """Turn a scalar function into an elementwise operation over Dask arrays.
 
     The function is compiled by numba, lazily and once per dtype signature and process, for
-    CUDA (one thread per element) and for the CPU (a parallel loop). The returned operation takes as many
-    arguments as the function: Dask, NumPy or CuPy arrays, or numbers, broadcast together as
-    NumPy broadcasts, and returns a Dask array chunked like the Dask inputs.
+    CUDA (one thread per element) and for the CPU (a parallel loop). The returned operation
+    takes as many arguments as the function: Dask, NumPy or CuPy arrays, or numbers, broadcast
+    together as NumPy broadcasts, and returns a Dask array chunked like the Dask inputs.
 
     Parameters
     ----------
@@ -287,7 +287,7 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
         ``DASK_GPUCHUNK_CACHE_DIR``, by default ``~/.cache/dask_gpuchunk``), so that later
         processes (each worker of each job) load them instead of compiling: about 2 s per
         worker for a product on the H200 machine. Only for a function defined in a file; the
-        cache follows that file's changes, not those of other files the function calls.
+        cache follows that file and the function's code, not other files the function calls.
 
     Returns
     -------
