@@ -52,13 +52,13 @@ SLABS_AHEAD = 2
 
 def _gpus_where_it_runs() -> int:
     """GPUs of the workers of the active distributed client, or of this process."""
-    from .devices import distributed_client_active, gpu_count
+    from .devices import distributed_client_active
 
     if not distributed_client_active():
-        return gpu_count()
+        return where_it_ran(None)["gpus"]
     from distributed import default_client
 
-    return int(sum(default_client().run(gpu_count).values()))
+    return where_it_ran(default_client())["gpus"]
 
 
 def _slab_after(_previous: Any, a: Any, others: list[Any], method: str, device: str) -> Any:

@@ -291,6 +291,12 @@ def _generate(source: str, namespace: dict[str, Any], file_key: str | None = Non
     return kernel
 
 
+def _in_a_file(kernel: Callable) -> bool:
+    """Whether a generated kernel came from a file of the kernel cache (:func:`_generate` with
+    a ``file_key`` and a writable cache), where numba can cache what it compiles."""
+    return os.path.isfile(kernel.__code__.co_filename)
+
+
 def _is_scalar(x: Any) -> bool:
     return isinstance(x, np.generic)
 
@@ -378,7 +384,7 @@ class ElementwiseKernels:
                 )
                 sig = _numba_signature(key, readonly_inputs=True)
                 kernel = numba.njit(sig, parallel=True, nogil=True, error_model="numpy",
-                                    cache=cache and os.path.isfile(pyfunc.__code__.co_filename))(pyfunc)
+                                    cache=_in_a_file(pyfunc))(pyfunc)
                 self._cpu[key] = kernel
         return kernel
 
@@ -413,7 +419,7 @@ class ElementwiseKernels:
                     f"cuda {self.stamp}" if cache else None,
                 )
                 kernel = cuda.jit(_numba_signature(key, readonly_inputs=False),
-                                  cache=cache and os.path.isfile(pyfunc.__code__.co_filename))(pyfunc)
+                                  cache=_in_a_file(pyfunc))(pyfunc)
                 self._cuda[key] = kernel
         return kernel
 

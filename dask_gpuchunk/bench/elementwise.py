@@ -358,8 +358,14 @@ def _device_rows(bench: _Bench, table: str, op: Any, a: np.ndarray, b: np.ndarra
         cupy.cuda.runtime.deviceSynchronize()
         del result
 
+    def dask_mul() -> None:
+        held[:] = [_sync_persist(xa * xb)]
+
+    def dask_mul_whole() -> None:
+        held[:] = [_sync_persist(whole_a * whole_b)]
+
     def check_ours() -> None:
-        if held:  # the last of ours that ran
+        if held:  # the last result of ours (or of Dask's own multiply) that ran
             check(cupy.asnumpy(held[0].compute(scheduler="threads")))
 
     fns: dict[str, Callable[[], None]] = {
@@ -371,10 +377,8 @@ def _device_rows(bench: _Bench, table: str, op: Any, a: np.ndarray, b: np.ndarra
         fns["peer cupy a*b (device arrays)"] = cupy_mul
         fns[f"peer cupy a*b, {steps}-step loop (per step)"] = cupy_loop
         # Dask's own multiply on the same CuPy chunks: what any Dask operation pays per persist.
-        fns["peer dask.array a*b (CuPy chunks)"] = lambda: held.__setitem__(
-            slice(None), [_sync_persist(xa * xb)])
-        fns["peer dask.array a*b, one chunk per array"] = lambda: held.__setitem__(
-            slice(None), [_sync_persist(whole_a * whole_b)])
+        fns["peer dask.array a*b (CuPy chunks)"] = dask_mul
+        fns["peer dask.array a*b, one chunk per array"] = dask_mul_whole
     for e in bench.interleaved(table, fns, check_ours, repeat=max(bench.repeat, DEVICE_ROUNDS)):
         e.extra["interleaved_rounds"] = len(e.runs)
         if "loop" in e.name:
