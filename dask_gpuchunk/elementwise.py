@@ -12,6 +12,7 @@ import functools
 import inspect
 import uuid
 from collections.abc import Callable
+from itertools import product
 from typing import Any
 
 import dask
@@ -19,6 +20,8 @@ import dask.array as da
 import numpy as np
 from dask.array.core import unify_chunks
 from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
+from dask.task_spec import Task, TaskRef
 
 from ._kernels.elementwise import check_dtype, infer_result_dtype, kernels_for
 from .arrays import asarray
@@ -124,14 +127,9 @@ class ElementwiseOp:
         if out is not None:
             return self._compute_into(arrays, out, shape, out_dtype, device, on_device, meta)
         name = f"{self.__name__}-{tokenize(self.kernels.token, out_dtype, device, *arrays)}"
-        # blockwise as map_blocks would call it (trailing dimensions aligned, length-1 block
-        # dimensions broadcast), without map_blocks' signature inspection: a third of the
-        # build time, which a device-resident persist pays before its first kernel.
-        return da.blockwise(
-            _block, tuple(range(len(shape))), *_index_pairs(arrays, len(shape)), name=name,
-            dtype=out_dtype, meta=meta, concatenate=True, align_arrays=False,
-            kernels=self.kernels, out_dtype=out_dtype, device=device,
-        )
+        graph, chunks = _elementwise_graph(
+            name, arrays, shape, kernels=self.kernels, out_dtype=out_dtype, device=device)
+        return da.Array(graph, name, chunks, meta=meta, dtype=out_dtype)
 
     def _compute_into(self, arrays: list[Any], out: Any, shape: tuple[int, ...],
                       out_dtype: np.dtype, device: str, on_device: bool, meta: Any) -> np.ndarray:
@@ -260,6 +258,42 @@ def _index_pairs(arrays: list[Any], ndim: int) -> list[Any]:
     for r in arrays:
         pairs += [r, tuple(range(ndim - r.ndim, ndim))] if isinstance(r, da.Array) else [r, None]
     return pairs
+
+
+def _elementwise_graph(name: str, arrays: list[Any], shape: tuple[int, ...], **task_kwargs: Any
+                       ) -> tuple[HighLevelGraph, tuple[tuple[int, ...], ...]]:
+    """One ``_block`` task per output block, over operands whose chunks already agree.
+
+    Block ``idx`` of the result reads block ``idx`` of each Dask operand, trailing dimensions
+    aligned, block 0 along dimensions an operand broadcasts; constants go to every task.
+
+    This is what ``da.blockwise`` would give for an elementwise function, as a plain dict of
+    tasks. A ``Blockwise`` layer costs each persist of a small graph 0.2-0.3 ms more, to
+    build and then for Dask to optimise and materialise it, against a 2.75 ms product of two
+    4 GB arrays on the H200 (docs/perf-notes.md); a loop of device-resident steps pays it
+    every step.
+    """
+    ndim = len(shape)
+    dask_ops = [r for r in arrays if isinstance(r, da.Array)]
+    chunks = []
+    for d, n in enumerate(shape):
+        # Operands of that length share their chunks (_to_dask unified them); the others
+        # have length 1 there and broadcast.
+        chunks.append(next((r.chunks[d - ndim + r.ndim] for r in dask_ops
+                            if d >= ndim - r.ndim and r.shape[d - ndim + r.ndim] == n), (n,)))
+    graph: dict[Any, Task] = {}
+    for idx in product(*(range(len(c)) for c in chunks)):
+        args = []
+        for r in arrays:
+            if not isinstance(r, da.Array):
+                args.append(r)
+                continue
+            lead = ndim - r.ndim
+            args.append(TaskRef((r.name, *(0 if n == 1 else idx[lead + k]
+                                           for k, n in enumerate(r.numblocks)))))
+        key = (name, *idx)
+        graph[key] = Task(key, _block, *args, **task_kwargs)
+    return HighLevelGraph.from_collections(name, graph, dependencies=dask_ops), tuple(chunks)
 
 
 def elementwise(func: Callable | None = None, *, dtype: Any = None,

@@ -75,6 +75,34 @@ def test_broadcasting_both_ways(rng, shape_x, shape_y):
     assert_same(dg.multiply(x, y).compute(), a * b)
 
 
+@pytest.mark.parametrize("shape_x, shape_y", [((0, 3), (1, 3)), ((4, 1, 0), (1, 5, 1)),
+                                              ((5, 0), (1,))])
+def test_zero_length_dimensions_broadcast(rng, shape_x, shape_y):
+    a = rng.standard_normal(shape_x)
+    b = rng.standard_normal(shape_y)
+    result = dg.multiply(da.from_array(a, chunks=2), da.from_array(b, chunks=2))
+    assert result.shape == (a * b).shape
+    assert_same(result.compute(), a * b)
+
+
+def test_one_task_per_block_that_dask_composes_and_culls(rng):
+    a = rng.standard_normal((7, 9))
+    b = rng.standard_normal((1, 9))
+    x = da.from_array(a, chunks=(3, 4))
+    result = dg.multiply(x, da.from_array(b, chunks=(1, 4)))
+    assert result.chunks == x.chunks
+    assert len(result.dask.layers[result.name]) == result.npartitions == 9
+    # Dask sums across the row chunks in its own order: equal to rounding.
+    assert_same((result[2:5, 1:] + 1).sum(axis=0).compute(), ((a * b)[2:5, 1:] + 1).sum(axis=0),
+                exact=False)
+    # A slice computes only the blocks it needs.
+    with dask.config.set({"optimization.fuse.active": False}):
+        (corner,) = dask.optimize(result[:3, :4])
+    ours = [k for k in dict(corner.dask) if isinstance(k, tuple) and k[0] == result.name]
+    assert ours == [(result.name, 0, 0)]
+    assert_same(corner.compute(), (a * b)[:3, :4])
+
+
 @pytest.mark.parametrize("array_dtype", ["int8", "uint8", "float32", "complex64", "bool"])
 @pytest.mark.parametrize("scalar", [3, 2.5, 1j, True, np.float64(2.5), np.int16(3)])
 def test_scalars_follow_nep50(rng, array_dtype, scalar):

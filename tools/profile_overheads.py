@@ -1,10 +1,12 @@
 """Where the time of a device-resident persist goes (run on a GPU machine).
 
-    python3 tools/profile_overheads.py              # everything below
+    python3 tools/profile_overheads.py              # everything below but the variants
+    python3 tools/profile_overheads.py kernels      # everything below
     python3 tools/profile_overheads.py bench-rows   # the bench's device rows alone
 
 Prints, on the seed-000 product (two 1,000,000 x 500 float64 arrays already on the device):
 
+* the steps of one task (stream handle, output allocation, launch), from the main thread;
 * per-call microseconds of one tiny chunk through ``run_gpu_on_device``, with the direct
   launch (``_kernels.launch.DirectLaunch``) and through numba's dispatcher, and CuPy's
   own ``a * b`` on the same tiny arrays;
@@ -14,12 +16,15 @@ Prints, on the seed-000 product (two 1,000,000 x 500 float64 arrays already on t
 * stamps of single persists (1 and 4 chunks): graph build, Dask's optimisation, submission
   to the first task, the tasks, the return, the device draining;
 * medians of whole persists against CuPy's ``a * b``, every variant interleaved round by round
-  so that drifts of the host hit all alike.
+  so that drifts of the host hit all alike: ours, ours with the ``Blockwise`` layer it built
+  before, with Dask's optimisation off, with the garbage collector off, and Dask's own
+  ``a * b``, on 1 and 4 chunks per array.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from collections.abc import Callable
 
@@ -144,12 +149,14 @@ def main() -> None:
     r = backend.run_gpu_on_device(kernels, f8, [a, b])
     print(f"  ours (dg.multiply's kernel)       {t:.3f} ms, exact {bool(cupy.array_equal(r, expected))}")
     del r
-    kernel_variants(a, b, c, expected, ten)
+    if "kernels" in sys.argv[1:]:
+        kernel_variants(a, b, c, expected, ten)
 
     import cProfile
     import pstats
 
     xa, xb = dg.asarray(a, chunks=a.shape), dg.asarray(b, chunks=b.shape)
+    dg.multiply(xa, xb, device="gpu")  # the first call compiles
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(500):
@@ -205,47 +212,113 @@ def main() -> None:
         cupy.cuda.runtime.deviceSynchronize()
         del r
 
-    def ours(op: dg.ElementwiseOp, n: int, direct: bool, hold: bool = False) -> Callable[[], None]:
+    def persisted(make: Callable[[object, object], object], n: int, *, graph: str = "dict",
+                  optimize_graph: bool = True, gc_off: bool = False,
+                  **scheduler: object) -> Callable[[], None]:
         xa = dg.asarray(a, chunks=(1_000_000 // n, 500))
         xb = dg.asarray(b, chunks=(1_000_000 // n, 500))
-        held: list[object] = []
 
         def run() -> None:
-            launch.DIRECT_LAUNCH = direct
-            (r,) = dask.persist(op(xa, xb, device="gpu"), scheduler="threads")
-            cupy.cuda.runtime.deviceSynchronize()
-            if hold:  # the previous result lives until this one is done, as in seed 002
-                held[:] = [r]
+            elementwise_module._elementwise_graph = GRAPHS[graph]
+            if gc_off:
+                gc.disable()
+            try:
+                (r,) = dask.persist(make(xa, xb), optimize_graph=optimize_graph,
+                                    **(scheduler or {"scheduler": "threads"}))
+                cupy.cuda.runtime.deviceSynchronize()
+            finally:
+                gc.enable()
+                elementwise_module._elementwise_graph = GRAPHS["dict"]
             del r
         return run
 
+    def ours(x: object, y: object) -> object:
+        return dg.multiply(x, y, device="gpu")
+
+    def dask_own(x: object, y: object) -> object:
+        return x * y
+
     variants: dict[str, Callable[[], None]] = {"cupy a * b": cupy_mul}
     for n in (1, 4):
-        for direct in (True, False):
-            name = f"ours {n} chunk{'s' if n > 1 else ''}, {'direct' if direct else 'dispatch'}"
-            variants[name] = ours(dg.multiply, n, direct)
-        variants[f"ours {n} chunk{'s' if n > 1 else ''}, direct, holding the last"] = ours(
-            dg.multiply, n, True, hold=True)
+        tag = f"{n} chunk{'s' if n > 1 else ''}"
+        variants[f"ours {tag}"] = persisted(ours, n)
+        variants[f"ours {tag}, Blockwise layer (before)"] = persisted(ours, n, graph="blockwise")
+        variants[f"ours {tag}, optimize_graph=False"] = persisted(ours, n, optimize_graph=False)
+        variants[f"ours {tag}, gc off while timed"] = persisted(ours, n, gc_off=True)
+        variants[f"dask a * b {tag}"] = persisted(dask_own, n)
+        # Diagnostics: the same tasks without thread hand-offs, and on one pool thread.
+        variants[f"ours {tag}, sync scheduler"] = persisted(ours, n, scheduler="sync")
+        if n > 1:
+            variants[f"ours {tag}, threads, num_workers=1"] = persisted(
+                ours, n, scheduler="threads", num_workers=1)
     times: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():
         fn()
-    for _ in range(15):
+    rounds = 30
+    for _ in range(rounds):
         for name, fn in variants.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    launch.DIRECT_LAUNCH = True
     gc.collect()
     print(f"gc thresholds {gc.get_threshold()}, counts {gc.get_count()}, "
           f"objects {len(gc.get_objects())}")
     base = float(np.median(times["cupy a * b"]))
-    print("whole persists, median of 15 interleaved rounds:")
+    print(f"whole persists (persist, then wait for the device), median of {rounds} interleaved "
+          "rounds:")
     for name, ts in times.items():
         med = float(np.median(ts))
-        print(f"  {name:36s} {1e3 * med:6.2f} ms  ({med / base:.2f} x cupy; "
-              f"min {1e3 * min(ts):.2f})")
+        print(f"  {name:42s} {1e3 * med:6.2f} ms  ({med / base:.2f} x cupy; "
+              f"min {1e3 * min(ts):.2f}, max {1e3 * max(ts):.2f})")
 
 
+def _blockwise_graph(name: str, arrays: list, shape: tuple, **task_kwargs: object) -> tuple:
+    """The graph dg.multiply built before 2026-11-22's fourth session: one ``Blockwise`` layer
+    (plus one throwaway ``da.Array`` around it, ~20 us, which the old code did not make)."""
+    import dask.array as da
+
+    meta = cupy.empty((0,) * len(shape), dtype=task_kwargs["out_dtype"])
+    arr = da.blockwise(elementwise_module._block, tuple(range(len(shape))),
+                       *elementwise_module._index_pairs(arrays, len(shape)), name=name,
+                       dtype=task_kwargs["out_dtype"], meta=meta, concatenate=True,
+                       align_arrays=False, **task_kwargs)
+    return arr.dask, arr.chunks
+
+
+elementwise_module = sys.modules["dask_gpuchunk.elementwise"]
+GRAPHS = {"dict": elementwise_module._elementwise_graph, "blockwise": _blockwise_graph}
+
+
+def task_steps() -> None:
+    """Where one device-resident task's time goes, step by step, on the 4 GB arrays."""
+    from dask_gpuchunk.staging import numba_stream
+
+    a = cupy.random.random((1_000_000, 500))
+    b = cupy.random.random((1_000_000, 500))
+    kernels = dg.multiply.kernels
+    f8 = np.dtype("f8")
+    steps: dict[str, list[float]] = {k: [] for k in ("stream", "empty", "launch", "whole")}
+    for i in range(40):
+        cupy.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        nb = numba_stream(cupy.cuda.get_current_stream())
+        t1 = time.perf_counter()
+        out = cupy.empty(a.shape, dtype=f8)
+        t2 = time.perf_counter()
+        backend._launch(kernels, out, [a, b], nb)
+        t3 = time.perf_counter()
+        cupy.cuda.runtime.deviceSynchronize()
+        del out
+        t4 = time.perf_counter()
+        r = elementwise_module._block(a, b, kernels=kernels, out_dtype=f8, device="gpu")
+        t5 = time.perf_counter()
+        cupy.cuda.runtime.deviceSynchronize()
+        del r
+        if i >= 5:
+            for k, dt in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t5 - t4)):
+                steps[k].append(dt)
+    print("one task on the 4 GB arrays, from the main thread, median of 35 (us): " + ", ".join(
+        f"{k} {1e6 * float(np.median(v)):.1f}" for k, v in steps.items()))
 
 
 def bench_rows() -> None:
@@ -268,6 +341,8 @@ def bench_rows() -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
-    bench_rows() if sys.argv[1:] == ["bench-rows"] else main()
+    if sys.argv[1:] == ["bench-rows"]:
+        bench_rows()
+    else:  # add "kernels" for the kernel variants
+        task_steps()
+        main()
