@@ -39,7 +39,12 @@ import numpy as np
 
 from . import placement
 from ._kernels.elementwise import ElementwiseKernels, collapse_dims
-from ._kernels.launch import StridedArg, direct_launch_available
+from ._kernels.launch import (
+    DirectLaunchError,
+    StridedArg,
+    direct_launch_available,
+    fall_back_to_numba,
+)
 from .devices import GPUNotAvailableError, check_device, gpu_available
 
 __all__ = [
@@ -220,13 +225,16 @@ def _launch(kernels: ElementwiseKernels, out: Any, inputs: Sequence[Any], nb_str
     if direct_launch_available():
         shape, strides = _collapsed_layout(out, inputs)
         by_address = iter(strides[1:])
-        kernels.cuda_strided(
-            StridedArg(out.data.ptr, shape, strides[0], out.dtype),
-            *(a if isinstance(a, np.generic) else StridedArg(a.data.ptr, shape, next(by_address), a.dtype)
-              for a in inputs),
-            stream=nb_stream,
-        )
-        return
+        try:
+            kernels.cuda_strided(
+                StridedArg(out.data.ptr, shape, strides[0], out.dtype),
+                *(a if isinstance(a, np.generic) else StridedArg(a.data.ptr, shape, next(by_address), a.dtype)
+                  for a in inputs),
+                stream=nb_stream,
+            )
+            return
+        except DirectLaunchError as exc:  # raised before anything was launched
+            fall_back_to_numba(exc)
     from numba import cuda
 
     out_v, in_v = _collapsed_views(__import__("cupy"), out, inputs)

@@ -6,7 +6,9 @@ kernel per chunk on device-resident data that was most of a chunk's cost. The el
 kernels have one fixed signature each, so :class:`DirectLaunch` flattens each array
 (:class:`StridedArg`) into numba's kernel argument layout itself and hands the compiled function
 to ``cuda.core.launch``, as numba does: 146-221 us per chunk became 37-62 us on the H200 machine.
-No dask here.
+That layout is numba-cuda's internal business: each launcher checks it against numba's own
+when it is made, and a process where it differs goes on through numba's dispatcher
+(:func:`fall_back_to_numba`). No dask here.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["DIRECT_LAUNCH", "DirectLaunch", "StridedArg", "current_device",
-           "direct_launch_available", "load_lock"]
+__all__ = ["DIRECT_LAUNCH", "DirectLaunch", "DirectLaunchError", "StridedArg", "current_device",
+           "direct_launch_available", "fall_back_to_numba", "load_lock"]
 
 
 class StridedArg(NamedTuple):
@@ -76,6 +78,29 @@ def direct_launch_available() -> bool:
 
 
 _DIRECT_OK: list[bool] = []
+_fallback_lock = threading.Lock()
+
+
+class DirectLaunchError(RuntimeError):
+    """numba-cuda's internals are not what :class:`DirectLaunch` relies on (another version):
+    the kernel has to be launched through numba's dispatcher."""
+
+
+def fall_back_to_numba(reason: BaseException) -> None:
+    """Turn the direct launch off for this process, with one warning that says why."""
+    global DIRECT_LAUNCH
+    import warnings
+
+    with _fallback_lock:
+        if not DIRECT_LAUNCH:
+            return
+        DIRECT_LAUNCH = False
+    warnings.warn(
+        f"dask_gpuchunk: kernels are launched through numba's dispatcher from now on in this "
+        f"process (~0.1 ms more per chunk), because the direct launch cannot be used with this "
+        f"numba-cuda: {reason}. DASK_GPUCHUNK_DIRECT_LAUNCH=0 skips the attempt.",
+        RuntimeWarning, stacklevel=3,
+    )
 #: Held while a :class:`DirectLaunch` is made: numba's ``get_cufunc`` is not safe to race (two
 #: loads of one image on an H200: "key already in dictionary: <CUlibrary ...>").
 load_lock = threading.Lock()
@@ -102,32 +127,66 @@ def _core_stream(nb_stream: Any) -> Any:
     return entry[1]
 
 
+def _array_words(a: StridedArg) -> list[int]:
+    """An array argument as numba-cuda lays it out: meminfo, parent, nitems, itemsize, data,
+    shape..., strides... (``_Kernel._prepare_args``)."""
+    return [0, 0, math.prod(a.shape), a.dtype.itemsize, a.ptr, *a.shape, *a.strides]
+
+
 class DirectLaunch:
     """One compiled kernel (a numba dispatcher of one signature) on this thread's device,
     launched with its arguments built from addresses: each :class:`StridedArg` as numba's
-    ``_Kernel._prepare_args`` lays out an array (meminfo, parent, nitems, itemsize, data,
-    shape..., strides...), scalars converted by numba itself. Made under :data:`load_lock`.
+    ``_Kernel._prepare_args`` lays out an array (:func:`_array_words`), scalars converted by
+    numba itself. Made under :data:`load_lock`.
+
+    Raises :class:`DirectLaunchError` where this numba-cuda differs: missing internals, or an
+    array layout other than :func:`_array_words`'s. The layout is checked when the launcher is
+    made, against numba's own ``_prepare_args`` on a small device array of each array type:
+    a changed layout would otherwise launch the kernel on wrong addresses.
     """
 
     def __init__(self, dispatcher: Any) -> None:
-        from cuda.core import LaunchConfig, launch
+        try:
+            from cuda.core import LaunchConfig, launch
 
-        (self.overload,) = dispatcher.overloads.values()
-        if getattr(self.overload, "debug", False) or getattr(self.overload, "cooperative", False):
-            raise RuntimeError("debug and cooperative kernels launch through numba")
-        self.types = tuple(self.overload.argument_types)
-        self.function = self.overload._codelibrary.get_cufunc().kernel  # this device's
+            (self.overload,) = dispatcher.overloads.values()
+            if getattr(self.overload, "debug", False) or getattr(self.overload, "cooperative",
+                                                                 False):
+                raise DirectLaunchError("debug and cooperative kernels launch through numba")
+            self.types = tuple(self.overload.argument_types)
+            self.function = self.overload._codelibrary.get_cufunc().kernel  # this device's
+            self._check_array_layout()
+        except DirectLaunchError:
+            raise
+        except Exception as exc:
+            raise DirectLaunchError(f"{type(exc).__name__}: {exc}") from exc
         self._config = LaunchConfig
         self._launch = launch
         self._configs: dict[tuple[int, int], Any] = {}
+
+    def _check_array_layout(self) -> None:
+        from numba import cuda, types
+        from numba.np.numpy_support import as_dtype
+
+        for ty in self.types:
+            if not isinstance(ty, types.Array):
+                continue
+            probe = cuda.device_array((2,) * ty.ndim, dtype=as_dtype(ty.dtype))
+            theirs: list[Any] = []
+            self.overload._prepare_args(ty, probe, 0, [], theirs)
+            theirs = [int(getattr(v, "value", v)) for v in theirs]
+            ours = _array_words(StridedArg(probe.device_ctypes_pointer.value, probe.shape,
+                                           probe.strides, probe.dtype))
+            if theirs != ours:
+                raise DirectLaunchError(f"numba lays out a {ty} argument as {theirs}, the direct "
+                                        f"launch as {ours}")
 
     def __call__(self, blocks: int, threads: int, stream: Any,
                  args: Sequence[StridedArg | np.generic]) -> None:
         flat: list[Any] = []
         for ty, a in zip(self.types, args):
             if isinstance(a, StridedArg):
-                flat += (0, 0, math.prod(a.shape), a.dtype.itemsize, a.ptr, *a.shape,
-                         *a.strides)
+                flat += _array_words(a)
             else:
                 self.overload._prepare_args(ty, a, stream, [], flat)
         config = self._configs.get((blocks, threads))

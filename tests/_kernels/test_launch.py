@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from helpers import assert_same, random_array
 
-from dask_gpuchunk._kernels.elementwise import ElementwiseKernels
+from dask_gpuchunk._kernels import launch
+from dask_gpuchunk._kernels.elementwise import ElementwiseKernels, _signature_key
 from dask_gpuchunk._kernels.launch import StridedArg, direct_launch_available
 
 
@@ -53,3 +56,54 @@ def test_direct_launch_matches_numba_dispatch(rng, dtype):
     with np.errstate(all="ignore"):
         assert_same(outs[0].get(), (a.get() * s + c.get()).astype(out_dtype),
                     exact=dtype[0] not in "cf")
+
+
+def test_falling_back_to_numba_warns_once_and_turns_the_direct_launch_off(monkeypatch):
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        launch.fall_back_to_numba(launch.DirectLaunchError("a changed layout"))
+        launch.fall_back_to_numba(launch.DirectLaunchError("again, from another thread"))
+    expected = ("dask_gpuchunk: kernels are launched through numba's dispatcher from now on in "
+                "this process (~0.1 ms more per chunk), because the direct launch cannot be used "
+                "with this numba-cuda: a changed layout. DASK_GPUCHUNK_DIRECT_LAUNCH=0 skips the "
+                "attempt.")
+    assert [str(w.message) for w in caught if w.category is RuntimeWarning] == [expected]
+    assert not launch.DIRECT_LAUNCH and not direct_launch_available()
+
+
+def _swapped_words(a: StridedArg) -> list[int]:
+    # A layout numba does not use (strides before shape): what a changed numba-cuda would be.
+    return [0, 0, int(np.prod(a.shape)), a.dtype.itemsize, a.ptr, *a.strides, *a.shape]
+
+
+@pytest.mark.gpu
+def test_a_layout_numba_does_not_use_is_refused(monkeypatch):
+    k = ElementwiseKernels(fma3, 3)
+    a = np.zeros((3, 4))
+    dispatcher = k._cuda_kernel(_signature_key(a, (a, a, a)))
+    launch.DirectLaunch(dispatcher)  # numba's own layout passes
+    monkeypatch.setattr(launch, "_array_words", _swapped_words)
+    with pytest.raises(launch.DirectLaunchError, match="lays out"):
+        launch.DirectLaunch(dispatcher)
+
+
+@pytest.mark.gpu
+def test_chunks_fall_back_to_numba_when_the_direct_launch_is_refused(rng, monkeypatch):
+    import cupy
+
+    from dask_gpuchunk.backend import run_gpu_on_device
+
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(launch, "_array_words", _swapped_words)
+    k = ElementwiseKernels(fma3, 3)  # no launcher made yet
+    a, b, c = (rng.standard_normal((5, 7)) for _ in range(3))
+    with pytest.warns(RuntimeWarning, match="numba's dispatcher from now on"):
+        out = run_gpu_on_device(k, np.dtype("f8"), [cupy.asarray(a), cupy.asarray(b),
+                                                    cupy.asarray(c)])
+    assert not launch.DIRECT_LAUNCH
+    assert_same(out.get(), a * b + c)
+    out = run_gpu_on_device(k, np.dtype("f8"), [cupy.asarray(a), np.float64(2.0),
+                                                cupy.asarray(c)])
+    assert_same(out.get(), a * 2.0 + c)
+
