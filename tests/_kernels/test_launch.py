@@ -97,13 +97,13 @@ def test_chunks_fall_back_to_numba_when_the_direct_launch_is_refused(rng, monkey
     monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
     monkeypatch.setattr(launch, "_array_words", _swapped_words)
     k = ElementwiseKernels(fma3, 3)  # no launcher made yet
-    a, b, c = (rng.standard_normal((5, 7)) for _ in range(3))
+    # Integers: exact (the GPU fuses a float a * b + c into one rounding).
+    a, b, c = (rng.integers(-1000, 1000, (5, 7)) for _ in range(3))
     with pytest.warns(RuntimeWarning, match="numba's dispatcher from now on"):
-        out = run_gpu_on_device(k, np.dtype("f8"), [cupy.asarray(a), cupy.asarray(b),
+        out = run_gpu_on_device(k, np.dtype("i8"), [cupy.asarray(a), cupy.asarray(b),
                                                     cupy.asarray(c)])
     assert not launch.DIRECT_LAUNCH
     assert_same(out.get(), a * b + c)
-    out = run_gpu_on_device(k, np.dtype("f8"), [cupy.asarray(a), np.float64(2.0),
-                                                cupy.asarray(c)])
-    assert_same(out.get(), a * 2.0 + c)
+    out = run_gpu_on_device(k, np.dtype("i8"), [cupy.asarray(a), np.int64(3), cupy.asarray(c)])
+    assert_same(out.get(), a * 3 + c)
 
