@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -38,7 +39,10 @@ def _version(module: str) -> str | None:
         mod = importlib.import_module(module)
     except Exception:
         return None
-    return str(getattr(mod, "__version__", "?"))
+    try:  # the installed distribution's version (click deprecates its __version__)
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:  # cupy is installed as cupy-cuda12x, ...
+        return str(getattr(mod, "__version__", "?"))
 
 
 def environment() -> dict[str, Any]:
