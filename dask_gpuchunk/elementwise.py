@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import uuid
 from collections.abc import Callable
 from itertools import product
@@ -127,9 +128,17 @@ class ElementwiseOp:
         if out is not None:
             return self._compute_into(arrays, out, shape, out_dtype, device, on_device, meta)
         name = f"{self.__name__}-{tokenize(self.kernels.token, out_dtype, device, *arrays)}"
-        graph, chunks = _elementwise_graph(
-            name, arrays, shape, kernels=self.kernels, out_dtype=out_dtype, device=device)
-        return da.Array(graph, name, chunks, meta=meta, dtype=out_dtype)
+        task_kwargs = {"kernels": self.kernels, "out_dtype": out_dtype, "device": device}
+        chunks = _result_chunks(arrays, shape)
+        if math.prod(len(c) for c in chunks) <= LISTED_GRAPH_MAX_BLOCKS:
+            graph = _listed_graph(name, arrays, chunks, task_kwargs)
+            return da.Array(graph, name, chunks, meta=meta, dtype=out_dtype)
+        # blockwise as map_blocks would call it (trailing dimensions aligned, length-1 block
+        # dimensions broadcast), without map_blocks' signature inspection.
+        return da.blockwise(
+            _block, tuple(range(len(shape))), *_index_pairs(arrays, len(shape)), name=name,
+            dtype=out_dtype, meta=meta, concatenate=True, align_arrays=False, **task_kwargs,
+        )
 
     def _compute_into(self, arrays: list[Any], out: Any, shape: tuple[int, ...],
                       out_dtype: np.dtype, device: str, on_device: bool, meta: Any) -> np.ndarray:
@@ -260,40 +269,58 @@ def _index_pairs(arrays: list[Any], ndim: int) -> list[Any]:
     return pairs
 
 
-def _elementwise_graph(name: str, arrays: list[Any], shape: tuple[int, ...], **task_kwargs: Any
-                       ) -> tuple[HighLevelGraph, tuple[tuple[int, ...], ...]]:
-    """One ``_block`` task per output block, over operands whose chunks already agree.
+#: Up to this many result blocks the graph is a plain dict of tasks (:func:`_listed_graph`);
+#: above, a ``Blockwise`` layer, which Dask builds in constant time and lists only when it is
+#: computed. On the CPU box, listing costs ~4 µs per block (1024 blocks: 4 ms) and then makes
+#: a persist of the whole result 4-10 % faster; 100,000 blocks would take over a second to list
+#: (before any slice of the result could compute), where a ``Blockwise`` layer takes 0.6 ms.
+LISTED_GRAPH_MAX_BLOCKS = 1024
+
+
+def _result_chunks(arrays: list[Any], shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The result's chunks: along each dimension, those of the operands of that length
+    (:func:`_to_dask` unified them); the others have length 1 there and broadcast."""
+    ndim = len(shape)
+    dask_ops = [r for r in arrays if isinstance(r, da.Array)]
+    return tuple(
+        next((r.chunks[d - ndim + r.ndim] for r in dask_ops
+              if d >= ndim - r.ndim and r.shape[d - ndim + r.ndim] == n), (n,))
+        for d, n in enumerate(shape)
+    )
+
+
+def _listed_graph(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],
+                  task_kwargs: dict[str, Any]) -> HighLevelGraph:
+    """One ``_block`` task per result block, in a plain dict.
 
     Block ``idx`` of the result reads block ``idx`` of each Dask operand, trailing dimensions
     aligned, block 0 along dimensions an operand broadcasts; constants go to every task.
 
-    This is what ``da.blockwise`` would give for an elementwise function, as a plain dict of
-    tasks. A ``Blockwise`` layer costs each persist of a small graph 0.2-0.3 ms more, to
-    build and then for Dask to optimise and materialise it, against a 2.75 ms product of two
-    4 GB arrays on the H200 (docs/perf-notes.md); a loop of device-resident steps pays it
-    every step.
+    This is what ``da.blockwise`` gives for an elementwise function, listed now. A
+    ``Blockwise`` layer costs each persist of a small graph 0.1-0.4 ms more, to build it and
+    then for Dask to optimise and list it, against a 2.75 ms product of two 4 GB arrays on the
+    H200 (docs/perf-notes.md, step 11); a loop of device-resident steps pays it every step.
     """
-    ndim = len(shape)
-    dask_ops = [r for r in arrays if isinstance(r, da.Array)]
-    chunks = []
-    for d, n in enumerate(shape):
-        # Operands of that length share their chunks (_to_dask unified them); the others
-        # have length 1 there and broadcast.
-        chunks.append(next((r.chunks[d - ndim + r.ndim] for r in dask_ops
-                            if d >= ndim - r.ndim and r.shape[d - ndim + r.ndim] == n), (n,)))
+    ndim = len(chunks)
+    # Per operand: a constant, or (name, where its dimensions start, which dimensions follow
+    # the result's block index rather than staying at block 0).
+    plans: list[Any] = []
+    for r in arrays:
+        if isinstance(r, da.Array):
+            plans.append((r.name, ndim - r.ndim, tuple(n != 1 for n in r.numblocks)))
+        else:
+            plans.append(None)
     graph: dict[Any, Task] = {}
     for idx in product(*(range(len(c)) for c in chunks)):
-        args = []
-        for r in arrays:
-            if not isinstance(r, da.Array):
-                args.append(r)
-                continue
-            lead = ndim - r.ndim
-            args.append(TaskRef((r.name, *(0 if n == 1 else idx[lead + k]
-                                           for k, n in enumerate(r.numblocks)))))
+        args = [
+            r if plan is None else TaskRef((plan[0], *(idx[plan[1] + k] if follows else 0
+                                                       for k, follows in enumerate(plan[2]))))
+            for r, plan in zip(arrays, plans)
+        ]
         key = (name, *idx)
         graph[key] = Task(key, _block, *args, **task_kwargs)
-    return HighLevelGraph.from_collections(name, graph, dependencies=dask_ops), tuple(chunks)
+    dask_ops = [r for r in arrays if isinstance(r, da.Array)]
+    return HighLevelGraph.from_collections(name, graph, dependencies=dask_ops)
 
 
 def elementwise(func: Callable | None = None, *, dtype: Any = None,

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import cmath
+import importlib
 import math
 
 import dask
 import dask.array as da
 import numpy as np
 import pytest
+from dask.blockwise import Blockwise
 from helpers import DTYPES, assert_same, random_array
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.devices import gpu_available
+
+elementwise_module = importlib.import_module("dask_gpuchunk.elementwise")
 
 DEVICES_HERE = ["cpu", "auto"] + (["gpu"] if gpu_available() else [])
 
@@ -21,6 +25,15 @@ DEVICES_HERE = ["cpu", "auto"] + (["gpu"] if gpu_available() else [])
 def _threaded_scheduler():
     with dask.config.set(scheduler="threads"):
         yield
+
+
+@pytest.fixture(params=["listed", "blockwise"])
+def graph_form(request, monkeypatch):
+    """Both graph forms of a result: tasks listed in a dict (small results) and a Blockwise
+    layer (results of more than LISTED_GRAPH_MAX_BLOCKS blocks)."""
+    if request.param == "blockwise":
+        monkeypatch.setattr(elementwise_module, "LISTED_GRAPH_MAX_BLOCKS", 0)
+    return request.param
 
 
 # ---- every dtype, exact against NumPy ------------------------------------------------------
@@ -56,7 +69,7 @@ def test_multiply_mixed_dtypes_follow_numpy_promotion(rng, x_dtype, y_dtype):
 # ---- broadcasting, scalars, shapes ---------------------------------------------------------
 
 
-def test_seed_004_broadcast_shapes(rng):
+def test_seed_004_broadcast_shapes(rng, graph_form):
     mult_by = rng.random((4000, 5))
     discount = rng.random((100, 4000, 5))
     result = dg.multiply(mult_by, da.from_array(discount, chunks=(30, 1500, 5)))
@@ -67,7 +80,7 @@ def test_seed_004_broadcast_shapes(rng):
 
 @pytest.mark.parametrize("shape_x, shape_y", [((6, 1), (1, 7)), ((3, 1, 4), (5, 1)),
                                               ((1,), (8, 3)), ((2, 3, 4), ())])
-def test_broadcasting_both_ways(rng, shape_x, shape_y):
+def test_broadcasting_both_ways(rng, shape_x, shape_y, graph_form):
     a = rng.standard_normal(shape_x)
     b = rng.standard_normal(shape_y)
     x = da.from_array(a, chunks=2) if a.ndim else a
@@ -77,7 +90,7 @@ def test_broadcasting_both_ways(rng, shape_x, shape_y):
 
 @pytest.mark.parametrize("shape_x, shape_y", [((0, 3), (1, 3)), ((4, 1, 0), (1, 5, 1)),
                                               ((5, 0), (1,))])
-def test_zero_length_dimensions_broadcast(rng, shape_x, shape_y):
+def test_zero_length_dimensions_broadcast(rng, shape_x, shape_y, graph_form):
     a = rng.standard_normal(shape_x)
     b = rng.standard_normal(shape_y)
     result = dg.multiply(da.from_array(a, chunks=2), da.from_array(b, chunks=2))
@@ -85,13 +98,15 @@ def test_zero_length_dimensions_broadcast(rng, shape_x, shape_y):
     assert_same(result.compute(), a * b)
 
 
-def test_one_task_per_block_that_dask_composes_and_culls(rng):
+def test_one_task_per_block_that_dask_composes_and_culls(rng, graph_form):
     a = rng.standard_normal((7, 9))
     b = rng.standard_normal((1, 9))
     x = da.from_array(a, chunks=(3, 4))
     result = dg.multiply(x, da.from_array(b, chunks=(1, 4)))
     assert result.chunks == x.chunks
-    assert len(result.dask.layers[result.name]) == result.npartitions == 9
+    layer = result.dask.layers[result.name]
+    assert isinstance(layer, Blockwise) == (graph_form == "blockwise")
+    assert len(layer) == result.npartitions == 9
     # Dask sums across the row chunks in its own order: equal to rounding.
     assert_same((result[2:5, 1:] + 1).sum(axis=0).compute(), ((a * b)[2:5, 1:] + 1).sum(axis=0),
                 exact=False)
@@ -101,6 +116,15 @@ def test_one_task_per_block_that_dask_composes_and_culls(rng):
     ours = [k for k in dict(corner.dask) if isinstance(k, tuple) and k[0] == result.name]
     assert ours == [(result.name, 0, 0)]
     assert_same(corner.compute(), (a * b)[:3, :4])
+
+
+def test_results_of_many_blocks_stay_lazy_blockwise_layers():
+    limit = elementwise_module.LISTED_GRAPH_MAX_BLOCKS
+    listed = dg.multiply(da.ones((limit, 2), chunks=(1, 2)), 2.0, device="cpu")
+    lazy = dg.multiply(da.ones((limit + 1, 2), chunks=(1, 2)), 2.0, device="cpu")
+    assert not isinstance(listed.dask.layers[listed.name], Blockwise)
+    assert isinstance(lazy.dask.layers[lazy.name], Blockwise)
+    assert_same(lazy[-2:].compute(), np.full((2, 2), 2.0))
 
 
 @pytest.mark.parametrize("array_dtype", ["int8", "uint8", "float32", "complex64", "bool"])
@@ -129,14 +153,14 @@ def test_python_int_out_of_range_raises_like_numpy():
         dg.multiply(x, 300)
 
 
-def test_all_scalars_give_a_0d_dask_array():
+def test_all_scalars_give_a_0d_dask_array(graph_form):
     r = dg.multiply(3, np.float32(2))
     assert isinstance(r, da.Array) and r.shape == () and r.dtype == np.float32
     assert r.compute() == np.float32(6)
 
 
 @pytest.mark.parametrize("shape", [(0,), (0, 5), (3, 0), (1,), (1, 1), ()])
-def test_empty_0d_and_single_element(rng, shape):
+def test_empty_0d_and_single_element(rng, shape, graph_form):
     a = rng.random(shape)
     b = rng.random(shape)
     x = da.from_array(a, chunks=2) if a.ndim else a
@@ -379,7 +403,7 @@ def test_cupy_chunks_every_dtype(rng, dtype):
 
 
 @pytest.mark.gpu
-def test_cupy_mixed_with_numpy_and_scalars(rng):
+def test_cupy_mixed_with_numpy_and_scalars(rng, graph_form):
     import cupy
 
     a = rng.random((12, 7))
