@@ -212,14 +212,18 @@ def main() -> None:
         cupy.cuda.runtime.deviceSynchronize()
         del r
 
-    def persisted(make: Callable[[object, object], object], n: int, *, graph: str = "dict",
+    def persisted(make: Callable[[object, object], object], n: int, *, graph: str = "listed",
                   optimize_graph: bool = True, gc_off: bool = False,
                   **scheduler: object) -> Callable[[], None]:
         xa = dg.asarray(a, chunks=(1_000_000 // n, 500))
         xb = dg.asarray(b, chunks=(1_000_000 // n, 500))
 
         def run() -> None:
-            elementwise_module._elementwise_graph = GRAPHS[graph]
+            # The Blockwise layer: what every result was before the fourth session, and
+            # results of more than LISTED_GRAPH_MAX_BLOCKS blocks still are.
+            listed_max = elementwise_module.LISTED_GRAPH_MAX_BLOCKS
+            if graph == "blockwise":
+                elementwise_module.LISTED_GRAPH_MAX_BLOCKS = 0
             if gc_off:
                 gc.disable()
             try:
@@ -228,7 +232,7 @@ def main() -> None:
                 cupy.cuda.runtime.deviceSynchronize()
             finally:
                 gc.enable()
-                elementwise_module._elementwise_graph = GRAPHS["dict"]
+                elementwise_module.LISTED_GRAPH_MAX_BLOCKS = listed_max
             del r
         return run
 
@@ -272,21 +276,7 @@ def main() -> None:
               f"min {1e3 * min(ts):.2f}, max {1e3 * max(ts):.2f})")
 
 
-def _blockwise_graph(name: str, arrays: list, shape: tuple, **task_kwargs: object) -> tuple:
-    """The graph dg.multiply built before 2026-11-22's fourth session: one ``Blockwise`` layer
-    (plus one throwaway ``da.Array`` around it, ~20 us, which the old code did not make)."""
-    import dask.array as da
-
-    meta = cupy.empty((0,) * len(shape), dtype=task_kwargs["out_dtype"])
-    arr = da.blockwise(elementwise_module._block, tuple(range(len(shape))),
-                       *elementwise_module._index_pairs(arrays, len(shape)), name=name,
-                       dtype=task_kwargs["out_dtype"], meta=meta, concatenate=True,
-                       align_arrays=False, **task_kwargs)
-    return arr.dask, arr.chunks
-
-
 elementwise_module = sys.modules["dask_gpuchunk.elementwise"]
-GRAPHS = {"dict": elementwise_module._elementwise_graph, "blockwise": _blockwise_graph}
 
 
 def task_steps() -> None:
