@@ -101,6 +101,8 @@ def fall_back_to_numba(reason: BaseException) -> None:
         f"numba-cuda: {reason}. DASK_GPUCHUNK_DIRECT_LAUNCH=0 skips the attempt.",
         RuntimeWarning, stacklevel=3,
     )
+
+
 #: Held while a :class:`DirectLaunch` is made: numba's ``get_cufunc`` is not safe to race (two
 #: loads of one image on an H200: "key already in dictionary: <CUlibrary ...>").
 load_lock = threading.Lock()
