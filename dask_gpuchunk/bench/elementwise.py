@@ -315,6 +315,12 @@ def _table(bench: _Bench, table: str, scalar_op: Callable, op: Any, shape: tuple
 #: Rounds of the device-resident rows: each run takes milliseconds, and Dask's share of it
 #: varies by a few tenths of a millisecond between runs, so three would be noise.
 DEVICE_ROUNDS = 15
+#: Steps of the device-resident loop rows (seed 002's pattern), timed per step.
+LOOP_STEPS = 10
+#: CuPy's own ``a * b`` rows, which the device-resident rows are held against (one persist
+#: against one multiply, a step of a loop against a step of CuPy's loop).
+CUPY_ROW = "peer cupy a*b (device arrays)"
+CUPY_LOOP_ROW = f"peer cupy a*b, {LOOP_STEPS}-step loop (per step)"
 
 
 def _device_rows(bench: _Bench, table: str, op: Any, a: np.ndarray, b: np.ndarray,
@@ -332,7 +338,7 @@ def _device_rows(bench: _Bench, table: str, op: Any, a: np.ndarray, b: np.ndarra
     # The same arrays as one chunk each (they fit): Dask's cost per persist is mostly per task.
     whole_a, whole_b = asarray(dev_a, dev_a.shape), asarray(dev_b, dev_b.shape)
     held: list[Any] = []
-    steps = 10
+    steps = LOOP_STEPS
 
     def ours() -> None:
         held[:] = [_sync_persist(op(xa, xb, device="gpu"))]
@@ -374,8 +380,8 @@ def _device_rows(bench: _Bench, table: str, op: Any, a: np.ndarray, b: np.ndarra
         f"ours device-resident, {steps}-step loop (per step)": ours_loop,
     }
     if table == "product":
-        fns["peer cupy a*b (device arrays)"] = cupy_mul
-        fns[f"peer cupy a*b, {steps}-step loop (per step)"] = cupy_loop
+        fns[CUPY_ROW] = cupy_mul
+        fns[CUPY_LOOP_ROW] = cupy_loop
         # Dask's own multiply on the same CuPy chunks: what any Dask operation pays per persist.
         fns["peer dask.array a*b (CuPy chunks)"] = dask_mul
         fns["peer dask.array a*b, one chunk per array"] = dask_mul_whole
@@ -447,6 +453,19 @@ def _naive_dask_cuda(a: np.ndarray, b: np.ndarray, chunks: tuple[int, int]) -> C
     return run_once
 
 
+def _versus_cupy(rows: list[Entry]) -> None:
+    """``vs_cupy`` (and the row it compares with) on each device-resident row of a table that
+    has CuPy's rows: the ratio the device-resident target is stated in."""
+    by_name = {e.name: e for e in rows if e.seconds}
+    for e in rows:
+        if not e.seconds or not ("device-resident" in e.name or e.name.startswith("peer dask")):
+            continue
+        ref = by_name.get(CUPY_LOOP_ROW if "loop" in e.name else CUPY_ROW)
+        if ref is not None:
+            e.extra["vs_cupy"] = e.seconds / ref.seconds
+            e.extra["vs_cupy_row"] = ref.name
+
+
 def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> dict[str, Any]:
     floors: dict[str, dict[str, float]] = {}
     for table in ("product", "rk4"):
@@ -474,6 +493,7 @@ def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> 
             floor = f.get("hbm_floor_s" if device_row else "pcie_floor_s")
             if floor:
                 e.extra["vs_floor"] = e.seconds / floor
+        _versus_cupy(rows)
     return {
         "benchmark": "elementwise",
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),

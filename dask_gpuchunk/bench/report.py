@@ -45,6 +45,8 @@ def format_table(report: dict[str, Any]) -> str:
                 note.append(f"peak device {x['peak_device_bytes'] / 1e9:.2f} GB")
             if e["first_run"] is not None and e["first_run"] > 1.5 * e["seconds"]:
                 note.append(f"first run {e['first_run']:.3f} s")
+            if "vs_cupy" in x:
+                note.append(f"{e['seconds'] * 1e3:.2f} ms = {x['vs_cupy']:.2f} x {x['vs_cupy_row']}")
             if "measured_rows" in x:
                 note.append(f"timed on {x['measured_rows']} rows, scaled")
             for d in x.get("placement", []):
