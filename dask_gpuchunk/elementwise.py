@@ -118,7 +118,7 @@ class ElementwiseOp:
                 f"{self.__name__}: device='cpu' was given CuPy (GPU) data; use device='gpu' or "
                 "'auto', or move it to the host first (x.map_blocks(cupy.asnumpy))"
             )
-        arrays = _to_dask(operands)
+        arrays, chunks = _to_dask(operands)
         if on_device:
             import cupy
 
@@ -129,7 +129,6 @@ class ElementwiseOp:
             return self._compute_into(arrays, out, shape, out_dtype, device, on_device, meta)
         name = f"{self.__name__}-{tokenize(self.kernels.token, out_dtype, device, *arrays)}"
         task_kwargs = {"kernels": self.kernels, "out_dtype": out_dtype, "device": device}
-        chunks = _result_chunks(arrays, shape)
         if math.prod(len(c) for c in chunks) <= LISTED_GRAPH_MAX_BLOCKS:
             graph = _listed_graph(name, arrays, chunks, task_kwargs)
             return da.Array(graph, name, chunks, meta=meta, dtype=out_dtype)
@@ -227,8 +226,9 @@ def _broadcast_shape(operands: list[Any], name: str) -> tuple[int, ...]:
         ) from None
 
 
-def _to_dask(operands: list[Any]) -> list[Any]:
-    """Dask arrays as they are; other arrays chunked like the largest Dask operand.
+def _to_dask(operands: list[Any]) -> tuple[list[Any], tuple[tuple[int, ...], ...]]:
+    """Dask arrays as they are; other arrays chunked like the largest Dask operand; and the
+    result's chunks.
 
     0-d operands stay NumPy scalars passed to every chunk; if every operand is 0-d, the first
     becomes a one-chunk Dask array so that the result is a Dask array.
@@ -257,8 +257,9 @@ def _to_dask(operands: list[Any]) -> list[Any]:
         result[0] = asarray(result[0], chunks=())
     # Blockwise needs aligned blocks: rechunk where the Dask operands' chunks disagree,
     # aligning trailing dimensions as broadcasting does (length-1 dimensions broadcast).
-    _, unified = unify_chunks(*_index_pairs(result, max(r.ndim for r in result)), warn=False)
-    return list(unified)
+    ndim = max(r.ndim for r in result)
+    chunks_by_dim, unified = unify_chunks(*_index_pairs(result, ndim), warn=False)
+    return list(unified), tuple(chunks_by_dim[d] for d in range(ndim))
 
 
 def _index_pairs(arrays: list[Any], ndim: int) -> list[Any]:
@@ -275,18 +276,6 @@ def _index_pairs(arrays: list[Any], ndim: int) -> list[Any]:
 #: a persist of the whole result 4-10 % faster; 100,000 blocks would take over a second to list
 #: (before any slice of the result could compute), where a ``Blockwise`` layer takes 0.6 ms.
 LISTED_GRAPH_MAX_BLOCKS = 1024
-
-
-def _result_chunks(arrays: list[Any], shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    """The result's chunks: along each dimension, those of the operands of that length
-    (:func:`_to_dask` unified them); the others have length 1 there and broadcast."""
-    ndim = len(shape)
-    dask_ops = [r for r in arrays if isinstance(r, da.Array)]
-    return tuple(
-        next((r.chunks[d - ndim + r.ndim] for r in dask_ops
-              if d >= ndim - r.ndim and r.shape[d - ndim + r.ndim] == n), (n,))
-        for d, n in enumerate(shape)
-    )
 
 
 def _listed_graph(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],
