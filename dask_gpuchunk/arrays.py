@@ -3,20 +3,28 @@
 ``dask.array.from_array`` copies a NumPy input before slicing it (dask 2026.x): for the 4 GB
 arrays of a GPU job that doubles host memory, costs a second of copying, and turns a pinned
 array into a pageable one. :func:`asarray` slices views instead. Like any view, the result
-sees later writes to the source array.
+sees later writes to the source array. Arrays that are not in memory (h5py and Zarr datasets,
+other objects with ``shape``, ``dtype`` and slicing) go to ``dask.array.from_array``, which
+reads each chunk when it is computed.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 import uuid
+import weakref
 from itertools import product
 from typing import Any
 
 import dask.array as da
 import numpy as np
 from dask.array.core import normalize_chunks, slices_from_chunks
+from dask.base import tokenize
 
-__all__ = ["asarray"]
+from .backend import is_cupy
+
+__all__ = ["asarray", "is_array_like", "refuse_masked"]
 
 
 def asarray(x: Any, chunks: Any = "auto", *, name: str | None = None) -> da.Array:
@@ -25,13 +33,18 @@ def asarray(x: Any, chunks: Any = "auto", *, name: str | None = None) -> da.Arra
     Parameters
     ----------
     x
-        A NumPy array (pageable, pinned, or an ``np.memmap``) or a CuPy array. A Dask array is
-        returned unchanged.
+        A NumPy array (pageable, pinned, or an ``np.memmap``) or a CuPy array; an array-like
+        that is not in memory (an h5py or Zarr dataset), read chunk by chunk when computed; a
+        list or other sequence (converted to NumPy). A Dask array is returned unchanged.
+        Masked arrays are refused (their mask would be lost).
     chunks
         As for :func:`dask.array.from_array` (``"auto"``, a block shape, explicit sizes, or a
         byte size such as ``"200 MiB"``).
     name
-        The Dask key name; default a unique random name (hashing the data would read all of it).
+        The Dask key name. Default: from ``x``'s identity, the same for the same array object
+        within a process (dask's ``tokenize`` of the data for arrays up to
+        ``CONTENT_TOKEN_BYTES`` and for memmaps, whose token is their file; hashing a larger
+        array in memory would read all of it).
 
     Returns
     -------
@@ -47,14 +60,83 @@ def asarray(x: Any, chunks: Any = "auto", *, name: str | None = None) -> da.Arra
     ((4, 4, 2),)
     >>> x.blocks[1].compute()
     array([4., 5., 6., 7.])
+    >>> asarray(a, chunks=4).name == x.name
+    True
     """
+    refuse_masked(x, "asarray")
     if isinstance(x, da.Array):
         return x
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    if not (isinstance(x, np.ndarray) or is_cupy(x)):
+        if is_array_like(x):
+            # Read per chunk at compute time; h5py is not safe to read from several threads.
+            lock = type(x).__module__.split(".", 1)[0] == "h5py"
+            return da.from_array(x, chunks=chunks, lock=lock, name=name or None,
+                                 meta=np.empty((0,) * len(x.shape), dtype=x.dtype))
         x = np.asarray(x)
     chunks = normalize_chunks(chunks, x.shape, dtype=x.dtype)
-    name = name or f"asarray-{uuid.uuid4().hex}"
+    name = name or f"asarray-{tokenize(_identity(x), chunks)}"
     keys = product([name], *(range(len(c)) for c in chunks))
     dsk = {key: x[(*slc, Ellipsis)] for key, slc in zip(keys, slices_from_chunks(chunks))}
     meta = x[(slice(0, 0),) * x.ndim]
     return da.Array(dsk, name, chunks, meta=meta, dtype=x.dtype)
+
+
+#: NumPy arrays in memory up to this size are named by a hash of their data (the same name in
+#: every process); larger ones by the object (hashing 400 MB took 0.3 s on the CPU box).
+CONTENT_TOKEN_BYTES = 16 << 20
+
+_object_tokens: dict[int, str] = {}
+_object_tokens_lock = threading.Lock()
+_counter = itertools.count()
+
+
+def _identity(x: Any) -> Any:
+    """What names ``x``: its data (small NumPy arrays, memmaps), or a token of the object
+    itself, kept for as long as it lives (a new array at the same address gets a new one)."""
+    if isinstance(x, np.memmap) or (isinstance(x, np.ndarray) and x.nbytes <= CONTENT_TOKEN_BYTES):
+        return x
+    key = id(x)
+    with _object_tokens_lock:
+        token = _object_tokens.get(key)
+        if token is None:
+            try:
+                weakref.finalize(x, _forget, key)
+            except TypeError:  # not weakly referable (some CuPy versions): never reused
+                return uuid.uuid4().hex
+            token = _object_tokens[key] = f"{uuid.uuid4().hex}-{next(_counter)}"
+    return (token, x.shape, x.dtype.str, getattr(x, "strides", None))
+
+
+def _forget(key: int) -> None:
+    with _object_tokens_lock:
+        _object_tokens.pop(key, None)
+
+
+def is_array_like(x: Any) -> bool:
+    """An array not in memory: ``shape``, ``dtype`` and slicing, but neither NumPy nor CuPy
+    (an h5py or Zarr dataset).
+
+    Examples
+    --------
+    >>> is_array_like(np.ones(3)), is_array_like([1, 2])
+    (False, False)
+    """
+    return (not isinstance(x, (np.ndarray, np.generic, da.Array)) and not is_cupy(x)
+            and hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "__getitem__"))
+
+
+def refuse_masked(x: Any, what: str) -> None:
+    """Raise ``TypeError`` for a masked array (NumPy's or Dask's): its mask would be lost.
+
+    Examples
+    --------
+    >>> refuse_masked(np.ma.masked_array([1.0, 2.0], mask=[0, 1]), "x")
+    Traceback (most recent call last):
+    ...
+    TypeError: x is a masked array: its mask would be lost. Pass x.filled(value) for the data with masked values replaced, and apply the mask to the result yourself
+    """
+    meta = x._meta if isinstance(x, da.Array) else x
+    if isinstance(meta, np.ma.MaskedArray):
+        raise TypeError(f"{what} is a masked array: its mask would be lost. Pass "
+                        "x.filled(value) for the data with masked values replaced, and apply "
+                        "the mask to the result yourself")

@@ -25,10 +25,74 @@ def test_zero_d_list_and_dask_inputs():
     assert dg.asarray(x) is x
 
 
-def test_names_are_unique_unless_given(rng):
+def test_names_follow_the_array(rng, monkeypatch):
+    from dask_gpuchunk import arrays
+
     a = rng.random(4)
-    assert dg.asarray(a).name != dg.asarray(a).name
+    assert dg.asarray(a).name == dg.asarray(a).name          # the same array: the same name
+    assert dg.asarray(a.copy()).name == dg.asarray(a).name   # small arrays: by their data
+    assert dg.asarray(a + 1).name != dg.asarray(a).name
+    assert dg.asarray(a, chunks=2).name != dg.asarray(a).name
     assert dg.asarray(a, name="mine").name == "mine"
+    # Large arrays are named by the object (hashing gigabytes would read them all): the same
+    # object keeps its name; another object, even with equal data, gets another.
+    monkeypatch.setattr(arrays, "CONTENT_TOKEN_BYTES", 0)
+    b = rng.random(4)
+    assert dg.asarray(b).name == dg.asarray(b).name
+    assert dg.asarray(b.copy()).name != dg.asarray(b).name
+
+
+def test_elementwise_names_are_deterministic(rng):
+    a, b = rng.random((6, 3)), rng.random(3)
+    assert dg.multiply(a, b).name == dg.multiply(a, b).name
+    assert dg.multiply(a, b).name != dg.multiply(a, b + 1).name
+    assert dg.multiply(a, 2).name != dg.multiply(a, 2.0).name  # a Python int, a Python float
+
+
+class CountingDataset:
+    """An array not in memory (as an h5py or Zarr dataset): counts the elements it reads."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self._data = data
+        self.shape, self.dtype, self.ndim = data.shape, data.dtype, data.ndim
+        self.read = 0
+
+    def __getitem__(self, key):
+        out = np.asarray(self._data[key])
+        self.read += out.size
+        return out
+
+
+def test_array_likes_are_read_chunk_by_chunk_at_compute_time(rng):
+    data = rng.random((40, 6))
+    ds = CountingDataset(data)
+    x = dg.asarray(ds, chunks=(10, 6))
+    r = dg.multiply(ds, 2.0)
+    assert ds.read == 0  # building graphs read nothing
+    np.testing.assert_array_equal(x.blocks[1].compute(), data[10:20])
+    assert ds.read == 60  # one chunk
+    np.testing.assert_array_equal(r.compute(), data * 2.0)
+
+
+def test_zarr_datasets_are_read_through_dask(rng, tmp_path):
+    data = rng.random((30, 4))
+    zarr = pytest.importorskip("zarr")
+    z = zarr.open(str(tmp_path / "a.zarr"), mode="w", shape=data.shape, chunks=(10, 4),
+                  dtype=data.dtype)
+    z[...] = data
+    r = dg.multiply(z, 3.0)
+    np.testing.assert_array_equal(r.compute(), data * 3.0)
+
+
+@pytest.mark.parametrize("masked", [
+    np.ma.masked_array([1.0, 2.0, 3.0], mask=[0, 1, 0]),
+    da.ma.masked_equal(da.from_array(np.array([1.0, 2.0, 3.0]), chunks=2), 2.0),
+], ids=["numpy", "dask"])
+def test_masked_arrays_are_refused(masked):
+    with pytest.raises(TypeError, match="masked array: its mask would be lost"):
+        dg.multiply(masked, 2.0)
+    with pytest.raises(TypeError, match="masked array"):
+        dg.asarray(masked)
 
 
 @pytest.mark.gpu
