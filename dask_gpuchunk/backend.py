@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from . import placement
-from ._kernels.elementwise import ElementwiseKernels, collapse_dims
+from ._kernels.elementwise import ElementwiseKernels, collapse_dims, is_python_number, is_scalar
 from ._kernels.launch import (
     DirectLaunchError,
     StridedArg,
@@ -71,21 +71,27 @@ def is_cupy(x: Any) -> bool:
 
 
 def _scalars_by_value(inputs: Sequence[Any]) -> list[Any]:
-    """0-d NumPy arrays become NumPy scalars: kernels take them by value, with no copy."""
+    """0-d NumPy arrays become NumPy scalars: kernels take them by value, with no copy. Python
+    numbers stay Python numbers (weak scalars, NEP 50)."""
     return [a[()] if isinstance(a, np.ndarray) and a.ndim == 0 else a for a in inputs]
+
+
+def _host_inputs(inputs: Sequence[Any]) -> list[Any]:
+    """Host chunks as NumPy arrays or scalars, Python numbers as they are."""
+    return _scalars_by_value([a if is_python_number(a) else np.asarray(a) for a in inputs])
 
 
 def _collapsed_layout(out: Any, inputs: Sequence[Any]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
     """The collapsed shape, and the byte strides of ``out`` then of each array input in it.
 
     Array inputs are broadcast to ``out``'s shape (stride 0 along the dimensions they are
-    broadcast in), then all are collapsed alike (:func:`collapse_dims`). Scalars
-    (``np.generic``) are skipped.
+    broadcast in), then all are collapsed alike (:func:`collapse_dims`). Scalars (NumPy
+    scalars, Python numbers) are skipped.
     """
     shape = out.shape
     strides = [out.strides]
     for a in inputs:
-        if isinstance(a, np.generic):
+        if is_scalar(a):
             continue
         lead = len(shape) - a.ndim
         strides.append((0,) * lead + tuple(
@@ -98,13 +104,13 @@ def _collapsed_layout(out: Any, inputs: Sequence[Any]) -> tuple[tuple[int, ...],
 def _collapsed_views(xp: Any, out: Any, inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
     """``out`` and array ``inputs`` as views of :func:`_collapsed_layout`'s shape and strides.
 
-    Scalars (``np.generic``) pass through unchanged.
+    Scalars (NumPy scalars, Python numbers) pass through unchanged.
     """
     new_shape, new_strides = _collapsed_layout(out, inputs)
     as_strided = xp.lib.stride_tricks.as_strided
     extra = {"writeable": False} if xp is np else {}
     result = list(inputs)
-    arrays = [i for i, a in enumerate(inputs) if not isinstance(a, np.generic)]
+    arrays = [i for i, a in enumerate(inputs) if not is_scalar(a)]
     for i, st in zip(arrays, new_strides[1:]):
         result[i] = as_strided(inputs[i], new_shape, st, **extra)
     out_v = as_strided(out, new_shape, new_strides[0], **({"writeable": True} if xp is np else {}))
@@ -190,7 +196,7 @@ def run_cpu(
 
     ``threads``: numba threads for this kernel (default :func:`cpu_threads`).
     """
-    inputs = _scalars_by_value([np.asarray(a) for a in inputs])
+    inputs = _host_inputs(inputs)
     shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
     if dest is None:
         dest = np.empty(shape, dtype=out_dtype)
@@ -228,7 +234,7 @@ def _launch(kernels: ElementwiseKernels, out: Any, inputs: Sequence[Any], nb_str
         try:
             kernels.cuda_strided(
                 StridedArg(out.data.ptr, shape, strides[0], out.dtype),
-                *(a if isinstance(a, np.generic) else StridedArg(a.data.ptr, shape, next(by_address), a.dtype)
+                *(a if is_scalar(a) else StridedArg(a.data.ptr, shape, next(by_address), a.dtype)
                   for a in inputs),
                 stream=nb_stream,
             )
@@ -240,7 +246,7 @@ def _launch(kernels: ElementwiseKernels, out: Any, inputs: Sequence[Any], nb_str
     out_v, in_v = _collapsed_views(__import__("cupy"), out, inputs)
     kernels.cuda(
         cuda.as_cuda_array(out_v, sync=False),
-        *(v if isinstance(v, np.generic) else cuda.as_cuda_array(v, sync=False) for v in in_v),
+        *(v if is_scalar(v) else cuda.as_cuda_array(v, sync=False) for v in in_v),
         stream=nb_stream,
     )
 
@@ -281,7 +287,7 @@ def run_gpu_from_host(
 
     See :func:`run_staged`, which this calls with the elementwise kernel as the launch.
     """
-    inputs = _scalars_by_value([np.asarray(a) for a in inputs])
+    inputs = _host_inputs(inputs)
     shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
     return run_staged(
         functools.partial(_launch, kernels), shape, out_dtype, inputs, dest, timings
@@ -306,7 +312,7 @@ def run_staged(
     """Run ``launch`` on the GPU over host ``inputs`` through pinned staging; NumPy result.
 
     ``launch(out, inputs, nb_stream)`` queues the work that fills the CuPy array ``out`` from
-    the CuPy ``inputs`` (NumPy scalars pass through) on the current CuPy stream, whose numba
+    the CuPy ``inputs`` (scalars pass through) on the current CuPy stream, whose numba
     handle is ``nb_stream``.
 
     Three phases: inputs not already pinned and contiguous are copied into pinned buffers (in
@@ -347,7 +353,7 @@ def run_staged(
         t0 = time.perf_counter()
         host_inputs: list[Any] = []
         for a in inputs:
-            if not isinstance(a, np.generic) and not (a.flags.c_contiguous and is_pinned(a)):
+            if not is_scalar(a) and not (a.flags.c_contiguous and is_pinned(a)):
                 buf = borrowed.enter_context(pinned_pool.borrow(a.dtype, a.shape))
                 np.copyto(buf, a)
                 staged += a.nbytes
@@ -364,8 +370,8 @@ def run_staged(
             try:
                 with h2d_slot():
                     for a in host_inputs:
-                        on_device.append(a if isinstance(a, np.generic) else _send(a, stream))
-                        h2d += 0 if isinstance(a, np.generic) else a.nbytes
+                        on_device.append(a if is_scalar(a) else _send(a, stream))
+                        h2d += 0 if is_scalar(a) else a.nbytes
                     stream.synchronize()
                 on_device.append(cupy.empty(shape, dtype=out_dtype))
                 if events:
@@ -409,7 +415,7 @@ def run_on_device(
     from .staging import numba_stream
 
     nb_stream = numba_stream(cupy.cuda.get_current_stream())
-    dev_inputs = [a if is_cupy(a) or isinstance(a, np.generic) else cupy.asarray(a) for a in inputs]
+    dev_inputs = [a if is_cupy(a) or is_scalar(a) else cupy.asarray(a) for a in inputs]
     out = cupy.empty(shape, dtype=out_dtype)
     if out.size:
         launch(out, dev_inputs, nb_stream)

@@ -1,9 +1,11 @@
 """Elementwise operations over Dask arrays: ``dg.elementwise(func)`` and ``dg.multiply``.
 
 A scalar Python function becomes an operation on Dask arrays (NumPy and CuPy arrays and numbers
-are accepted too) with NumPy's broadcasting and NumPy's result dtype for that function. Each
-chunk runs through :func:`dask_gpuchunk.backend.run_elementwise`: numba CUDA kernel on the GPU,
-numba parallel twin on the CPU, compiled lazily per dtype signature.
+are accepted too) with NumPy's broadcasting, and NumPy's result dtype and values for that
+function (the function is translated per dtype signature:
+:mod:`dask_gpuchunk._kernels.translate`). Each chunk runs through
+:func:`dask_gpuchunk.backend.run_elementwise`: numba CUDA kernel on the GPU, numba parallel twin
+on the CPU, compiled lazily per dtype signature.
 """
 
 from __future__ import annotations
@@ -24,8 +26,16 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import Task, TaskRef
 
-from ._kernels.elementwise import check_dtype, infer_result_dtype, kernels_for
-from .arrays import asarray
+from ._kernels.elementwise import (
+    RULES,
+    arg_type,
+    check_dtype,
+    is_python_number,
+    kernels_for,
+)
+from ._kernels.numpy_rules import VType, weak_type
+from ._kernels.translate import check_call
+from .arrays import asarray, is_array_like, refuse_masked
 from .backend import is_cupy, run_elementwise
 from .devices import check_device_for_graph
 
@@ -72,36 +82,49 @@ class ElementwiseOp:
     """An elementwise operation built from a scalar function; see :func:`elementwise`."""
 
     def __init__(self, func: Callable, *, dtype: Any = None, name: str | None = None,
-                 cache: bool = False) -> None:
+                 cache: bool = False, rules: str = "numpy") -> None:
         if not callable(func):
             raise TypeError(f"elementwise needs a function, got {type(func).__name__}")
+        if rules not in RULES:
+            raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
         self.func = func
         self.nargs = _positional_arity(func)
         self.dtype = None if dtype is None else check_dtype(dtype, "dtype=")
+        self.rules = rules
         self.__name__ = name or getattr(func, "__name__", "elementwise")
         self.__doc__ = getattr(func, "__doc__", None)
         self.__wrapped__ = func
-        self.kernels = kernels_for(func, self.nargs, tokenize(func, self.nargs), cache)
-        self._dtypes: dict[tuple[np.dtype, ...], np.dtype] = {}
+        self.kernels = kernels_for(func, self.nargs, tokenize(func, self.nargs, rules), cache,
+                                   rules)
+        params = [inspect.Parameter(f"x{i + 1}", inspect.Parameter.POSITIONAL_ONLY)
+                  for i in range(self.nargs)]
+        self.__signature__ = inspect.Signature([
+            *params,
+            inspect.Parameter("device", inspect.Parameter.KEYWORD_ONLY, default="auto"),
+            inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=None),
+        ])
 
     def __repr__(self) -> str:
         return f"<dask_gpuchunk elementwise {self.__name__!r} of {self.nargs} arguments>"
 
     def result_dtype(self, *dtypes: Any) -> np.dtype:
-        """The result dtype for arguments of these dtypes (``dtype=`` if given, else NumPy's).
+        """The result dtype for arguments of these dtypes (``dtype=`` if given, else the
+        function's, by its rules). A Python number's argument is given as its type (``float``,
+        ``int``, ``complex``, ``bool``).
 
         Examples
         --------
         >>> multiply.result_dtype("int8", "float32")
         dtype('float32')
+        >>> multiply.result_dtype("float32", float)
+        dtype('float32')
         """
-        key = tuple(np.dtype(d) for d in dtypes)
-        dtype = self._dtypes.get(key)
-        if dtype is None:
-            # Always compile for the CPU: it checks the function is a valid scalar kernel.
-            inferred = infer_result_dtype(self.func, key, cache=self.kernels.stamp is not None)
-            dtype = self._dtypes[key] = self.dtype if self.dtype is not None else inferred
-        return dtype
+        return self._result_dtype(tuple(_argtype_of(d, i) for i, d in enumerate(dtypes)))
+
+    def _result_dtype(self, argtypes: tuple[VType, ...]) -> np.dtype:
+        # Always translated (or compiled, with rules="numba"): it checks the function.
+        inferred = self.kernels.result_dtype(argtypes)
+        return self.dtype if self.dtype is not None else inferred
 
     def __call__(self, *args: Any, device: str = "auto", out: np.ndarray | None = None) -> Any:
         """Apply the operation; see :func:`elementwise` for the arguments."""
@@ -109,8 +132,9 @@ class ElementwiseOp:
         if len(args) != self.nargs:
             raise TypeError(f"{self.__name__} takes {self.nargs} arguments, got {len(args)}")
         operands = _operands(args, self.__name__)
-        dtypes = [np.dtype(op.dtype) for op in operands]
-        out_dtype = self.result_dtype(*dtypes)
+        argtypes = tuple(arg_type(op, i) for i, op in enumerate(operands))
+        out_dtype = self._result_dtype(argtypes)
+        self._check_python_numbers(operands, argtypes)
         shape = _broadcast_shape(operands, self.__name__)
         on_device = any(_is_cupy_backed(op) for op in operands)
         if on_device and device == "cpu":
@@ -126,8 +150,10 @@ class ElementwiseOp:
         else:
             meta = np.empty((0,) * len(shape), dtype=out_dtype)
         if out is not None:
-            return self._compute_into(arrays, out, shape, out_dtype, device, on_device, meta)
-        name = f"{self.__name__}-{tokenize(self.kernels.token, out_dtype, device, *arrays)}"
+            return self._compute_into(arrays, chunks, out, shape, out_dtype, device, on_device,
+                                      meta)
+        signature = [(vt.dtype.str, vt.weak) for vt in argtypes]
+        name = f"{self.__name__}-{tokenize(self.kernels.token, out_dtype, device, signature, *arrays)}"
         task_kwargs = {"kernels": self.kernels, "out_dtype": out_dtype, "device": device}
         if math.prod(len(c) for c in chunks) <= LISTED_GRAPH_MAX_BLOCKS:
             graph = _listed_graph(name, arrays, chunks, task_kwargs)
@@ -139,8 +165,19 @@ class ElementwiseOp:
             dtype=out_dtype, meta=meta, concatenate=True, align_arrays=False, **task_kwargs,
         )
 
-    def _compute_into(self, arrays: list[Any], out: Any, shape: tuple[int, ...],
-                      out_dtype: np.dtype, device: str, on_device: bool, meta: Any) -> np.ndarray:
+    def _check_python_numbers(self, operands: list[Any], argtypes: tuple[VType, ...]) -> None:
+        """Raise as NumPy would for the Python numbers given (a value out of the bounds of the
+        dtype it meets, a negative integer exponent)."""
+        if self.rules != "numpy" or not any(vt.weak for vt in argtypes):
+            return
+        try:
+            check_call(self.kernels.translation(argtypes), operands)
+        except (OverflowError, ValueError, ZeroDivisionError) as exc:
+            raise type(exc)(f"{self.__name__}: {exc}") from None
+
+    def _compute_into(self, arrays: list[Any], chunks: tuple[tuple[int, ...], ...], out: Any,
+                      shape: tuple[int, ...], out_dtype: np.dtype, device: str,
+                      on_device: bool, meta: Any) -> np.ndarray:
         if on_device:
             raise ValueError(f"{self.__name__}: out= takes a host array; CuPy inputs give CuPy "
                              "results (drop out= and persist or compute the result instead)")
@@ -154,6 +191,13 @@ class ElementwiseOp:
             )
         if not out.flags.writeable:
             raise ValueError(f"{self.__name__}: out= is read-only")
+        if not any(isinstance(a, da.Array) for a in arrays):  # numbers only: one 0-d result
+            task_kwargs = {"kernels": self.kernels, "out_dtype": out_dtype, "device": device}
+            name = f"{self.__name__}-into-{uuid.uuid4().hex}"
+            result = da.Array(_listed_graph(name, arrays, chunks, task_kwargs), name, chunks,
+                              meta=meta, dtype=out_dtype)
+            out[...] = result.compute(scheduler="threads")
+            return out
         # The name is not derived from out (tokenizing it would hash every byte).
         name = f"{self.__name__}-into-{uuid.uuid4().hex}"
         marks = da.map_blocks(
@@ -165,6 +209,15 @@ class ElementwiseOp:
         return out
 
 
+def _argtype_of(d: Any, index: int) -> VType:
+    """A :class:`VType` for :meth:`ElementwiseOp.result_dtype`'s arguments."""
+    if isinstance(d, VType):
+        return d
+    if d in (bool, int, float, complex):
+        return weak_type(d(0), index)
+    return VType(check_dtype(d, f"argument {index + 1}"))
+
+
 def _is_cupy_backed(x: Any) -> bool:
     if isinstance(x, da.Array):
         return is_cupy(x._meta)
@@ -172,48 +225,37 @@ def _is_cupy_backed(x: Any) -> bool:
 
 
 def _operands(args: tuple[Any, ...], name: str) -> list[Any]:
-    """Arrays stay arrays; numbers become 0-d NumPy arrays with NumPy's weak-scalar dtype."""
-    strong: list[Any] = []
-    kinds: list[str] = []
+    """The arguments, checked: Dask, NumPy and CuPy arrays, NumPy scalars and array-likes (h5py,
+    Zarr: read per chunk later) as they are; Python numbers as they are (weak, NEP 50: they
+    take the type of what they meet); other sequences as NumPy arrays."""
+    operands: list[Any] = []
     for i, a in enumerate(args):
-        if isinstance(a, da.Array) or is_cupy(a) or isinstance(a, np.ndarray):
-            kinds.append("array")
-        elif isinstance(a, np.generic):
-            kinds.append("numpy-scalar")
-        elif isinstance(a, (bool, int, float, complex)):
-            kinds.append("python-scalar")
-        else:
+        what = f"{name}: argument {i + 1}"
+        if is_python_number(a):
+            try:
+                weak_type(a)
+            except Exception:
+                raise OverflowError(f"{what}: Python integer {a} does not fit in 64 bits") from None
+            operands.append(a)
+            continue
+        refuse_masked(a, what)
+        if not (isinstance(a, (da.Array, np.ndarray, np.generic)) or is_cupy(a)
+                or is_array_like(a)):
             try:
                 a = np.asarray(a)
             except Exception:
                 raise TypeError(
-                    f"{name}: argument {i + 1} is a {type(a).__name__}; pass Dask, NumPy or "
-                    "CuPy arrays, or numbers"
+                    f"{what} is a {type(a).__name__}; pass Dask, NumPy or CuPy arrays, or numbers"
                 ) from None
             if a.dtype == object:
-                raise TypeError(f"{name}: argument {i + 1} is not numeric ({type(args[i]).__name__})")
-            kinds.append("array")
-        strong.append(a)
-    typed = [np.dtype(a.dtype) for a, k in zip(strong, kinds) if k != "python-scalar"]
-    for i, (a, kind) in enumerate(zip(strong, kinds)):
-        if kind != "python-scalar":
-            check_dtype(a.dtype, f"{name}: argument {i + 1}")
-    operands: list[Any] = []
-    for a, kind in zip(strong, kinds):
-        if kind == "python-scalar":
-            # NEP 50: a Python number takes the dtype the other operands give it
-            # (float32 array * 0.1 stays float32), and must fit it (int8 array * 300 raises).
-            dtype = np.result_type(*typed, a) if typed else np.result_type(a)
-            operands.append(np.asarray(a, dtype=dtype))
-        elif kind == "numpy-scalar":
-            operands.append(np.asarray(a))
-        else:
-            operands.append(a)
+                raise TypeError(f"{what} is not numeric ({type(args[i]).__name__})")
+        check_dtype(a.dtype, what)
+        operands.append(a)
     return operands
 
 
 def _broadcast_shape(operands: list[Any], name: str) -> tuple[int, ...]:
-    shapes = [tuple(op.shape) for op in operands]
+    shapes = [tuple(np.shape(op)) if is_python_number(op) else tuple(op.shape) for op in operands]
     if any(np.isnan(n) for s in shapes for n in s):
         raise ValueError(f"{name}: an input has unknown chunk sizes; call "
                          "x.compute_chunk_sizes() first")
@@ -230,14 +272,14 @@ def _to_dask(operands: list[Any]) -> tuple[list[Any], tuple[tuple[int, ...], ...
     """Dask arrays as they are; other arrays chunked like the largest Dask operand; and the
     result's chunks.
 
-    0-d operands stay NumPy scalars passed to every chunk; if every operand is 0-d, the first
-    becomes a one-chunk Dask array so that the result is a Dask array.
+    0-d operands (NumPy scalars, Python numbers) stay constants passed to every chunk; where
+    every operand is one, there is no Dask operand and the result is one 0-d chunk.
     """
     ref = max((op for op in operands if isinstance(op, da.Array)), key=lambda a: a.ndim,
               default=None)
     result: list[Any] = []
     for op in operands:
-        if isinstance(op, da.Array) or op.ndim == 0:
+        if isinstance(op, da.Array) or is_python_number(op) or op.ndim == 0:
             result.append(op)
             continue
         if ref is None:
@@ -254,10 +296,10 @@ def _to_dask(operands: list[Any]) -> tuple[list[Any], tuple[tuple[int, ...], ...
                 chunks.append((n,))
         result.append(asarray(op, chunks=tuple(chunks)))
     if not any(isinstance(r, da.Array) for r in result):
-        result[0] = asarray(result[0], chunks=())
+        return result, ()
     # Blockwise needs aligned blocks: rechunk where the Dask operands' chunks disagree,
     # aligning trailing dimensions as broadcasting does (length-1 dimensions broadcast).
-    ndim = max(r.ndim for r in result)
+    ndim = max(np.ndim(r) if not isinstance(r, da.Array) else r.ndim for r in result)
     chunks_by_dim, unified = unify_chunks(*_index_pairs(result, ndim), warn=False)
     return list(unified), tuple(chunks_by_dim[d] for d in range(ndim))
 
@@ -313,7 +355,7 @@ def _listed_graph(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], .
 
 
 def elementwise(func: Callable | None = None, *, dtype: Any = None,
-                name: str | None = None, cache: bool = False) -> Any:
+                name: str | None = None, cache: bool = False, rules: str = "numpy") -> Any:
     """Turn a scalar function into an elementwise operation over Dask arrays.
 
     The function is compiled by numba, lazily and once per dtype signature and process, for
@@ -321,15 +363,27 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
     takes as many arguments as the function: Dask, NumPy or CuPy arrays, or numbers, broadcast
     together as NumPy broadcasts, and returns a Dask array chunked like the Dask inputs.
 
+    By default (``rules="numpy"``) every value is what NumPy computes when the function is
+    called on NumPy scalars of the inputs' dtypes: ``int8 * int8`` is an ``int8`` that wraps,
+    ``uint8 + uint8`` wraps before ``/ 2``, Python numbers are weak (NEP 50: ``float32 * 0.1``
+    stays ``float32``, ``int8 * 300`` raises ``OverflowError``), ``int64 * uint64`` is
+    ``float64``, integer ``//`` and ``%`` by zero give 0. The function is translated per dtype
+    signature so that numba computes exactly that, on the CPU and the GPU alike
+    (:mod:`dask_gpuchunk._kernels.translate` lists what it translates); what cannot be computed
+    as NumPy computes it is refused with a ``TypeError`` naming the line, never computed
+    differently.
+
     Parameters
     ----------
     func
-        A scalar function of a fixed number of positional arguments that numba can compile in
-        nopython mode (``math`` and ``cmath`` functions, arithmetic, branches, loops).
+        A scalar function of a fixed number of positional arguments, defined where its source
+        can be read (a file, a notebook cell): arithmetic, comparisons, branches, ``for`` loops
+        over ``range``, ``while`` loops, ``math`` and ``cmath`` functions, NumPy ufuncs and
+        scalar types (``np.float32(x)``), and plain Python helper functions of the same kind.
     dtype
-        The result dtype. Default: the dtype NumPy gives when ``func`` is applied to NumPy
-        scalars of the input dtypes (``int8 * int8`` is ``int8``; ``float32 * 0.5`` is
-        ``float32``), or numba's inferred type where that call fails.
+        The result dtype (each value converted as ``astype`` converts). Default: the dtype
+        NumPy gives for the function's result (``int8 * int8`` is ``int8``, ``float32 * 0.5`` is
+        ``float32``; a Python number returned is ``float64``, ``int64``, ``complex128``).
     name
         A name for the operation's tasks (default: the function's name).
     cache
@@ -338,6 +392,12 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
         processes (each worker of each job) load them instead of compiling: about 2 s per
         worker for a product on the H200 machine. Only for a function defined in a file; the
         cache follows that file and the function's code, not other files the function calls.
+    rules
+        ``"numpy"`` (default): NumPy's types and values, as above. ``"numba"``: the function as
+        numba compiles it (its own typing: small integers computed in 64 bits, Python numbers
+        as ``float64``/``int64``, mixed signed and unsigned integers as ``int64``); the result
+        dtype is numba's unless ``dtype=`` is given. For functions outside the translated
+        subset (local arrays, tuples, calls of numba-compiled functions).
 
     Returns
     -------
@@ -360,6 +420,11 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
     The function must not raise: numba's parallel loops and CUDA kernels do not report
     exceptions reliably. Return NaN or a sentinel value for invalid inputs instead.
 
+    Where NumPy's own results are not unique, ours are within a rounding: complex products and
+    quotients (NumPy's array loops use fused multiply-adds on AVX2/AVX-512 CPUs, its scalars
+    do not; we compute as its scalars do), and ``math``/``cmath``/ufunc functions other than
+    ``sqrt`` (the GPU's libdevice and the C library differ in the last bits).
+
     Examples
     --------
     >>> import math
@@ -375,10 +440,19 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
     ...     return x / 2
     >>> halve(da.arange(4, chunks=2), device="cpu").compute()
     array([0. , 0.5, 1. , 1.5], dtype=float32)
+
+    NumPy's values, not numba's: ``int8`` arithmetic wraps at each step.
+
+    >>> @elementwise
+    ... def third_of_product(a, b):
+    ...     return (a * b) // 3
+    >>> a = np.array([100, 80, -86, 83], np.int8)
+    >>> third_of_product(a, np.array([3, -9, 5, 4], np.int8), device="cpu").compute()
+    array([14, 16, 27, 25], dtype=int8)
     """
     if func is None:
-        return functools.partial(elementwise, dtype=dtype, name=name, cache=cache)
-    return ElementwiseOp(func, dtype=dtype, name=name, cache=cache)
+        return functools.partial(elementwise, dtype=dtype, name=name, cache=cache, rules=rules)
+    return ElementwiseOp(func, dtype=dtype, name=name, cache=cache, rules=rules)
 
 
 def _multiply(a: Any, b: Any) -> Any:
@@ -386,12 +460,14 @@ def _multiply(a: Any, b: Any) -> Any:
 
 
 #: ``multiply(x, y, *, device="auto", out=None)``: the elementwise product with NumPy's
-#: broadcasting and type promotion, for every real and complex dtype; see :func:`elementwise`.
+#: broadcasting, type promotion and values, for every real and complex dtype; see
+#: :func:`elementwise`.
 multiply = ElementwiseOp(_multiply, name="multiply", cache=True)
 multiply.__doc__ = """Elementwise product ``x * y`` of Dask, NumPy or CuPy arrays or numbers.
 
-NumPy's broadcasting and type promotion; chunks run on the GPU or the CPU as ``device`` says
-(see :func:`elementwise`). Returns a Dask array, or ``out`` filled when ``out=`` is given.
+NumPy's broadcasting, type promotion and values (``int8 * uint64`` is ``float64``, Python numbers
+are weak); chunks run on the GPU or the CPU as ``device`` says (see :func:`elementwise`).
+Returns a Dask array, or ``out`` filled when ``out=`` is given.
 
 Examples
 --------

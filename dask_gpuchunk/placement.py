@@ -124,9 +124,9 @@ def pcie_bandwidth() -> tuple[float, float]:
     return _pcie_bw[device]
 
 
-def _tiny(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+def _tiny(inputs: Sequence[Any]) -> list[Any]:
     """One-element slices with the inputs' dtypes and dimensionality, to compile kernels."""
-    return [a[(slice(0, 1),) * a.ndim] if a.ndim else a for a in inputs]
+    return [a[(slice(0, 1),) * a.ndim] if np.ndim(a) else a for a in inputs]
 
 
 def _measure(kernels: Any, out_dtype: np.dtype, inputs: list[np.ndarray], dest: np.ndarray | None,
@@ -135,7 +135,7 @@ def _measure(kernels: Any, out_dtype: np.dtype, inputs: list[np.ndarray], dest: 
 
     from .backend import dask_threads, run_cpu, run_gpu_from_host
 
-    shape = np.broadcast_shapes(*(a.shape for a in inputs))
+    shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
     tiny = _tiny(inputs)
     run_cpu(kernels, out_dtype, tiny)
     run_gpu_from_host(kernels, out_dtype, tiny)
@@ -183,21 +183,22 @@ def _measure(kernels: Any, out_dtype: np.dtype, inputs: list[np.ndarray], dest: 
 def run_placed(kernels: Any, out_dtype: np.dtype, inputs: Sequence[Any],
                dest: np.ndarray | None) -> np.ndarray:
     """Compute a NumPy chunk on the device the rule picks (measuring first if needed)."""
+    from ._kernels.elementwise import is_python_number
     from .backend import run_cpu, run_gpu_from_host
     from .staging import is_pinned
 
-    inputs = [np.asarray(a) for a in inputs]
-    pinned = tuple(bool(a.ndim and a.flags.c_contiguous and is_pinned(a)) for a in inputs)
+    inputs = [a if is_python_number(a) else np.asarray(a) for a in inputs]
+    pinned = tuple(bool(np.ndim(a) and a.flags.c_contiguous and is_pinned(a)) for a in inputs)
     dest_pinned = dest is not None and dest.flags.c_contiguous and is_pinned(dest)
-    key = (kernels.token, tuple(a.dtype.str for a in inputs), np.dtype(out_dtype).str, pinned,
-           dest_pinned)
+    key = (kernels.token, tuple(type(a).__name__ if is_python_number(a) else a.dtype.str
+                                for a in inputs), np.dtype(out_dtype).str, pinned, dest_pinned)
     choice = _decided.get(key)
     if choice is None:
         with _guard:
             lock = _locks.setdefault(key, threading.Lock())
         with lock:
             choice = _decided.get(key)
-            shape = np.broadcast_shapes(*(a.shape for a in inputs))
+            shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
             if choice is None and int(np.prod(shape)) > 1:
                 choice, result = _measure(kernels, np.dtype(out_dtype), inputs, dest, key)
                 _decided[key] = choice

@@ -11,6 +11,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask.blockwise import Blockwise
+from dask.array.utils import assert_eq
 from helpers import DTYPES, assert_same, random_array
 
 import dask_gpuchunk as dg
@@ -53,9 +54,10 @@ def test_multiply_every_dtype_uneven_chunks(rng, dtype, device):
     assert_same(result.compute(), expected)
 
 
+# Every pair's values are checked at the kernel level (tests/_kernels/test_numpy_rules.py);
+# here a pair of each kind goes through dg.multiply's whole path.
 @pytest.mark.parametrize("x_dtype", DTYPES)
-@pytest.mark.parametrize("y_dtype", ["bool", "int8", "uint32", "int64", "uint64", "float32",
-                                     "complex128"])
+@pytest.mark.parametrize("y_dtype", ["int8", "uint64", "float32"])
 def test_multiply_mixed_dtypes_follow_numpy_promotion(rng, x_dtype, y_dtype):
     a = random_array(rng, (9, 4), x_dtype)
     b = random_array(rng, (4,), y_dtype)
@@ -69,7 +71,7 @@ def test_multiply_mixed_dtypes_follow_numpy_promotion(rng, x_dtype, y_dtype):
 # ---- broadcasting, scalars, shapes ---------------------------------------------------------
 
 
-def test_seed_004_broadcast_shapes(rng, graph_form):
+def test_broadcast_of_a_small_table_against_a_large_one(rng, graph_form):
     mult_by = rng.random((4000, 5))
     discount = rng.random((100, 4000, 5))
     result = dg.multiply(mult_by, da.from_array(discount, chunks=(30, 1500, 5)))
@@ -253,6 +255,105 @@ def test_dtype_override_and_decorator_with_arguments():
     assert_same(r.compute(), (np.arange(7) / 2).astype(np.float32))
 
 
+# ---- NumPy's rules, through the whole path ------------------------------------------------
+
+
+@dg.elementwise
+def third_of_product(a, b):
+    return (a * b) // 3
+
+
+@dg.elementwise
+def mean_of_two(a, b):
+    return (a + b) / 2
+
+
+@dg.elementwise
+def affine(x):
+    return x * 0.1 + 0.7
+
+
+@dg.elementwise
+def scaled(x, k):
+    return x * (k + 1)
+
+
+@dg.elementwise
+def powered(x, k):
+    return x ** k
+
+
+@pytest.mark.parametrize("device", DEVICES_HERE)
+def test_numpy_values_not_numbas(device):
+    a, b = np.array([100, 80, -86, 83], np.int8), np.array([3, -9, 5, 4], np.int8)
+    assert_eq(third_of_product(da.from_array(a, chunks=2), b, device=device), (a * b) // 3)
+    u, v = np.array([200, 250], np.uint8), np.array([60, 50], np.uint8)
+    assert_eq(mean_of_two(u, v, device=device), (u + v) / 2)  # [2., 22.]: wraps first
+    x = (np.random.default_rng(5).standard_normal(1000) * 100).astype(np.float32)
+    r = affine(da.from_array(x, chunks=300), device=device)
+    assert r.dtype == np.float32
+    assert_eq(r, x * 0.1 + 0.7)  # float32 arithmetic, not float64 cast down
+
+
+@pytest.mark.parametrize("device", DEVICES_HERE)
+@pytest.mark.parametrize("signed", ["int8", "int16", "int32", "int64"])
+def test_int_times_uint64_is_exact(signed, device):
+    a = np.array([3, -2, 0, np.iinfo(signed).min, np.iinfo(signed).max], signed)
+    b = np.array([2**64 - 1, 5, 2**63, 1, 2**40 + 3], np.uint64)
+    assert_eq(dg.multiply(da.from_array(a, chunks=2), b, device=device), a * b)
+    assert_eq(dg.multiply(b, a, device=device), b * a)
+    assert_eq(dg.multiply(np.int8([3]), np.uint64([2**64 - 1]), device=device),
+              np.int8([3]) * np.uint64([2**64 - 1]))
+
+
+def test_python_numbers_are_checked_as_numpy_checks_them():
+    x = da.from_array(np.arange(5, dtype=np.int8), chunks=2)
+    assert_eq(scaled(x, 20), np.arange(5, dtype=np.int8) * 21)
+    with pytest.raises(OverflowError, match="Python integer 128 out of bounds for int8"):
+        scaled(x, 127)  # k + 1 does not fit int8: NumPy raises, so do we
+    with pytest.raises(OverflowError, match="-1 out of bounds for uint8"):
+        dg.multiply(np.arange(3, dtype=np.uint8), -1)
+    assert_eq(powered(x, 3), np.arange(5, dtype=np.int8) ** 3)
+    with pytest.raises(ValueError, match="negative integer powers"):
+        powered(x, -1)
+
+
+def test_python_numbers_are_weak_and_numpy_scalars_are_not():
+    x = np.array([1.5, 2.25], np.float32)
+    assert dg.multiply(x, 2.5).dtype == np.float32
+    assert dg.multiply(x, np.float64(2.5)).dtype == np.float64
+    assert dg.multiply(2.5, 3).dtype == np.float64  # two Python numbers: Python's float
+    assert dg.multiply(2.5, 3).compute() == 7.5
+    assert dg.multiply.result_dtype("float32", float) == np.float32
+    assert dg.multiply.result_dtype("int8", int) == np.int8
+
+
+def test_float16_is_refused_with_the_reason():
+    with pytest.raises(TypeError, match="float16.*numba's CPU target has no float16"):
+        dg.multiply(np.ones(3, np.float16), 2.0)
+
+
+def test_signature_shows_the_keywords():
+    import inspect
+
+    params = inspect.signature(dg.multiply).parameters
+    assert list(params) == ["x1", "x2", "device", "out"]
+    assert params["device"].default == "auto" and params["out"].kind is params["out"].KEYWORD_ONLY
+    assert list(inspect.signature(damped).parameters) == ["x1", "x2", "device", "out"]
+
+
+def test_rules_numba_compiles_functions_without_source():
+    scope: dict = {}
+    exec("def f(a, b):\n    return (a * b) // 3\n", scope)  # noqa: S102 - no source file
+    with pytest.raises(TypeError, match="rules='numba'"):
+        dg.elementwise(scope["f"])(np.int8([100]), np.int8([3])).compute()
+    op = dg.elementwise(scope["f"], rules="numba")
+    r = op(np.int8([100]), np.int8([3]), device="cpu")
+    assert r.dtype == np.int64 and r.compute()[0] == 100  # numba's own types: no wrapping
+    with pytest.raises(ValueError, match="rules must be one of"):
+        dg.elementwise(scope["f"], rules="c")
+
+
 def test_integer_arithmetic_wraps_like_numpy(rng):
     a = np.array([100, -128, 127, 3], dtype=np.int8)
     with np.errstate(all="ignore"):
@@ -341,8 +442,15 @@ def test_functions_that_cannot_be_elementwise():
     def makes_object(x):
         return object()
 
-    with pytest.raises(TypeError, match="numba cannot compile 'makes_object'"):
+    with pytest.raises(TypeError, match="cannot compile 'makes_object'.*object is a type"):
         makes_object(np.ones(3))
+
+    @dg.elementwise(rules="numba")
+    def makes_object_numba(x):
+        return object()
+
+    with pytest.raises(TypeError, match="numba cannot compile 'makes_object_numba'"):
+        makes_object_numba(np.ones(3))
 
 
 @pytest.mark.parametrize("out, match", [

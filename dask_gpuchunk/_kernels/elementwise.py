@@ -2,7 +2,10 @@
 
 A user's scalar function ``f(a, b, ...)`` becomes, per number of arguments and dimensionality,
 a generated kernel ``kernel(out, a0, a1, ...)`` that writes ``out[idx] = f(a0[idx], a1[idx], ...)``
-for every index of ``out``. Inputs arrive already broadcast to ``out``'s shape (views with zero
+for every index of ``out``. With ``rules="numpy"`` (the default) ``f`` is the user's function
+translated for the chunk's dtypes so that it computes NumPy's values
+(:mod:`~dask_gpuchunk._kernels.translate`); with ``rules="numba"`` it is the user's function as
+numba types it. Inputs arrive already broadcast to ``out``'s shape (views with zero
 strides where an input is broadcast) and with their dimensions collapsed as far as their strides
 allow (:func:`collapse_dims`), so the common cases run as one flat loop.
 
@@ -23,17 +26,27 @@ from typing import Any
 import numpy as np
 
 from .launch import DirectLaunch, StridedArg, current_device, load_lock
+from .numpy_rules import VType, weak_type
 from .source_cache import function_stamp, load_kernel
+from .translate import Translation, translate
 
 __all__ = [
+    "RULES",
     "SUPPORTED_DTYPES",
     "ElementwiseKernels",
+    "arg_type",
     "check_dtype",
-    "kernels_for",
     "collapse_dims",
-    "infer_result_dtype",
+    "is_python_number",
+    "is_scalar",
+    "kernels_for",
+    "numba_result_dtype",
     "reference",
 ]
+
+#: How an elementwise function's arithmetic is compiled: "numpy" (NumPy's types and values,
+#: through :func:`~dask_gpuchunk._kernels.translate.translate`) or "numba" (numba's own).
+RULES = ("numpy", "numba")
 
 #: The dtypes elementwise operations accept and produce.
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
@@ -55,7 +68,7 @@ def check_dtype(dtype: Any, what: str) -> np.dtype:
     >>> check_dtype("float16", "x")
     Traceback (most recent call last):
     ...
-    TypeError: x has dtype float16, which elementwise kernels do not support; supported: bool, int8, int16, int32, int64, uint8, uint16, uint32, uint64, float32, float64, complex64, complex128 (cast first, e.g. x.astype('float32'))
+    TypeError: x has dtype float16, which elementwise kernels do not support (numba's CPU target has no float16 type); cast first, e.g. x.astype('float32')
     """
     dt = np.dtype(dtype)
     if dt.isnative and dt in SUPPORTED_DTYPES:
@@ -65,6 +78,10 @@ def check_dtype(dtype: Any, what: str) -> np.dtype:
             f"{what} has non-native byte order ({dt.str}); convert it first, "
             f"e.g. x.astype({dt.newbyteorder('=').name!r})"
         )
+    if dt == np.float16:
+        raise TypeError(
+            f"{what} has dtype float16, which elementwise kernels do not support (numba's CPU "
+            "target has no float16 type); cast first, e.g. x.astype('float32')")
     names = ", ".join(d.name for d in SUPPORTED_DTYPES)
     raise TypeError(
         f"{what} has dtype {dt}, which elementwise kernels do not support; supported: {names} "
@@ -72,9 +89,43 @@ def check_dtype(dtype: Any, what: str) -> np.dtype:
     )
 
 
-def _numba_return_dtype(func: Callable, dtypes: Sequence[np.dtype],
-                        cache: bool = False) -> np.dtype:
-    """Compile ``func`` for the CPU at these argument dtypes and return its result dtype."""
+def is_python_number(x: Any) -> bool:
+    """A Python ``bool``, ``int``, ``float`` or ``complex`` (a "weak" scalar, NEP 50)."""
+    return type(x) in (bool, int, float, complex)
+
+
+def is_scalar(x: Any) -> bool:
+    """A value passed to kernels by value: a NumPy scalar or a Python number."""
+    return isinstance(x, np.generic) or is_python_number(x)
+
+
+def arg_type(x: Any, index: int | None = None) -> VType:
+    """The translation type of a kernel argument: a Python number is weak (``index`` marks it
+    as that argument, whose value the call checks), anything else its dtype.
+
+    Examples
+    --------
+    >>> t = arg_type(0.5, 1)
+    >>> t.dtype, t.weak, t.call
+    (dtype('float64'), True, 'args[1]')
+    >>> arg_type(np.ones(3, np.float32)).weak
+    False
+    """
+    if is_python_number(x):
+        return weak_type(x, index)
+    return VType(np.dtype(x.dtype))
+
+
+def numba_result_dtype(func: Callable, dtypes: Sequence[np.dtype],
+                       cache: bool = False) -> np.dtype:
+    """Compile ``func`` for the CPU at these argument dtypes and return numba's result dtype
+    (``rules="numba"``).
+
+    Examples
+    --------
+    >>> numba_result_dtype(lambda a, b: a * b, [np.dtype("int8"), np.dtype("int8")])
+    dtype('int64')
+    """
     import numba
     from numba.np.numpy_support import as_dtype
 
@@ -93,41 +144,11 @@ def _numba_return_dtype(func: Callable, dtypes: Sequence[np.dtype],
         ) from None
     ret = dispatcher.nopython_signatures[-1].return_type
     try:
-        return np.dtype(as_dtype(ret))
+        dtype = np.dtype(as_dtype(ret))
     except Exception:
         raise TypeError(
             f"{getattr(func, '__name__', func)!r} returns {ret}, not a single number"
         ) from None
-
-
-def infer_result_dtype(func: Callable, dtypes: Sequence[np.dtype], *,
-                       cache: bool = False) -> np.dtype:
-    """Result dtype of ``func`` applied to scalars of ``dtypes``, by NumPy's rules.
-
-    The function is first compiled by numba for these dtypes (which also checks it can run as
-    a kernel), then called once on NumPy scalars of value 1: NumPy's promotion decides the
-    result dtype (``int8 * int8 -> int8``, ``float32 * 2.0 -> float32``). If that call fails
-    (a function that is only valid inside numba, or a value-dependent domain error), numba's
-    inferred return type is used. ``cache``: numba keeps that compilation on disk.
-
-    Examples
-    --------
-    >>> infer_result_dtype(lambda a, b: a * b, [np.dtype("int8"), np.dtype("int8")])
-    dtype('int8')
-    >>> infer_result_dtype(lambda a, b: a * b, [np.dtype("int32"), np.dtype("float32")])
-    dtype('float64')
-    """
-    numba_dtype = _numba_return_dtype(func, dtypes, cache)
-    ones = [np.ones((), dtype=dt)[()] for dt in dtypes]
-    try:
-        with np.errstate(all="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            result = func(*ones)
-        dtype = np.asarray(result).dtype
-    except Exception:
-        dtype = numba_dtype
-    if dtype not in SUPPORTED_DTYPES:
-        dtype = numba_dtype
     return check_dtype(dtype, f"the result of {getattr(func, '__name__', func)!r}")
 
 
@@ -169,19 +190,22 @@ def collapse_dims(
 def reference(func: Callable, dtype: Any, *args: Any) -> np.ndarray:
     """Plain NumPy/Python evaluation of ``func`` element by element: the tests' reference.
 
-    Each element is passed as a NumPy scalar, so integer arithmetic wraps as NumPy's does.
+    Each element is passed as a NumPy scalar (integer arithmetic wraps as NumPy's does), each
+    Python number as it is (weak, as NumPy treats it).
 
     Examples
     --------
     >>> reference(lambda a, b: a * b, "int8", np.array([100, 2], "int8"), np.int8(3))
     array([44,  6], dtype=int8)
+    >>> reference(lambda x, k: x * k, "float32", np.array([0.5], "float32"), 0.1)
+    array([0.05], dtype=float32)
     """
     arrays = np.broadcast_arrays(*[np.asarray(a) for a in args])
     out = np.empty(arrays[0].shape if arrays else (), dtype=dtype)
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for idx in np.ndindex(out.shape):
-            out[idx] = func(*(a[idx] for a in arrays))
+            out[idx] = func(*(a if is_python_number(a) else b[idx] for a, b in zip(args, arrays)))
     return out
 
 
@@ -297,15 +321,13 @@ def _in_a_file(kernel: Callable) -> bool:
     return os.path.isfile(kernel.__code__.co_filename)
 
 
-def _is_scalar(x: Any) -> bool:
-    return isinstance(x, np.generic)
-
-
 def _signature_key(out: Any, inputs: Sequence[Any]) -> tuple:
-    """(ndim, layout, ((dtype, is_scalar), ...), out dtype): one compiled kernel per key."""
-    arrays = [out, *(a for a in inputs if not _is_scalar(a))]
+    """(ndim, layout, ((dtype, is_scalar, is_python_number), ...), out dtype): one compiled
+    kernel per key. A Python number's dtype is the one holding it (float64 for a float)."""
+    arrays = [out, *(a for a in inputs if not is_scalar(a))]
     contiguous = all(a.flags["C_CONTIGUOUS"] for a in arrays)
-    args = tuple((np.dtype(a.dtype), _is_scalar(a)) for a in inputs)
+    args = tuple((weak_type(a).dtype, True, True) if is_python_number(a)
+                 else (np.dtype(a.dtype), is_scalar(a), False) for a in inputs)
     return (out.ndim, "C" if contiguous else "A", args, np.dtype(out.dtype))
 
 
@@ -315,7 +337,7 @@ def _numba_signature(key: tuple, readonly_inputs: bool) -> Any:
 
     ndim, layout, args, out_dtype = key
     params = []
-    for dtype, scalar in args:
+    for dtype, scalar, _ in args:
         if scalar:
             params.append(numba.from_dtype(dtype))
         else:
@@ -329,10 +351,16 @@ class ElementwiseKernels:
     Parameters
     ----------
     func
-        A scalar function of ``nargs`` arguments that numba can compile (for the CPU and,
-        to use the GPU, for CUDA).
+        A scalar function of ``nargs`` arguments.
     nargs
         Its number of arguments.
+    token
+        What identifies the function (:func:`kernels_for`'s key).
+    cache
+        Keep compiled kernels on disk (see :func:`~dask_gpuchunk._kernels.source_cache.load_kernel`).
+    rules
+        ``"numpy"``: the function is translated per dtype signature to compute NumPy's values;
+        ``"numba"``: compiled as numba types it.
 
     Examples
     --------
@@ -344,16 +372,22 @@ class ElementwiseKernels:
     """
 
     def __init__(self, func: Callable, nargs: int, token: str | None = None,
-                 cache: bool = False) -> None:
+                 cache: bool = False, rules: str = "numpy") -> None:
+        if rules not in RULES:
+            raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
         self.func = func
         self.nargs = nargs
-        self.token = token if token is not None else f"{id(func):x}-{nargs}"
+        self.rules = rules
+        self.token = token if token is not None else f"{id(func):x}-{nargs}-{rules}"
         #: numba's compiled code kept on disk (``source_cache.cache_dir()``), found again by later
         #: processes, where ``cache`` was asked for and ``func`` is defined in a file.
         self.stamp = function_stamp(func) if cache else None
         self._lock = threading.Lock()
         self._cpu: dict[tuple, Callable] = {}
         self._cuda: dict[tuple, Callable] = {}
+        self._translations: dict[tuple, Translation] = {}
+        self._translations_lock = threading.Lock()  # apart: taken inside self._lock too
+        self._numba_dtypes: dict[tuple, np.dtype] = {}
         self._cpu_scalar: Callable | None = None
         self._cuda_device: Callable | None = None
         self._direct: dict[tuple, DirectLaunch] = {}
@@ -361,7 +395,60 @@ class ElementwiseKernels:
     def __reduce__(self) -> tuple:
         # Compiled kernels stay in the process that built them. A worker unpickles every task
         # afresh, so it looks the kernels up by token and compiles each signature only once.
-        return (kernels_for, (self.func, self.nargs, self.token, self.stamp is not None))
+        return (kernels_for, (self.func, self.nargs, self.token, self.stamp is not None,
+                              self.rules))
+
+    # ---- types -----------------------------------------------------------------------------
+    def translation(self, argtypes: Sequence[VType], out_dtype: Any = None) -> Translation:
+        """The function translated for these argument types (``rules="numpy"``), cached."""
+        key = (tuple((vt.dtype, vt.weak, vt.call) for vt in argtypes),
+               None if out_dtype is None else np.dtype(out_dtype))
+        found = self._translations.get(key)
+        if found is None:
+            found = translate(self.func, argtypes, key[1])
+            with self._translations_lock:
+                found = self._translations.setdefault(key, found)
+        return found
+
+    def result_dtype(self, argtypes: Sequence[VType]) -> np.dtype:
+        """The result dtype for arguments of these types, by the function's rules."""
+        if self.rules == "numpy":
+            dtype = self.translation(argtypes).result_dtype
+            return check_dtype(dtype, f"the result of {getattr(self.func, '__name__', 'f')!r}")
+        dtypes = tuple(vt.dtype for vt in argtypes)
+        found = self._numba_dtypes.get(dtypes)
+        if found is None:
+            found = self._numba_dtypes[dtypes] = numba_result_dtype(
+                self.func, dtypes, cache=self.stamp is not None)
+        return found
+
+    def _compile_source(self, key: tuple, kernel_source: str, namespace: dict[str, Any],
+                        jit: Callable[[Callable, bool], Any], target: str,
+                        cache: bool) -> Callable:
+        """The generated ``kernel`` of ``kernel_source`` with its ``f`` for ``key`` (each
+        translated function made by ``jit(function, in_a_file)``), in a file of the kernel
+        cache where ``cache``."""
+        _, _, args, out_dtype = key
+        if self.rules == "numpy":
+            argtypes = [VType(dt, weak=weak, call=f"args[{i}]" if weak else None)
+                        for i, (dt, _, weak) in enumerate(args)]
+            t = self.translation(argtypes, out_dtype)
+            source = f"{t.source}\n{kernel_source}"
+            functions = t.functions
+        else:
+            source, functions = kernel_source, ()
+        file_key = f"{target} {self.rules} {self.stamp}" if cache else None
+        pyfunc = _generate(source, namespace, file_key)
+        cached = _in_a_file(pyfunc)
+        scope = pyfunc.__globals__
+        # A cached source is one module per process: another key of the same source (another
+        # layout) finds its functions compiled already.
+        done = scope.setdefault("_dask_gpuchunk_compiled", set())
+        for name in functions:
+            if name not in done:
+                scope[name] = jit(scope[name], cached)
+                done.add(name)
+        return pyfunc
 
     # ---- CPU -----------------------------------------------------------------------------
     def _cpu_kernel(self, key: tuple) -> Callable:
@@ -373,15 +460,20 @@ class ElementwiseKernels:
             if kernel is None:
                 import numba
 
-                cache = self.stamp is not None
-                if self._cpu_scalar is None:
-                    self._cpu_scalar = numba.njit(self.func, cache=cache)
+                from .numpy_ops import namespace
+
                 ndim, _, args, _ = key
-                pyfunc = _generate(
-                    _cpu_source([scalar for _, scalar in args], ndim),
-                    {"f": self._cpu_scalar, "prange": numba.prange},
-                    f"cpu {self.stamp}" if cache else None,
-                )
+                source = _cpu_source([scalar for _, scalar, _ in args], ndim)
+                if self.rules == "numpy":
+                    scope = {**namespace("cpu"), "prange": numba.prange}
+                else:
+                    if self._cpu_scalar is None:
+                        self._cpu_scalar = numba.njit(self.func, cache=self.stamp is not None)
+                    scope = {"f": self._cpu_scalar, "prange": numba.prange}
+                pyfunc = self._compile_source(
+                    key, source, scope,
+                    lambda f, cached: numba.njit(f, error_model="numpy", cache=cached), "cpu",
+                    self.stamp is not None)
                 sig = _numba_signature(key, readonly_inputs=True)
                 kernel = numba.njit(sig, parallel=True, nogil=True, error_model="numpy",
                                     cache=_in_a_file(pyfunc))(pyfunc)
@@ -391,8 +483,8 @@ class ElementwiseKernels:
     def cpu(self, out: np.ndarray, *inputs: Any) -> None:
         """Run the CPU twin (``numba.njit(parallel=True)``): ``out[...] = f(*inputs)``.
 
-        Each input is an array of ``out``'s shape (broadcast views are fine) or a NumPy scalar,
-        passed to the kernel by value.
+        Each input is an array of ``out``'s shape (broadcast views are fine), a NumPy scalar or
+        a Python number, passed to the kernel by value.
         """
         self._cpu_kernel(_signature_key(out, inputs))(out, *inputs)
 
@@ -406,18 +498,22 @@ class ElementwiseKernels:
             if kernel is None:
                 import numba
                 from numba import cuda
-
-                if self._cuda_device is None:
-                    self._cuda_device = cuda.jit(device=True)(self.func)
-                ndim, _, args, _ = key
                 from numba.cuda import config as cuda_config
 
-                cache = self.stamp is not None and not cuda_config.ENABLE_CUDASIM
-                pyfunc = _generate(
-                    _cuda_source([scalar for _, scalar in args], ndim),
-                    {"f": self._cuda_device, "cuda": cuda, "int64": numba.int64},
-                    f"cuda {self.stamp}" if cache else None,
-                )
+                from .numpy_ops import namespace
+
+                ndim, _, args, _ = key
+                source = _cuda_source([scalar for _, scalar, _ in args], ndim)
+                if self.rules == "numpy":
+                    target = "sim" if cuda_config.ENABLE_CUDASIM else "cuda"
+                    scope = {**namespace(target), "cuda": cuda, "int64": numba.int64}
+                else:
+                    if self._cuda_device is None:
+                        self._cuda_device = cuda.jit(device=True)(self.func)
+                    scope = {"f": self._cuda_device, "cuda": cuda, "int64": numba.int64}
+                pyfunc = self._compile_source(
+                    key, source, scope, lambda f, cached: cuda.jit(device=True)(f), "cuda",
+                    self.stamp is not None and not cuda_config.ENABLE_CUDASIM)
                 kernel = cuda.jit(_numba_signature(key, readonly_inputs=False),
                                   cache=_in_a_file(pyfunc))(pyfunc)
                 self._cuda[key] = kernel
@@ -426,8 +522,8 @@ class ElementwiseKernels:
     def cuda(self, out: Any, *inputs: Any, stream: Any = 0) -> None:
         """Launch the CUDA kernel on numba device arrays: ``out[...] = f(*inputs)``.
 
-        Each input is a device array of ``out``'s shape (zero-stride broadcast views are fine)
-        or a NumPy scalar, passed by value; ``stream`` is a numba stream
+        Each input is a device array of ``out``'s shape (zero-stride broadcast views are fine),
+        a NumPy scalar or a Python number, passed by value; ``stream`` is a numba stream
         (``cuda.external_stream(ptr)`` for a CuPy stream). The launch is asynchronous.
         """
         kernel = self._cuda_kernel(_signature_key(out, inputs))
@@ -456,19 +552,22 @@ class ElementwiseKernels:
         launcher(blocks, threads, stream, (out, *inputs))
 
 
-_registry: dict[tuple[str, bool], ElementwiseKernels] = {}
+_registry: dict[tuple[str, bool, str], ElementwiseKernels] = {}
 _registry_lock = threading.Lock()
 
 
-def kernels_for(func: Callable, nargs: int, token: str, cache: bool = False) -> ElementwiseKernels:
-    """The process's one :class:`ElementwiseKernels` for ``(token, cache)``, made on first use.
+def kernels_for(func: Callable, nargs: int, token: str, cache: bool = False,
+                rules: str = "numpy") -> ElementwiseKernels:
+    """The process's one :class:`ElementwiseKernels` for ``(token, cache, rules)``, made on
+    first use.
 
     ``token`` must identify the function (``dask.base.tokenize(func)`` does).
     """
     with _registry_lock:
-        kernels = _registry.get((token, cache))
+        kernels = _registry.get((token, cache, rules))
         if kernels is None:
-            kernels = _registry[(token, cache)] = ElementwiseKernels(func, nargs, token, cache)
+            kernels = _registry[(token, cache, rules)] = ElementwiseKernels(
+                func, nargs, token, cache, rules)
         return kernels
 
 

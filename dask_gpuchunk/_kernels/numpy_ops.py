@@ -1,0 +1,529 @@
+"""Scalar operations with NumPy's results, for translated elementwise functions, per target.
+
+:mod:`dask_gpuchunk._kernels.numpy_rules` translates a user's scalar function into code where
+every operation's types are explicit (``_nr_i1(_nr_i1(a) * _nr_i1(b))``). What numba's own
+``//``, ``%``, ``<<``, ``**`` or complex ``/`` would not compute as NumPy does, and every
+floating-point product, goes through a helper named here. :func:`namespace` binds those names
+for one target:
+
+``"cpu"``
+    numba ``njit`` functions (numba inlines them into the kernel).
+``"cuda"``
+    numba CUDA device functions. Floating-point products use libdevice's ``__nv_fmul_rn`` /
+    ``__nv_dmul_rn``, which the compiler never fuses with an addition into one fused
+    multiply-add (NVVM contracts ``a * b + c`` by default; NumPy rounds twice).
+``"sim"``
+    plain Python on NumPy scalars, for numba's CUDA simulator (where device functions run as
+    Python).
+
+Every helper computes what NumPy's C loops compute (``npy_divmod``, integer division and
+remainder by zero give 0, shifts past the width give 0 or -1, Smith's complex division). No
+dask here.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import types
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CAST_DTYPES", "cast_name", "namespace"]
+
+#: Every dtype the translated code converts to, by its cast helper's suffix.
+CAST_DTYPES: dict[str, np.dtype] = {
+    f"{dt.kind}{dt.itemsize}": dt
+    for dt in map(np.dtype, ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                             "uint32", "uint64", "float32", "float64", "complex64",
+                             "complex128"])
+}
+
+
+def cast_name(dtype: np.dtype) -> str:
+    """The name of the helper that converts a value to ``dtype`` (``_nr_f4`` for float32).
+
+    Examples
+    --------
+    >>> cast_name(np.dtype("uint16")), cast_name(np.dtype("complex128"))
+    ('_nr_u2', '_nr_c16')
+    """
+    return f"_nr_{dtype.kind}{dtype.itemsize}"
+
+
+# ---- helpers, written once; their globals (casts, primitives of one precision) are bound per
+# target and precision by _instantiate. Each takes operands already converted to NumPy's loop
+# type and returns a value that the caller converts back to it (numba widens small integers).
+
+
+def _floor_divide_float(a, b):
+    # npy_floor_divide / npy_divmod: Python's floor division, inf or nan for b == 0.
+    if b == ZERO:
+        return a / b
+    mod = FMOD(a, b)
+    div = (a - mod) / b
+    if mod != ZERO:
+        if (b < ZERO) != (mod < ZERO):
+            div -= ONE
+    if div != ZERO:
+        floordiv = FLOOR(div)
+        if div - floordiv > HALF:
+            floordiv += ONE
+        return floordiv
+    return COPYSIGN(ZERO, a / b)
+
+
+def _remainder_float(a, b):
+    # npy_remainder: fmod, moved into the divisor's sign; fmod's nan for b == 0.
+    mod = FMOD(a, b)
+    if b == ZERO:
+        return mod
+    if mod != ZERO:
+        if (b < ZERO) != (mod < ZERO):
+            mod += b
+        return mod
+    return COPYSIGN(ZERO, b)
+
+
+def _floor_divide_signed(a, b):
+    a = I8(a)
+    b = I8(b)
+    if b == 0:
+        return a - a  # NumPy: 0 (with a warning)
+    if b == -1:
+        return -a  # wraps: the most negative value stays itself, as in NumPy
+    return a // b
+
+
+def _remainder_signed(a, b):
+    a = I8(a)
+    b = I8(b)
+    if b == 0 or b == -1:
+        return a - a
+    return a % b
+
+
+def _floor_divide_unsigned(a, b):
+    a = U8(a)
+    b = U8(b)
+    if b == U8(0):
+        return a - a
+    return a // b
+
+
+def _remainder_unsigned(a, b):
+    a = U8(a)
+    b = U8(b)
+    if b == U8(0):
+        return a - a
+    return a % b
+
+
+def _power_signed(a, n):
+    # Exponentiation by squaring, wrapping: equal modulo 2**bits to NumPy's loop. n >= 0.
+    a = I8(a)
+    n = I8(n)
+    result = a - a + 1
+    while n > 0:
+        if n & 1:
+            result = result * a
+        a = a * a
+        n = n >> 1
+    return result
+
+
+def _power_unsigned(a, n):
+    a = U8(a)
+    n = U8(n)
+    one = U8(1)
+    result = a - a + one
+    while n > U8(0):
+        if n & one:
+            result = result * a
+        a = a * a
+        n = n >> one
+    return result
+
+
+def _left_shift_signed(a, b, bits):
+    a = I8(a)
+    b = I8(b)
+    if b < 0 or b >= bits:
+        return a - a  # NumPy: shifts by a negative count or the width or more give 0
+    return a << b
+
+
+def _right_shift_signed(a, b, bits):
+    a = I8(a)
+    b = I8(b)
+    if b < 0 or b >= bits:
+        return a - a - 1 if a < 0 else a - a
+    return a >> b
+
+
+def _left_shift_unsigned(a, b, bits):
+    a = U8(a)
+    b = U8(b)
+    if b >= U8(bits):
+        return a - a
+    return a << b
+
+
+def _right_shift_unsigned(a, b, bits):
+    a = U8(a)
+    b = U8(b)
+    if b >= U8(bits):
+        return a - a
+    return a >> b
+
+
+def _compare_signed_unsigned(a, b):
+    # -1, 0, 1 for a signed and b unsigned integer, exactly (NumPy's int64/uint64 loops).
+    a = I8(a)
+    b = U8(b)
+    if a < 0:
+        return -1
+    ua = U8(a)
+    if ua < b:
+        return -1
+    if ua > b:
+        return 1
+    return 0
+
+
+def _multiply_float(a, b):
+    return a * b
+
+
+def _multiply_complex(a, b):
+    # NumPy's scalar product, each partial product rounded on its own.
+    ar = a.real
+    ai = a.imag
+    br = b.real
+    bi = b.imag
+    return PACK(FMUL(ar, br) - FMUL(ai, bi), FMUL(ar, bi) + FMUL(ai, br))
+
+
+def _divide_complex(a, b):
+    # NumPy's complex division loop (Smith's method, with 1/denominator).
+    ar = a.real
+    ai = a.imag
+    br = b.real
+    bi = b.imag
+    abs_br = abs(br)
+    abs_bi = abs(bi)
+    if abs_br >= abs_bi:
+        if abs_br == ZERO and abs_bi == ZERO:
+            return PACK(ar / abs_br, ai / abs_br)
+        rat = bi / br
+        scl = ONE / (br + FMUL(bi, rat))
+        return PACK(FMUL(ar + FMUL(ai, rat), scl), FMUL(ai - FMUL(ar, rat), scl))
+    rat = br / bi
+    scl = ONE / (bi + FMUL(br, rat))
+    return PACK(FMUL(FMUL(ar, rat) + ai, scl), FMUL(FMUL(ai, rat) - ar, scl))
+
+
+def _divide_python_complex(a, b):
+    # CPython's complex division (_Py_c_quot), for two Python complex numbers; nan where
+    # Python raises ZeroDivisionError.
+    ar = a.real
+    ai = a.imag
+    br = b.real
+    bi = b.imag
+    abs_br = abs(br)
+    abs_bi = abs(bi)
+    if abs_br >= abs_bi:
+        if abs_br == ZERO:
+            return PACK(NAN, NAN)
+        ratio = bi / br
+        denom = br + FMUL(bi, ratio)
+        return PACK((ar + FMUL(ai, ratio)) / denom, (ai - FMUL(ar, ratio)) / denom)
+    if abs_bi >= abs_br:
+        ratio = br / bi
+        denom = FMUL(br, ratio) + bi
+        return PACK((FMUL(ar, ratio) + ai) / denom, (FMUL(ai, ratio) - ar) / denom)
+    return PACK(NAN, NAN)
+
+
+def _divide_complex_npymath(a, b):
+    # The division npy_cpow uses (npy_math's cdiv): as _divide_complex, but 0/0 parts apart.
+    br = b.real
+    bi = b.imag
+    if abs(br) >= abs(bi) and br == ZERO and bi == ZERO:
+        return PACK(a.real / abs(br), a.imag / abs(bi))
+    return DIV(a, b)
+
+
+def _power_complex(a, b):
+    # NumPy's npy_cpow: 1 for a zero exponent, the zero base, repeated products for integer
+    # exponents between -100 and 100; otherwise exp(b log a), as the C library's cpow (within
+    # a rounding of it).
+    ar = a.real
+    ai = a.imag
+    br = b.real
+    bi = b.imag
+    if br == ZERO and bi == ZERO:
+        return PACK(ONE, ZERO)
+    if ar == ZERO and ai == ZERO:
+        if br > ZERO:
+            return PACK(ZERO, ZERO)
+        return PACK(NAN, NAN)
+    if bi == ZERO and br > -100 and br < 100:
+        n = int(br)
+        if n == br:
+            if n == 1:
+                return PACK(ar, ai)
+            if n == 2:
+                return MUL(a, a)
+            if n == 3:
+                return MUL(a, MUL(a, a))
+            m = -n if n < 0 else n
+            result = PACK(ONE, ZERO)
+            p = PACK(ar, ai)
+            mask = 1
+            while True:
+                if m & mask:
+                    result = MUL(result, p)
+                mask <<= 1
+                if m < mask:
+                    break
+                p = MUL(p, p)
+            if br < ZERO:
+                result = NPYDIV(PACK(ONE, ZERO), result)
+            return result
+    return CAST(cmath.exp(MUL128(WIDE(b), cmath.log(WIDE(a)))))
+
+
+def _power_python_complex(a, n):
+    # CPython's c_powi, for a Python complex number to a constant integer power, |n| <= 100.
+    m = -n if n < 0 else n
+    result = PACK(ONE, ZERO)
+    p = a
+    mask = 1
+    while mask > 0 and m >= mask:
+        if m & mask:
+            result = MUL(result, p)
+        mask <<= 1
+        p = MUL(p, p)
+    if n < 0:
+        return PYDIV(PACK(ONE, ZERO), result)
+    return result
+
+
+def _absolute_complex(a):
+    return HYPOT(a.real, a.imag)
+
+
+def _less_complex(a, b):
+    # NumPy's complex order: lexicographic, nan imaginary parts never less.
+    ar = a.real
+    ai = a.imag
+    br = b.real
+    bi = b.imag
+    return (ar < br and ai == ai and bi == bi) or (ar == br and ai < bi)
+
+
+def _less_equal_complex(a, b):
+    ar = a.real
+    ai = a.imag
+    br = b.real
+    bi = b.imag
+    return (ar < br and ai == ai and bi == bi) or (ar == br and ai <= bi)
+
+
+def _truth_complex(a):
+    return a.real != ZERO or a.imag != ZERO
+
+
+def _maximum_float(a, b):
+    # np.maximum: nan if either is nan.
+    return a if (a >= b or a != a) else b
+
+
+def _minimum_float(a, b):
+    return a if (a <= b or a != a) else b
+
+
+def _fmax_float(a, b):
+    # np.fmax: the other value where one is nan.
+    return a if (a >= b or b != b) else b
+
+
+def _fmin_float(a, b):
+    return a if (a <= b or b != b) else b
+
+
+#: Helpers of a floating-point precision, bound once per (target, "f4"/"f8").
+_FLOAT_HELPERS = {
+    "floor_divide": _floor_divide_float,
+    "remainder": _remainder_float,
+    "multiply": _multiply_float,
+    "maximum": _maximum_float,
+    "minimum": _minimum_float,
+    "fmax": _fmax_float,
+    "fmin": _fmin_float,
+}
+#: Helpers of a complex precision, bound once per (target, "c8"/"c16"), in this order (later
+#: ones call earlier ones: MUL, DIV, NPYDIV, PYDIV).
+_COMPLEX_HELPERS = {
+    "multiply": _multiply_complex,
+    "divide": _divide_complex,
+    "divide_npymath": _divide_complex_npymath,
+    "divide_python": _divide_python_complex,
+    "power": _power_complex,
+    "power_python": _power_python_complex,
+    "absolute": _absolute_complex,
+    "less": _less_complex,
+    "less_equal": _less_equal_complex,
+    "truth": _truth_complex,
+}
+#: What each complex helper calls, by the name it uses.
+_COMPLEX_CALLS = {"MUL": "multiply", "DIV": "divide", "NPYDIV": "divide_npymath",
+                  "PYDIV": "divide_python"}
+#: Integer helpers (they widen to 64 bits first).
+_INTEGER_HELPERS = {
+    "floor_divide_signed": _floor_divide_signed,
+    "remainder_signed": _remainder_signed,
+    "floor_divide_unsigned": _floor_divide_unsigned,
+    "remainder_unsigned": _remainder_unsigned,
+    "power_signed": _power_signed,
+    "power_unsigned": _power_unsigned,
+    "left_shift_signed": _left_shift_signed,
+    "right_shift_signed": _right_shift_signed,
+    "left_shift_unsigned": _left_shift_unsigned,
+    "right_shift_unsigned": _right_shift_unsigned,
+    "compare_signed_unsigned": _compare_signed_unsigned,
+}
+
+
+def _sim_cast(dtype: np.dtype) -> Callable[[Any], Any]:
+    def cast(x: Any) -> Any:
+        with np.errstate(all="ignore"):
+            return np.asarray(x).astype(dtype)[()]
+    return cast
+
+
+def _primitives(target: str, precision: str) -> dict[str, Any]:
+    """floor, ceil, trunc, fmod, copysign, hypot and the product of one real precision
+    ("f4" or "f8")."""
+    single = precision == "f4"
+    if target == "cuda":
+        from numba.cuda import libdevice
+
+        return {
+            "FLOOR": libdevice.floorf if single else libdevice.floor,
+            "CEIL": libdevice.ceilf if single else libdevice.ceil,
+            "TRUNC": libdevice.truncf if single else libdevice.trunc,
+            "FMOD": libdevice.fmodf if single else libdevice.fmod,
+            "COPYSIGN": libdevice.copysignf if single else libdevice.copysign,
+            "HYPOT": libdevice.hypotf if single else libdevice.hypot,
+            "FMUL": libdevice.fmul_rn if single else libdevice.dmul_rn,
+        }
+    # numba's CPU target has np.floor/np.fmod/np.copysign for scalars (not math.fmod); they
+    # keep float32 as float32, as NumPy does on the simulator.
+    return {"FLOOR": np.floor, "CEIL": np.ceil, "TRUNC": np.trunc, "FMOD": np.fmod,
+            "COPYSIGN": np.copysign, "HYPOT": np.hypot, "FMUL": None}
+
+
+def _instantiate(func: Callable, globals_: dict[str, Any], name: str) -> Callable:
+    """A copy of ``func`` whose globals are ``globals_`` (one binding of its names).
+
+    The globals name this module: numba's on-disk cache of a function that calls the copy
+    rebuilds the copy's environment by importing the module its globals name.
+    """
+    globals_.setdefault("__name__", __name__)
+    copy = types.FunctionType(func.__code__, globals_, name, func.__defaults__)
+    copy.__qualname__ = name
+    return copy
+
+
+def _build(target: str) -> dict[str, Any]:
+    import numba
+
+    if target == "cpu":
+        def jit(f: Callable) -> Any:
+            return numba.njit(f, error_model="numpy")
+    elif target == "cuda":
+        from numba import cuda
+
+        def jit(f: Callable) -> Any:
+            return cuda.jit(device=True)(f)
+    else:
+        def jit(f: Callable) -> Any:
+            return f
+
+    ns: dict[str, Any] = {"math": math, "cmath": __import__("cmath"), "np": np,
+                          "_nr_inf": math.inf, "_nr_nan": math.nan}
+    for suffix, dt in CAST_DTYPES.items():
+        ns[f"_nr_{suffix}"] = _sim_cast(dt) if target == "sim" else getattr(numba, dt.name
+                                                                             if dt.kind != "b"
+                                                                             else "boolean")
+    ints = {"I8": ns["_nr_i8"], "U8": ns["_nr_u8"]}
+    for name, func in _INTEGER_HELPERS.items():
+        ns[f"_nr_{name}"] = jit(_instantiate(func, ints, f"_nr_{name}"))
+    # Double first: complex64's power falls back on complex128's product (exp(b log a)).
+    for real, cplx in (("f8", "c16"), ("f4", "c8")):
+        prims = _primitives(target, real)
+        real_cast = ns[f"_nr_{real}"]
+        consts = {"ZERO": real_cast(0.0), "ONE": real_cast(1.0), "HALF": real_cast(0.5),
+                  "NAN": real_cast(math.nan)}
+        if prims["FMUL"] is None:
+            prims["FMUL"] = jit(_instantiate(_multiply_float, {}, f"_nr_multiply_{real}"))
+        float_globals = {**prims, **consts}
+        for name in ("floor", "ceil", "trunc"):
+            ns[f"_nr_{name}_{real}"] = prims[name.upper()]
+        for name, func in _FLOAT_HELPERS.items():
+            if name == "multiply":
+                ns[f"_nr_multiply_{real}"] = prims["FMUL"]
+                continue
+            ns[f"_nr_{name}_{real}"] = jit(_instantiate(func, float_globals, f"_nr_{name}_{real}"))
+        if target == "sim":
+            pack_dtype = CAST_DTYPES[cplx]
+
+            def pack(re: Any, im: Any, _dt: np.dtype = pack_dtype) -> Any:
+                return _dt.type(complex(re, im))
+        else:
+            pack = complex  # numba: complex(float32, float32) is complex64
+        complex_globals = {**float_globals, "PACK": pack, "cmath": __import__("cmath"),
+                           "CAST": ns[f"_nr_{cplx}"], "WIDE": ns["_nr_c16"],
+                           "MUL128": ns.get("_nr_multiply_c16")}
+        for name, func in _COMPLEX_HELPERS.items():
+            helper = ns[f"_nr_{name}_{cplx}"] = jit(
+                _instantiate(func, complex_globals, f"_nr_{name}_{cplx}"))
+            for alias, callee in _COMPLEX_CALLS.items():
+                if callee == name:
+                    complex_globals[alias] = helper
+            if cplx == "c16" and name == "multiply":
+                complex_globals["MUL128"] = helper
+    return ns
+
+
+_namespaces: dict[str, dict[str, Any]] = {}
+_lock = threading.Lock()
+
+
+def namespace(target: str) -> dict[str, Any]:
+    """The helpers of ``target`` (``"cpu"``, ``"cuda"`` or ``"sim"``), by name, built once.
+
+    The globals a translated function is compiled with: its conversions (``_nr_f4`` ...),
+    helpers (``_nr_floor_divide_f8`` ...), ``math``, ``cmath`` and ``np``.
+
+    Examples
+    --------
+    >>> ops = namespace("sim")
+    >>> ops["_nr_floor_divide_f8"](np.float64(-7.0), np.float64(2.0))
+    np.float64(-4.0)
+    >>> ops["_nr_i1"](ops["_nr_floor_divide_signed"](np.int8(-128), np.int8(-1)))
+    np.int8(-128)
+    """
+    if target not in ("cpu", "cuda", "sim"):
+        raise ValueError(f"unknown target {target!r}")
+    ns = _namespaces.get(target)
+    if ns is None:
+        with _lock:
+            ns = _namespaces.get(target)
+            if ns is None:
+                ns = _namespaces[target] = _build(target)
+    return ns

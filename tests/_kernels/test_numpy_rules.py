@@ -1,0 +1,274 @@
+"""NumPy conformance: every pair of supported dtypes and Python numbers × a set of expressions.
+
+For each pair, every expression is translated (numpy_rules / translate), and all of them are
+compiled into one function for the target (one compile per pair keeps CI within its time):
+numba's CPU target, numba's CUDA simulator (plain Python over NumPy scalars) and, on a GPU, a
+CUDA kernel with the CUDA helpers (libdevice's unfused products). The elementwise kernels
+compile the same translated function, writing its result into the output.
+
+Each result must have NumPy's dtype and equal, value for value, what NumPy gives for the same
+function on NumPy scalars (NaN where NumPy has NaN, wrapped integers, signed zeros aside).
+NumPy's array loops give the same values and dtypes except where NumPy's arrays and its own
+scalars disagree: complex products and quotients (its AVX2/AVX-512 array loops use fused
+multiply-adds, its scalars do not: ours are within a few roundings of the operands' magnitudes;
+also ``abs`` of complex numbers, whose array loop is NumPy's own SIMD code, not the C library's
+``hypot`` its scalars call) and ``ARRAY_QUIRKS``. Where NumPy raises (no loop for the types, a
+Python integer out of bounds, a negative integer power), the translation raises the same
+exception.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numba
+import numpy as np
+import pytest
+from helpers import DTYPES
+
+from dask_gpuchunk._kernels.elementwise import arg_type
+from dask_gpuchunk._kernels.numpy_ops import namespace
+from dask_gpuchunk._kernels.translate import check_call, translate
+from dask_gpuchunk.devices import gpu_available
+
+#: Python numbers, one value each (an out-of-bounds one is tested in test_elementwise.py).
+PYTHON = {"py-int": 3, "py-float": 0.1, "py-complex": 1.5 - 2j, "py-bool": True}
+OPERANDS = [*DTYPES, *PYTHON]
+#: Pairs of two Python numbers follow Python's rules; a few of them, not all.
+PYTHON_PAIRS = [("py-int", "py-float"), ("py-float", "py-int"), ("py-complex", "py-float"),
+                ("py-bool", "py-int"), ("py-int", "py-int")]
+PAIRS = [(x, y) for x in OPERANDS for y in OPERANDS
+         if not (x in PYTHON and y in PYTHON) or (x, y) in PYTHON_PAIRS]
+
+EXPRESSIONS = {
+    "a * b": lambda a, b: a * b,
+    "a + b": lambda a, b: a + b,
+    "a - b": lambda a, b: a - b,
+    "a / b": lambda a, b: a / b,
+    "a // b": lambda a, b: a // b,
+    "a % b": lambda a, b: a % b,
+    "(a * b) // 3": lambda a, b: (a * b) // 3,
+    "(a + b) / 2": lambda a, b: (a + b) / 2,
+    "a * 0.1 + b": lambda a, b: a * 0.1 + b,
+    "a ** 2 - b": lambda a, b: a ** 2 - b,
+    "-a * b": lambda a, b: -a * b,
+    "abs(a) - b": lambda a, b: abs(a) - b,
+    "a < b": lambda a, b: a < b,
+    "a == b": lambda a, b: a == b,
+    "a & b": lambda a, b: a & b,
+    "a << b": lambda a, b: a << b,
+}
+N = 48
+
+#: Where NumPy's arrays give another dtype than NumPy's scalars (we follow the scalars, which
+#: follow the ufunc's type resolution): ``bool_array ** 2`` is computed by ``np.square``
+#: (int8), ``np.True_ ** 2`` by ``np.power`` (int64).
+ARRAY_QUIRKS = {("a ** 2 - b", "bool")}
+#: Where NumPy's scalars leave the ufunc's rules (we follow the ufunc): ``np.float64``
+#: subclasses Python's float, so ``python_complex / np.float64(x)`` is Python's complex
+#: division (a Python complex, ZeroDivisionError for 0). The reference passes such elements as
+#: 0-d arrays, which NumPy computes by its ufuncs.
+SCALAR_QUIRKS = {("py-complex", "float64")}
+
+
+def operand(kind: str, seed: int):
+    """A Python number, or N values of a dtype: its extremes, zeros, nan and inf, random."""
+    if kind in PYTHON:
+        return PYTHON[kind]
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(kind)
+    if dt.kind == "b":
+        return rng.random(N) < 0.5
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        edges = [info.min, info.max, 0, 1, 2, 3, 7, info.max - 1, 64]
+        if dt.kind == "i":
+            edges += [-1, -7, info.min + 1, -64]
+        values = rng.integers(info.min, info.max, size=N, endpoint=True, dtype=dt)
+        values[:len(edges)] = edges
+        return rng.permutation(values)
+    real = np.dtype(f"f{dt.itemsize // 2}") if dt.kind == "c" else dt
+    info = np.finfo(real)
+    edges = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 0.5, 3.0, info.max, info.tiny,
+             -info.max / 3, 1e-3, 7.0]
+    values = (rng.standard_normal(N) * 100).astype(real)
+    values[:len(edges)] = edges
+    values = rng.permutation(values)
+    if dt.kind == "c":
+        return (values + 1j * rng.permutation(values)).astype(dt)
+    return values
+
+
+def _elements(pair, a, b):
+    """Element ``i`` of each operand as NumPy computes a function on it: a NumPy scalar (a 0-d
+    array for SCALAR_QUIRKS), a Python number as it is."""
+    wrap = np.asarray if pair in SCALAR_QUIRKS else (lambda v: v)
+    return lambda i: [v if np.ndim(v) == 0 else wrap(v[i]) for v in (a, b)]
+
+
+def _scalar_reference(func, dtype, pair, a, b):
+    """NumPy's result element by element, converted to ``dtype`` (ours)."""
+    element = _elements(pair, a, b)
+    out = np.empty(N, dtype=dtype)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        for i in range(N):
+            out[i] = func(*element(i))
+    return out
+
+
+def _numpy_scalar_dtype(func, pair, a, b):
+    """The dtype of NumPy's result for the first elements, as NumPy scalars."""
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        return np.asarray(func(*_elements(pair, a, b)(0))).dtype
+
+
+def _numpy(func, a, b):
+    """NumPy's array result, or the exception NumPy raises."""
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        try:
+            return np.asarray(func(a, b))
+        except (TypeError, ValueError, OverflowError, ZeroDivisionError) as exc:
+            return exc
+
+
+def _ours(func, a, b):
+    """Our translation, or the exception it raises (also from the call's checks of Python
+    numbers, as ElementwiseOp makes them)."""
+    try:
+        t = translate(func, [arg_type(a, 0), arg_type(b, 1)])
+        check_call(t, [a, b])
+        return t
+    except (TypeError, ValueError, OverflowError, ZeroDivisionError) as exc:
+        return exc
+
+
+def _combo_source(exprs: dict[str, str], scalar_a: bool, scalar_b: bool, cuda: bool) -> str:
+    """One function computing every translated expression element by element."""
+    outs = list(exprs)
+    if cuda:
+        head = [f"def combo(a, b, {', '.join(outs)}):", "    i = cuda.grid(1)",
+                f"    if i < {outs[0]}.shape[0]:"]
+        pad = "        "
+    else:
+        head = [f"def combo(n, a, b, {', '.join(outs)}):", "    for i in range(n):"]
+        pad = "        "
+    body = [f"{pad}a0 = {'a' if scalar_a else 'a[i]'}", f"{pad}a1 = {'b' if scalar_b else 'b[i]'}"]
+    body += [f"{pad}{out}[i] = {expr}" for out, expr in exprs.items()]
+    return "\n".join(head + body) + "\n"
+
+
+def _run(translations: dict[str, object], a, b, target: str) -> dict[str, np.ndarray]:
+    exprs = {}
+    for i, (name, t) in enumerate(translations.items()):
+        lines = t.source.strip().splitlines()
+        assert t.functions == ("f",) and len(lines) == 2, t.source  # one return expression
+        exprs[f"o{i}"] = lines[1].strip()[len("return "):]
+    scalar_a, scalar_b = np.ndim(a) == 0, np.ndim(b) == 0
+    outs = [np.empty(N, dtype=t.out_dtype) for t in translations.values()]
+    scope = dict(namespace("cuda" if target == "gpu" else target))
+    source = _combo_source(exprs, scalar_a, scalar_b, cuda=target == "gpu")
+    if target == "gpu":
+        from numba import cuda
+
+        scope["cuda"] = cuda
+        exec(source, scope)
+        kernel = cuda.jit(scope["combo"])
+        dev = [cuda.to_device(o) for o in outs]
+        args = [x if np.ndim(x) == 0 else cuda.to_device(np.ascontiguousarray(x)) for x in (a, b)]
+        kernel[1, 64](*args, *dev)
+        outs = [d.copy_to_host() for d in dev]
+    else:
+        exec(source, scope)
+        combo = scope["combo"]
+        if target == "cpu":
+            combo = numba.njit(combo, error_model="numpy")
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            combo(N, a, b, *outs)
+    return dict(zip(translations, outs))
+
+
+def _assert_equal_values(ours: np.ndarray, expected: np.ndarray, what: str) -> None:
+    assert ours.dtype == expected.dtype, (what, ours.dtype, expected.dtype)
+    np.testing.assert_array_equal(ours, expected, err_msg=what)
+
+
+def _assert_complex_close(ours, expected, a, b, what):
+    """Within a few roundings, in the least precise type involved, of the operands'
+    magnitudes (NumPy's fused multiply-adds)."""
+    eps = max(np.finfo(dt).eps for dt in (np.asarray(a).dtype, np.asarray(b).dtype, ours.dtype)
+              if dt.kind in "fc")
+    a, b = (np.abs(np.asarray(v, dtype=np.complex128)) for v in (a, b))
+    scale = a * b + a + b + np.abs(expected.astype(np.complex128))
+    both = np.isfinite(ours) & np.isfinite(expected) & np.isfinite(scale)
+    diff = np.abs(ours[both].astype(np.complex128) - expected[both].astype(np.complex128))
+    assert np.all(diff <= 8 * eps * scale[both]), what
+
+
+def _check_pair(x: str, y: str, target: str) -> None:
+    a, b = operand(x, 1), operand(y, 2)
+    translations = {}
+    expected_arrays = {}
+    for name, func in EXPRESSIONS.items():
+        theirs, ours = _numpy(func, a, b), _ours(func, a, b)
+        what = f"{name} with a: {x}, b: {y}"
+        if isinstance(theirs, Exception) or isinstance(ours, Exception):
+            assert isinstance(theirs, Exception) and isinstance(ours, Exception), (
+                f"{what}: NumPy gave {theirs!r}, ours {ours!r}")
+            family = (TypeError, ValueError, OverflowError, ZeroDivisionError)
+            kind = next(k for k in family if isinstance(theirs, k))
+            assert isinstance(ours, kind), f"{what}: NumPy raised {theirs!r}, ours {ours!r}"
+            continue
+        assert ours.result_dtype == _numpy_scalar_dtype(func, (x, y), a, b), what
+        if theirs.dtype != ours.result_dtype:
+            assert (name, x) in ARRAY_QUIRKS, (what, ours.result_dtype, theirs.dtype)
+            theirs = None  # NumPy's arrays compute something else here: scalars only
+        translations[name] = ours
+        expected_arrays[name] = theirs
+    if not translations:
+        return
+    results = _run(translations, a, b, target)
+    for name, ours in results.items():
+        what = f"{name} with a: {x}, b: {y} on {target}"
+        func = EXPRESSIONS[name]
+        scalars = _scalar_reference(func, ours.dtype, (x, y), a, b)
+        _assert_equal_values(ours, scalars, what + " (NumPy scalars)")
+        if expected_arrays[name] is None:
+            continue
+        theirs = np.broadcast_to(expected_arrays[name], ours.shape)
+        from_complex = "c" in (np.asarray(a).dtype.kind, np.asarray(b).dtype.kind)
+        if ours.dtype.kind == "c" or (from_complex and ours.dtype.kind == "f"):
+            _assert_complex_close(ours, theirs, np.broadcast_to(a, ours.shape),
+                                  np.broadcast_to(b, ours.shape), what + " (NumPy arrays)")
+        else:
+            _assert_equal_values(ours, theirs, what + " (NumPy arrays)")
+
+
+def _id(pair):
+    return f"{pair[0]}-{pair[1]}"
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_id)
+def test_cpu_matches_numpy(pair):
+    _check_pair(*pair, "cpu")
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_id)
+@pytest.mark.skipif(gpu_available(), reason="the simulator runs where no GPU is visible")
+def test_simulator_matches_numpy(pair):
+    _check_pair(*pair, "sim")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", PAIRS, ids=_id)
+def test_gpu_matches_numpy(pair):
+    _check_pair(*pair, "gpu")
+
+
+def test_the_matrix_covers_every_dtype_and_python_number():
+    seen = {x for pair in PAIRS for x in pair}
+    assert seen == set(OPERANDS)
+    assert len(PAIRS) == len(DTYPES) * (len(DTYPES) + 2 * len(PYTHON)) + len(PYTHON_PAIRS)
