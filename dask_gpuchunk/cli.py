@@ -3,10 +3,10 @@
 ``info``
     Versions, visible GPUs, and which execution paths are active on this machine.
 ``bench elementwise``
-    Seed 000's product and an RK4-style function through every path, beside the peers and the
-    limits measured in the same run; prints a table and writes JSON and PNG.
+    A 1,000,000 x 500 float64 product and an RK4-style function through every path, beside the
+    peers and the limits measured in the same run; prints a table and writes JSON and PNG.
 ``bench gram``
-    Seed 001's Gram matrix of bit-packed 0/1 data: every method, the peers and the popcount
+    The Gram matrix of bit-packed 0/1 data: every method, the peers and the popcount
     ceiling, as bit multiply-accumulates per second; prints a table and writes JSON and PNG.
 ``multiply A.npy B.npy -o C.npy``, ``gram BITS.npy -o G.npy``, ``demo``
     Jobs from files to files on a cluster: a local one (every GPU of this machine, or its CPU
@@ -150,7 +150,7 @@ def bench() -> None:
 
 
 @bench.command("elementwise")
-@click.option("--rows", default=1_000_000, show_default=True, help="Rows of each input (seed 000: 1,000,000).")
+@click.option("--rows", default=1_000_000, show_default=True, help="Rows of each input.")
 @click.option("--cols", default=500, show_default=True, help="Columns of each input.")
 @click.option("--chunk-mb", default=200.0, show_default=True, help="Chunk size in MB (rows are split).")
 @click.option("--rk4-rows", default=500_000, show_default=True, help="Rows for the RK4 table.")
@@ -160,16 +160,27 @@ def bench() -> None:
               help="Where to write bench-elementwise.json and .png.")
 def bench_elementwise(rows: int, cols: int, chunk_mb: float, rk4_rows: int, repeat: int,
                       skip: tuple[str, ...], out_dir: str) -> None:
-    """Seed 000's product and an RK4-style function through every path, with limits."""
+    """A float64 product and an RK4-style function through every path, with limits."""
     if rows < 1 or cols < 1 or rk4_rows < 1 or repeat < 1 or chunk_mb <= 0:
         raise click.BadParameter("sizes, --repeat and --chunk-mb must be positive")
-    from .bench.elementwise import run
+    from .bench.elementwise import host_memory_needed, rows_that_fit, run
+    from .bench.limits import available_host_memory
     from .bench.report import format_table, save
+    from .devices import gpu_available
 
+    gpu = gpu_available()
+    need, have = host_memory_needed(rows, cols, rk4_rows, gpu), available_host_memory()
+    if have is not None and need > 0.9 * have:
+        fit_rows, fit_rk4 = rows_that_fit(int(0.8 * have), cols, gpu)
+        click.echo(f"error: bench elementwise at {rows:,} x {cols} needs about {need / 1e9:.0f} "
+                   f"GB of host memory and {have / 1e9:.0f} GB are available: "
+                   f"--rows {fit_rows} --rk4-rows {fit_rk4} fits "
+                   "(--rows 100000 --rk4-rows 50000 runs in about a minute)", err=True)
+        sys.exit(2)
     report = run(rows=rows, cols=cols, chunk_mb=chunk_mb, rk4_rows=rk4_rows, repeat=repeat,
                  skip=skip, log=lambda s: click.echo(s, err=True))
     click.echo(format_table(report))
-    for path in save(report, out_dir, "bench-elementwise"):
+    for path in save(report, out_dir, "bench-elementwise", log=lambda s: click.echo(s, err=True)):
         click.echo(f"wrote {path}", err=True)
 
 
@@ -187,7 +198,7 @@ def _tile(value: str) -> tuple[int, int, int, int, int]:
               "(repeatable; default 4096).")
 @click.option("--tile", "tiles", multiple=True, help="Extra popcount tile shape TY,TX,RM,RN,TK to "
               "time (repeatable).")
-@click.option("--seed-rows", default=4096, show_default=True, help="Rows for seed 001's approach "
+@click.option("--bitloop-rows", "seed_rows", default=4096, show_default=True, help="Rows for the byte-packed bit-loop peer "
               "(timed there and scaled by N**2).")
 @click.option("--cpu-rows", default=1024, show_default=True, help="Rows for our CPU path (scaled).")
 @click.option("--repeat", default=3, show_default=True, help="Timed runs per entry (median reported).")
@@ -196,7 +207,7 @@ def _tile(value: str) -> tuple[int, int, int, int, int]:
               help="Where to write bench-gram.json and .png.")
 def bench_gram(n: int, k: int, chunk_rows: tuple[int, ...], tiles: tuple[str, ...], seed_rows: int,
                cpu_rows: int, repeat: int, skip: tuple[str, ...], out_dir: str) -> None:
-    """Seed 001's Gram matrix A·Aᵀ of 0/1 data: every method, the peers, the popcount ceiling."""
+    """The Gram matrix A·Aᵀ of 0/1 data: every method, the peers, the popcount ceiling."""
     if min(n, k, seed_rows, cpu_rows, repeat, *(chunk_rows or (1,))) < 1:
         raise click.BadParameter("sizes, row counts and --repeat must be positive")
     from .bench.gram import format_table as gram_table
@@ -207,7 +218,7 @@ def bench_gram(n: int, k: int, chunk_rows: tuple[int, ...], tiles: tuple[str, ..
                  seed_rows=seed_rows, cpu_rows=cpu_rows, repeat=repeat, skip=skip,
                  log=lambda s: click.echo(s, err=True))
     click.echo(gram_table(report))
-    for path in save(report, out_dir, "bench-gram"):
+    for path in save(report, out_dir, "bench-gram", log=lambda s: click.echo(s, err=True)):
         click.echo(f"wrote {path}", err=True)
 
 
@@ -220,6 +231,12 @@ def _cluster_options(func: Callable) -> Callable:
                       help="Join the cluster whose scheduler wrote this file (batch jobs)."),
         click.option("--scheduler-address", help="Join the cluster at this address "
                      "(tcp://host:8786)."),
+        click.option("--workers", type=click.IntRange(min=1),
+                     help="Joined cluster: wait until this many workers have joined before "
+                     "the job starts [default: 1]."),
+        click.option("--worker-timeout", type=click.FloatRange(min=0), default=300.0,
+                     show_default=True, help="Joined cluster: seconds to wait for --workers; "
+                     "fewer by then ends the job (exit 5, nothing written)."),
         click.option("--gpus", help="Local cluster: how many GPUs (a number) or which (0,2); "
                      "default every visible GPU."),
         click.option("--device-memory-limit", default="default", show_default=True,
@@ -241,7 +258,7 @@ def _cluster_options(func: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def _cluster(opts: dict[str, Any]) -> Iterator[Any]:
+def _cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
     from .cluster import connect, local_cluster, parse_memory_limit
     from .devices import GPUNotAvailableError
     from .jobs import ClusterError
@@ -254,6 +271,10 @@ def _cluster(opts: dict[str, Any]) -> Iterator[Any]:
     if joined and local_only:
         raise click.UsageError(f"{', '.join(local_only)} configure a local cluster; the joined "
                                "cluster's workers are configured where they are started")
+    if not joined and opts["workers"] is not None:
+        raise click.UsageError("--workers waits for the workers of a joined cluster "
+                               "(--scheduler-file or --scheduler-address); a local cluster "
+                               "starts its own")
     try:
         if opts["device_memory_limit"] != "default":
             parse_memory_limit(opts["device_memory_limit"], "--device-memory-limit")
@@ -263,7 +284,9 @@ def _cluster(opts: dict[str, Any]) -> Iterator[Any]:
     try:
         if joined:
             client = connect(scheduler_file=opts["scheduler_file"], address=opts["scheduler_address"],
-                             timeout=15)
+                             timeout=15, workers=opts["workers"] or 1,
+                             worker_timeout=opts["worker_timeout"],
+                             log=None if quiet else lambda s: click.echo(s, err=True))
             with client:
                 yield client
             return
@@ -304,12 +327,13 @@ def _progress(enabled: bool) -> Callable[[int, int], None] | None:
 def _run_job(as_json: bool, opts: dict[str, Any], prepare: Callable[[], Callable]) -> None:
     """Check the job (``prepare()``, before any cluster starts), run it on the cluster the
     options describe, report; map errors to exit codes with one line on stderr."""
-    from .jobs import JobError, where_it_ran
+    from .devices import GPUNotAvailableError
+    from .jobs import ClusterError, JobError, where_it_ran
 
     logging.getLogger("distributed").setLevel(logging.CRITICAL)
     try:
         job = prepare()
-        with _cluster(opts) as client:
+        with _cluster(opts, quiet=as_json) as client:
             summary = job(_progress(not as_json and sys.stderr.isatty()))
             summary["where"] = where_it_ran(client)
     except click.ClickException:
@@ -317,6 +341,9 @@ def _run_job(as_json: bool, opts: dict[str, Any], prepare: Callable[[], Callable
     except JobError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
+    except GPUNotAvailableError as exc:  # --device gpu, --method int8/bmma without a GPU
+        click.echo(f"error: {str(exc).splitlines()[0]}", err=True)
+        sys.exit(ClusterError.exit_code)
     except (ValueError, TypeError) as exc:  # bad arguments found by the job's checks
         click.echo(f"error: {str(exc).splitlines()[0]}", err=True)
         sys.exit(2)

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from dask.utils import parse_bytes
 
 from .devices import GPUNotAvailableError, gpu_count
 
-__all__ = ["PRELOAD", "connect", "dask_setup", "local_cluster", "parse_memory_limit"]
+__all__ = ["PRELOAD", "connect", "dask_setup", "local_cluster", "parse_memory_limit",
+           "wait_for_workers"]
 
 #: The module a worker imports when it starts (``preload=``; ``--preload`` of ``dask worker``).
 PRELOAD = "dask_gpuchunk.cluster"
@@ -186,11 +188,15 @@ def local_cluster(
 
 
 def connect(scheduler_file: str | os.PathLike | None = None, address: str | None = None,
-            timeout: float = 30.0) -> Any:
+            timeout: float = 30.0, *, workers: int = 0, worker_timeout: float = 300.0,
+            log: Callable[[str], None] | None = None) -> Any:
     """A ``distributed.Client`` joined to a running cluster, by scheduler file or address.
 
     Give exactly one of ``scheduler_file`` (written by ``dask scheduler --scheduler-file``) and
     ``address`` (``"tcp://host:8786"``). ``timeout``: seconds to wait for the scheduler.
+    ``workers``: wait until at least this many workers have joined (a batch job's workers start
+    beside its scheduler and join when they are up), at most ``worker_timeout`` seconds; ``log``
+    hears how many have joined while it waits.
 
     Raises
     ------
@@ -200,6 +206,8 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
         The scheduler file does not exist.
     OSError
         The scheduler did not answer within ``timeout``.
+    TimeoutError
+        Fewer than ``workers`` workers joined within ``worker_timeout`` (the client is closed).
     """
     from distributed import Client
 
@@ -210,5 +218,43 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
         if not os.path.exists(scheduler_file):
             raise FileNotFoundError(f"scheduler file {scheduler_file} does not exist (is the "
                                     "scheduler started with --scheduler-file?)")
-        return Client(scheduler_file=scheduler_file, timeout=timeout)
-    return Client(address, timeout=timeout)
+        client = Client(scheduler_file=scheduler_file, timeout=timeout)
+    else:
+        client = Client(address, timeout=timeout)
+    if workers > 0:
+        try:
+            wait_for_workers(client, workers, worker_timeout, log)
+        except BaseException:
+            client.close()
+            raise
+    return client
+
+
+def wait_for_workers(client: Any, workers: int, timeout: float,
+                     log: Callable[[str], None] | None = None) -> int:
+    """Wait until the client's cluster has at least ``workers`` workers; return how many.
+
+    ``log`` hears each change in the count while waiting. Raises ``TimeoutError`` after
+    ``timeout`` seconds with fewer.
+
+    Examples
+    --------
+    >>> import dask_gpuchunk as dg
+    >>> with dg.local_cluster(processes=False, dashboard_address=None) as client:
+    ...     wait_for_workers(client, 1, timeout=10)
+    1
+    """
+    deadline = time.monotonic() + timeout
+    said = -1
+    while True:
+        joined = len(client.nthreads())
+        if joined >= workers:
+            return joined
+        if log is not None and joined != said:
+            log(f"waiting for workers: {joined} of {workers} joined")
+            said = joined
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"{joined} of {workers} worker(s) joined the cluster within {timeout:g} s (are "
+                "the workers started, with the same scheduler file or address?)")
+        time.sleep(0.25)

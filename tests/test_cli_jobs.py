@@ -121,6 +121,39 @@ def test_jobs_on_a_cluster_joined_through_a_scheduler_file(inputs, scheduler_and
     np.testing.assert_array_equal(np.load(d / "g.npy"), bits.astype(np.int64) @ bits.T)
 
 
+def test_a_job_joining_a_cluster_waits_for_its_workers(inputs, tmp_path):
+    # A batch job's workers join after its scheduler starts: the job waits for them (here none
+    # comes), then ends with exit 5 and nothing written, no hidden partial file either.
+    d, _, _, _ = inputs
+    sched_file = tmp_path / "scheduler.json"
+    scheduler = _start([sys.executable, "-m", "distributed.cli.dask_scheduler", "--scheduler-file",
+                        str(sched_file), "--host", "127.0.0.1", "--port", "0",
+                        "--dashboard-address", ":0"])
+    try:
+        deadline = time.time() + 60
+        while not sched_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        before = sorted(p.name for p in d.iterdir())
+        t0 = time.time()
+        r = run_cli("multiply", str(d / "a.npy"), str(d / "b.npy"), "-o", str(d / "c.npy"),
+                    "--scheduler-file", str(sched_file), "--workers", "2", "--worker-timeout", "3")
+        assert r.returncode == 5, r.stderr
+        assert time.time() - t0 < 60
+        assert "waiting for workers: 0 of 2 joined" in r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("error:") and "0 of 2" in r.stderr
+        assert sorted(p.name for p in d.iterdir()) == before
+    finally:
+        scheduler.kill()
+        scheduler.wait(timeout=30)
+
+
+def test_workers_option_needs_a_joined_cluster(tmp_path, monkeypatch):
+    _setup_bad(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--workers", "2"])
+    assert result.exit_code == 2 and "joined cluster" in result.output
+
+
 def test_worker_killed_mid_job_completes_or_fails_cleanly(rng, tmp_path, scheduler_and_two_workers):
     sched_file, procs = scheduler_and_two_workers
     a = rng.random((400_000, 50))  # 160 MB, in 1 MB chunks: long enough to kill a worker
@@ -242,15 +275,25 @@ def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, monkeypatch,
     os.chmod(tmp_path / "readonly", 0o700)
 
 
-def test_gpus_on_a_machine_without_gpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("args", [
+    ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--gpus", "1"],
+    ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--device", "gpu"],
+    ["gram", "bits.npy", "-o", "c.npy", "--method", "int8"],
+    ["gram", "bits.npy", "-o", "c.npy", "--method", "bmma"],
+    ["gram", "bits.npy", "-o", "c.npy", "--device", "gpu"],
+], ids=["--gpus 1", "multiply --device gpu", "--method int8", "--method bmma",
+        "gram --device gpu"])
+def test_gpu_options_on_a_machine_without_gpu_exit_5(tmp_path, monkeypatch, args):
     from dask_gpuchunk import gpu_available
 
     if gpu_available():
         pytest.skip("a GPU is visible")
     _setup_bad(tmp_path)
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--gpus", "1"])
-    assert result.exit_code == 5 and "no CUDA GPU" in result.stderr
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 5, (result.exit_code, result.output)
+    message = result.stderr.strip()
+    assert "GPU" in message and "\n" not in message and message.startswith("error:"), message
     assert not (tmp_path / "c.npy").exists()
 
 

@@ -1,4 +1,4 @@
-"""``dask-gpuchunk bench elementwise``: seed 000's product and an RK4-style function, every path.
+"""``dask-gpuchunk bench elementwise``: a large product and an RK4-style function, every path.
 
 Workload (defaults): two ``1,000,000 x 500`` float64 host arrays (4 GB each), result 4 GB,
 chunks of about 200 MB along the rows. Two tables, one run, one machine:
@@ -193,6 +193,33 @@ class _Bench:
         return list(entries.values())
 
 
+#: Arrays of the product table's shape alive at once: the two inputs, the output, the expected
+#: result, NumPy's and the peers' temporaries; with a GPU also three pinned copies (inputs,
+#: output) and a host copy of the device-resident result.
+PRODUCT_ARRAYS = {"cpu": 6, "gpu": 10}
+#: Arrays of the RK4 table's shape alive at once (inputs, output, NumPy's temporaries).
+RK4_ARRAYS = 6
+
+
+def host_memory_needed(rows: int, cols: int, rk4_rows: int, gpu: bool) -> int:
+    """About how many bytes of host memory ``run`` holds at its peak (float64 arrays).
+
+    Examples
+    --------
+    >>> host_memory_needed(1_000_000, 500, 500_000, gpu=True) / 1e9
+    40.0
+    """
+    product = PRODUCT_ARRAYS["gpu" if gpu else "cpu"] * rows * cols * 8
+    return max(product, RK4_ARRAYS * rk4_rows * cols * 8)
+
+
+def rows_that_fit(nbytes: int, cols: int, gpu: bool) -> tuple[int, int]:
+    """``(rows, rk4_rows)`` whose run needs at most ``nbytes`` of host memory."""
+    rows = nbytes // (PRODUCT_ARRAYS["gpu" if gpu else "cpu"] * cols * 8)
+    rk4 = nbytes // (RK4_ARRAYS * cols * 8)
+    return max(0, int(rows)), max(0, int(min(rk4, rows)))
+
+
 def run(
     rows: int = 1_000_000,
     cols: int = 500,
@@ -304,7 +331,7 @@ def _table(bench: _Bench, table: str, scalar_op: Callable, op: Any, shape: tuple
             e.runs = [t * shape[0] / part for t in e.runs]
         bench.add(e)
     if table == "product":
-        bench.timed(table, "peer seed 000 whole-array numba.cuda", _seed000(a, b, out), gpu=True,
+        bench.timed(table, "peer whole arrays to the GPU (numba.cuda)", _seed000(a, b, out), gpu=True,
                     check=check)
         bench.timed(table, "peer naive dask-cuda (LocalCUDACluster)",
                     _naive_dask_cuda(a, b, chunks), gpu=True, warmup=0, repeat=1)

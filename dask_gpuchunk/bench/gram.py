@@ -13,7 +13,7 @@ Rows, one table, one run:
   popcount tile shape given with ``--tile`` and for the int8 path;
 * ours on the CPU (numba popcount twin), timed on ``--cpu-rows`` rows and scaled by ``N**2``;
 * peers: seed 001's approach re-implemented (bytes, one thread per entry, 32 x 32 shared tiles,
-  a loop over the 8 bits of each AND; timed on ``--seed-rows`` rows, scaled); CuPy float32
+  a loop over the 8 bits of each AND; timed on ``--bitloop-rows`` rows, scaled); CuPy float32
   matmul of the unpacked 0/1 matrix (exact: sums stay below 2**24); cuBLAS int8 ``gemmEx``
   through CuPy on the unpacked matrix (the full ``C``); ``torch._int_mm`` and fp8
   ``torch._scaled_mm`` (no fast accumulation) where torch is installed;
@@ -302,7 +302,7 @@ def _peers(bench: _Bench, table: str, dev_words: Any, n: int, k: int, seed_rows:
     rows = min(n, seed_rows)
     if bench.want("seed 001"):
         seed_once, seed_c = _seed001(dev_words, rows)
-        e = bench.timed(table, "peer seed 001 (bytes, bit loop)", seed_once, gpu=True, repeat=1)
+        e = bench.timed(table, "peer byte-packed bit-loop kernel", seed_once, gpu=True, repeat=1)
         if e is not None and e.seconds is not None and reference and \
                 not bool(cupy.array_equal(seed_c, reference[0][:rows, :rows])):
             raise AssertionError("seed 001 peer: wrong result")
@@ -371,7 +371,7 @@ def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> 
     n, k = workload["n"], workload["k"]
     macs = float(n) * n * k
     ceiling = limits.get("popcount_ceiling_bit_ops_per_s")
-    seed = next((e.seconds for e in entries if e.name.startswith("peer seed 001") and e.seconds), None)
+    seed = next((e.seconds for e in entries if e.name.startswith("peer byte-packed bit-loop") and e.seconds), None)
     best = min((e.seconds for e in entries if e.seconds), default=None)
     for e in entries:
         if e.seconds is None:

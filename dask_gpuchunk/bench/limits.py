@@ -7,12 +7,36 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import numpy as np
 
-__all__ = ["host_bandwidth", "hbm_bandwidth", "pcie_bandwidth"]
+__all__ = ["available_host_memory", "host_bandwidth", "hbm_bandwidth", "pcie_bandwidth"]
+
+
+def available_host_memory() -> int | None:
+    """Host memory available to a new allocation now, in bytes (Linux's ``MemAvailable``;
+    free pages elsewhere); None where it cannot be read.
+
+    Examples
+    --------
+    >>> m = available_host_memory()
+    >>> m is None or m > 0
+    True
+    """
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def host_bandwidth(nbytes: int = 1 << 30, repeat: int = 5) -> dict[str, float]:

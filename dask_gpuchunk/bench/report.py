@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,10 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def save(report: dict[str, Any], out_dir: str | Path, stem: str) -> list[Path]:
-    """Write ``<stem>.json`` and, where matplotlib is installed, ``<stem>.png``."""
+def save(report: dict[str, Any], out_dir: str | Path, stem: str,
+         log: Callable[[str], None] | None = None) -> list[Path]:
+    """Write ``<stem>.json`` and, where matplotlib is installed, ``<stem>.png`` (``log`` says
+    when it is not)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / f"{stem}.json"]
@@ -69,7 +72,10 @@ def save(report: dict[str, Any], out_dir: str | Path, stem: str) -> list[Path]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception:
+    except ImportError:
+        if log is not None:
+            log(f"no {stem}.png: matplotlib is not installed "
+                "(pip install 'dask-gpuchunk[bench]')")
         return written
     tables: dict[str, list[dict[str, Any]]] = {}
     for e in report["entries"]:

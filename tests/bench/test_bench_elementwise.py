@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-from dask_gpuchunk.bench.elementwise import CUPY_LOOP_ROW, CUPY_ROW, _report
-from dask_gpuchunk.bench.report import format_table
+import sys
+
+from click.testing import CliRunner
+
+from dask_gpuchunk.bench import limits
+from dask_gpuchunk.bench.elementwise import (
+    CUPY_LOOP_ROW,
+    CUPY_ROW,
+    _report,
+    host_memory_needed,
+    rows_that_fit,
+)
+from dask_gpuchunk.bench.report import format_table, save
 from dask_gpuchunk.bench.timing import Entry
+from dask_gpuchunk.cli import main
 
 
 def _entry(name: str, seconds: float | None) -> Entry:
@@ -35,3 +47,30 @@ def test_device_rows_are_held_against_cupys_own_rows():
         assert "vs_cupy" not in by_name[name]
     report["machine"] = {"cpus": 2, "numpy": "-", "numba": "-", "dask": "-"}
     assert "3.82 ms = 1.35 x peer cupy a*b (device arrays)" in format_table(report)
+
+
+def test_bench_refuses_a_size_that_does_not_fit_and_says_what_fits(monkeypatch):
+    monkeypatch.setattr(limits, "available_host_memory", lambda: 8 * 10**9)
+    result = CliRunner().invoke(main, ["bench", "elementwise"])
+    assert result.exit_code == 2, result.output
+    message = result.stderr.strip()
+    assert "needs about" in message and "8 GB are available" in message, message
+    rows = int(message.split("--rows ")[1].split()[0])
+    assert 0 < rows < 1_000_000
+    assert host_memory_needed(rows, 500, 0, gpu=False) <= 0.8 * 8 * 10**9
+    assert "Traceback" not in result.output
+
+
+def test_rows_that_fit_fit():
+    for gpu in (False, True):
+        rows, rk4 = rows_that_fit(10**10, 500, gpu)
+        assert host_memory_needed(rows, 500, rk4, gpu) <= 10**10
+        assert host_memory_needed(rows + 1, 500, rk4, gpu) > 10**10
+
+
+def test_save_says_when_it_cannot_draw_the_png(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    said = []
+    written = save({"entries": [], "floors": {}}, tmp_path, "bench-x", log=said.append)
+    assert [p.name for p in written] == ["bench-x.json"]
+    assert said and "matplotlib is not installed" in said[0] and "[bench]" in said[0]
