@@ -202,7 +202,9 @@ def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...],
 
 
 def from_npy(path: str | os.PathLike, chunks: Any = "auto", *, pinned: bool | None = None) -> da.Array:
-    """A Dask array over a ``.npy`` file, read chunk by chunk through memory maps.
+    """A Dask array over a ``.npy`` file, read chunk by chunk: each task reads its own region
+    with large sequential reads into a new array (Fortran-order and big-endian files through a
+    memory map), so that the whole file is never in memory.
 
     Parameters
     ----------

@@ -1,11 +1,11 @@
-"""Seed 004: a broadcasting product ``(4000, 5) x (100, 4000, 5)``, and where it runs fastest.
+"""A broadcasting product ``(4000, 5) x (100, 4000, 5)``, and where it runs fastest.
 
-The user wrote a ``guvectorize`` kernel with one GPU thread doing all the work and found the
-GPU slower than the CPU. Broadcasting is NumPy's here, every element gets its own thread (or CPU
+A ``guvectorize`` kernel with one GPU thread doing all the work runs slower on the GPU than on
+the CPU. Broadcasting is NumPy's here, every element gets its own thread (or CPU
 lane), and ``device="auto"`` measures both devices on the first chunk and keeps the faster: a
 product this cheap is bound by memory traffic, and from host memory the CPU wins.
 
-    python examples/seed004_broadcast.py
+    python examples/broadcast_product.py
 """
 
 from __future__ import annotations

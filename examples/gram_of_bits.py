@@ -1,14 +1,14 @@
-"""Seed 001: ``C = A · Aᵀ`` of a 0/1 matrix with 1e4 to 1e5 rows and 2e5 columns, exactly.
+"""``C = A · Aᵀ`` of a 0/1 matrix with 1e4 to 1e5 rows and 2e5 columns, exactly.
 
-The user's numba kernel ran out of device memory, then needed hand-written bit packing ("a
-column count not a multiple of 8 is messy") and hand-made row slices of C. Here the bits are
+A numba kernel over the whole matrix runs out of device memory, and packing bits by hand is
+messy when the column count is not a multiple of 8. Here the bits are
 packed chunk by chunk (any column count), ``dg.gram`` computes only the blocks on or above the
 diagonal, and ``dask.array.store`` writes C into a ``.npy`` file one block of rows at a time, so
 neither A nor C has to fit in memory (A is generated chunk by chunk too).
 
-    python examples/seed001_gram.py                          # 10,000 x 200,000 bits -> 400 MB .npy
-    python examples/seed001_gram.py --rows 100000 --out /scratch/c.npy   # the seed's largest case
-    python examples/seed001_gram.py --rows 3000 --cols 1043  # small, odd column count
+    python examples/gram_of_bits.py                          # 10,000 x 200,000 bits -> 400 MB .npy
+    python examples/gram_of_bits.py --rows 100000 --out /scratch/c.npy   # 100,000 rows: C is 40 GB
+    python examples/gram_of_bits.py --rows 3000 --cols 1043  # small, odd column count
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--samples", type=int, default=16, help="rows of C checked against NumPy")
     args = parser.parse_args(argv)
 
-    # A: random 0/1 bytes, generated per chunk (the seed used np.random.randint(2, ...)).
+    # A: random 0/1 bytes, generated per chunk (as np.random.randint(2, ...) would give).
     chunks = (args.chunk_rows, 65_536)
     a = (da.random.default_rng(1).random((args.rows, args.cols), chunks=chunks) < args.density)
     a = a.astype(np.uint8)

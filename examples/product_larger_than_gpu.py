@@ -1,12 +1,12 @@
-"""Seed 000: ``c = a * b`` for two (1,000,000 x 500) float64 arrays, more than an 8 GB GPU holds.
+"""``c = a * b`` for two (1,000,000 x 500) float64 arrays, more than an 8 GB GPU holds.
 
-The user's numba kernel ran out of device memory (``cuMemAlloc``) because it copied whole
-arrays to the GPU. Here each ~200 MB chunk is streamed through the GPU (pinned staging, one
+A numba kernel that copies the whole arrays to the GPU runs out of device memory
+(``cuMemAlloc``). Here each ~200 MB chunk is streamed through the GPU (pinned staging, one
 stream per slot, copies overlapped with compute) and written straight into ``c``.
 
-    python examples/seed000_product.py                 # the seed's size: 2 x 4 GB in, 4 GB out
-    python examples/seed000_product.py --rows 20000    # small
-    python examples/seed000_product.py --pinned        # inputs and output in pinned memory
+    python examples/product_larger_than_gpu.py                 # 2 x 4 GB in, 4 GB out
+    python examples/product_larger_than_gpu.py --rows 20000    # small
+    python examples/product_larger_than_gpu.py --pinned        # inputs and output in pinned memory
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
-"""Seed 002: an RK4 loop whose arrays stay on the GPU, with a reduction on the device each step.
+"""An RK4 loop whose arrays stay on the GPU, with a reduction on the device each step.
 
-The user's loop copied both N x N complex64 arrays to the host after every step, only to sum
-one of them. Here ``F`` and ``G`` are persisted CuPy-chunked Dask arrays: each step runs two
-elementwise RK4 kernels chunk by chunk on the device, and the coupling ``delta = mean(F)`` is a
-Dask reduction over CuPy chunks, so it never leaves the device either. The history of ``delta``
-is brought to the host once, at the end. Where no GPU is visible the same code runs on NumPy
-chunks and the CPU.
+A loop that copies both N x N complex64 arrays to the host after every step, only to sum one of
+them, spends its time in the copies. Here ``F`` and ``G`` are persisted CuPy-chunked Dask
+arrays: each step runs two elementwise RK4 kernels chunk by chunk on the device, and the
+coupling ``delta = mean(F)`` is a Dask reduction over CuPy chunks, so it never leaves the device
+either. The history of ``delta`` is brought to the host once, at the end. Where no GPU is
+visible the same code runs on NumPy chunks and the CPU.
 
 The system, per element, with a global coupling through ``delta``::
 
     dF/dt = i G - c delta F
     dG/dt = i F
 
-    python examples/seed002_rk4_loop.py --n 4096 --steps 100
+    python examples/rk4_loop_on_device.py --n 4096 --steps 100
 """
 
 from __future__ import annotations

@@ -18,31 +18,31 @@ def load(name: str):
     return module
 
 
-def test_seed000_product():
-    seconds = load("seed000_product").main(["--rows", "3000", "--cols", "50", "--chunk-mb", "0.3"])
+def test_product_larger_than_gpu():
+    seconds = load("product_larger_than_gpu").main(["--rows", "3000", "--cols", "50", "--chunk-mb", "0.3"])
     assert seconds > 0
 
 
-def test_seed004_broadcast():
-    times = load("seed004_broadcast").main(["--dates", "8", "--ids", "300", "--repeat", "1"])
+def test_broadcast_product():
+    times = load("broadcast_product").main(["--dates", "8", "--ids", "300", "--repeat", "1"])
     assert {"cpu", "auto"} <= set(times)
 
 
-def test_seed002_rk4_loop_matches_numpy():
-    result = load("seed002_rk4_loop").main(["--n", "64", "--steps", "5", "--chunk", "24",
+def test_rk4_loop_on_device_matches_numpy():
+    result = load("rk4_loop_on_device").main(["--n", "64", "--steps", "5", "--chunk", "24",
                                              "--check"])
     assert result["error"] < 1e-4 and result["delta_error"] < 1e-4
 
 
 @pytest.mark.gpu
-def test_seed000_product_pinned_on_gpu():
-    assert load("seed000_product").main(["--rows", "5000", "--cols", "64", "--chunk-mb", "0.5",
+def test_product_pinned_on_gpu():
+    assert load("product_larger_than_gpu").main(["--rows", "5000", "--cols", "64", "--chunk-mb", "0.5",
                                          "--pinned", "--device", "gpu"]) > 0
 
 
-def test_seed001_gram_streams_exact_rows(tmp_path):
+def test_gram_of_bits_streams_exact_rows(tmp_path):
     out = tmp_path / "c.npy"
-    result = load("seed001_gram").main(["--rows", "700", "--cols", "1043", "--chunk-rows", "256",
+    result = load("gram_of_bits").main(["--rows", "700", "--cols", "1043", "--chunk-rows", "256",
                                          "--out", str(out), "--samples", "700"])
     assert result["gram_seconds"] > 0
     c = np.load(out)
@@ -51,7 +51,7 @@ def test_seed001_gram_streams_exact_rows(tmp_path):
 
 
 @pytest.mark.gpu
-def test_seed001_gram_on_gpu(tmp_path):
-    result = load("seed001_gram").main(["--rows", "5000", "--cols", "20000", "--chunk-rows",
+def test_gram_of_bits_on_gpu(tmp_path):
+    result = load("gram_of_bits").main(["--rows", "5000", "--cols", "20000", "--chunk-rows",
                                          "2048", "--out", str(tmp_path / "c.npy")])
     assert result["bit_macs_per_s"] > 0
