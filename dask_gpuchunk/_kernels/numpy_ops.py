@@ -93,7 +93,7 @@ def _floor_divide_signed(a, b):
     if b == 0:
         return a - a  # NumPy: 0 (with a warning)
     if b == -1:
-        return -a  # wraps: the most negative value stays itself, as in NumPy
+        return -a  # negation does not assume no overflow: the most negative value stays itself
     return a // b
 
 
@@ -121,24 +121,13 @@ def _remainder_unsigned(a, b):
     return a % b
 
 
-def _power_signed(a, n):
-    # Exponentiation by squaring, wrapping: equal modulo 2**bits to NumPy's loop. n >= 0.
-    a = I8(a)
-    n = I8(n)
-    result = a - a + 1
-    while n > 0:
-        if n & 1:
-            result = result * a
-        a = a * a
-        n = n >> 1
-    return result
-
-
-def _power_unsigned(a, n):
+def _power_integer(a, n):
+    # Exponentiation by squaring modulo 2**64 (unsigned, where overflow is defined): the low
+    # bits are NumPy's wrapped power of any integer type. n >= 0.
     a = U8(a)
     n = U8(n)
     one = U8(1)
-    result = a - a + one
+    result = one
     while n > U8(0):
         if n & one:
             result = result * a
@@ -177,6 +166,12 @@ def _right_shift_unsigned(a, b, bits):
     if b >= U8(bits):
         return a - a
     return a >> b
+
+
+def _narrow_opaquely(x):
+    # NARROW (a cast to int8 or int16) of x, computed in 64 bits first: OPAQUE hides the 64-bit
+    # value from the compiler, which then cannot evaluate what computed it in 16 bits.
+    return NARROW(OPAQUE(x))
 
 
 def _compare_signed_unsigned(a, b):
@@ -388,14 +383,35 @@ _INTEGER_HELPERS = {
     "remainder_signed": _remainder_signed,
     "floor_divide_unsigned": _floor_divide_unsigned,
     "remainder_unsigned": _remainder_unsigned,
-    "power_signed": _power_signed,
-    "power_unsigned": _power_unsigned,
+    "power_integer": _power_integer,
     "left_shift_signed": _left_shift_signed,
     "right_shift_signed": _right_shift_signed,
     "left_shift_unsigned": _left_shift_unsigned,
     "right_shift_unsigned": _right_shift_unsigned,
     "compare_signed_unsigned": _compare_signed_unsigned,
 }
+
+
+def _opaque_int64() -> Any:
+    """A numba-cuda intrinsic: an integer as int64, through an empty inline PTX ``mov`` that
+    the compiler cannot see through (see the "cuda" target in :func:`_build`)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def opaque(typingctx: Any, x: Any) -> Any:
+        if not isinstance(x, (types.Integer, types.Boolean)):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            wide = context.cast(builder, args[0], signature.args[0], types.int64)
+            fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64)])
+            return builder.asm(fnty, "mov.b64 $0, $1;", "=l,l", [wide], side_effect=False)
+
+        return types.int64(x), codegen
+
+    return opaque
 
 
 def _sim_cast(dtype: np.dtype) -> Callable[[Any], Any]:
@@ -463,6 +479,17 @@ def _build(target: str) -> dict[str, Any]:
     ints = {"I8": ns["_nr_i8"], "U8": ns["_nr_u8"]}
     for name, func in _INTEGER_HELPERS.items():
         ns[f"_nr_{name}"] = jit(_instantiate(func, ints, f"_nr_{name}"))
+    if target == "cuda":
+        # Measured on an H200: int32(int16(-x)) for x = -32768 gave +32768. The compiler
+        # evaluates the negation in 16 bits (it only feeds a narrowing) as neg.s16, whose
+        # overflow the following cvt.s32.s16 does not sign-extend; int8 and the unsigned types
+        # came out right, and so did wrapping by a mask and a comparison, until the compiler
+        # folded that into the same narrowing. Narrowing conversions to signed types smaller
+        # than 32 bits therefore start from a value the compiler cannot see through.
+        opaque = _opaque_int64()
+        for suffix in ("i1", "i2"):
+            ns[f"_nr_{suffix}"] = jit(_instantiate(_narrow_opaquely, {
+                "NARROW": ns[f"_nr_{suffix}"], "OPAQUE": opaque}, f"_nr_{suffix}"))
     # Double first: complex64's power falls back on complex128's product (exp(b log a)).
     for real, cplx in (("f8", "c16"), ("f4", "c8")):
         prims = _primitives(target, real)

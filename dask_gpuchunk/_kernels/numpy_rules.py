@@ -316,7 +316,10 @@ class Emitter:
             if not astype:
                 raise RuleError(f"{what or 'a complex value'} cannot become {dtype} (NumPy "
                                 "would not drop the imaginary part; use .real)")
-            return f"{cast_name(dtype)}(({v.expr}).real)"
+            vt = VType(np.dtype(f"f{vt.dtype.itemsize // 2}"))  # the real part, as astype
+            v = Value(f"({v.expr}).real", vt)
+            if dtype == vt.dtype:
+                return v.expr
         if vt.kind == "f" and dtype.kind in "iu" and dtype.itemsize < 8:
             # As C converts (NumPy's cast loop): through a 64-bit integer, then wrapped.
             return f"{cast_name(dtype)}(_nr_i8({v.expr}))"
@@ -487,6 +490,8 @@ class Emitter:
         elif dtype.kind == "i":
             expr = {"//": f"_nr_floor_divide_signed({x}, {y})",
                     "%": f"_nr_remainder_signed({x}, {y})"}.get(op, f"_nr_i8({x} {op} {y})")
+            if op in ("+", "-", "*"):
+                expr = f"_nr_i8({_wrapping(x, op, y)})"
         elif op == "*":
             expr = f"_nr_multiply_{s}({x}, {y})"
         elif op in ("//", "%"):
@@ -514,7 +519,7 @@ class Emitter:
             return Value(f"_nr_power_python_c16({x}, {int(exp)})",
                          VType(_COMPLEX128, weak=True, call=_call("**", a.vt, b.vt)))
         if rank == 1 and exp >= 0:
-            return Value(f"_nr_i8(_nr_power_signed({a.expr}, {int(exp)}))",
+            return Value(f"_nr_i8(_nr_power_integer(_nr_u8({a.expr}), {int(exp)}))",
                          VType(_INT64, weak=True, bounds=_power_bounds(a.vt, int(exp)),
                                call=_call("**", a.vt, b.vt)))
         x = self.convert(a, _FLOAT64)
@@ -541,6 +546,8 @@ class Emitter:
                 expr = f"_nr_multiply_{s}({x}, {y})"
             elif k in "fc":
                 expr = f"({x} {op} {y})"
+            elif k in "iu" and op in ("+", "-", "*"):
+                expr = f"{cast}({_wrapping(x, op, y)})"
             else:
                 expr = f"{cast}({x} {op} {y})"
         elif op == "/":
@@ -576,8 +583,7 @@ class Emitter:
                     f"'**' with {exp.describe()} exponent: NumPy raises ValueError for negative "
                     "integer exponents, which a kernel cannot do; use an unsigned exponent "
                     "(np.uint8(...)) or a float")
-            sign, wide = _integer_helper(t.kind)
-            return f"{cast}(_nr_power_{sign}({wide}({x}), {wide}({y})))"
+            return f"{cast}(_nr_power_integer(_nr_u8({x}), _nr_u8({y})))"
         if t.kind == "f" and b.vt.const is not UNKNOWN and b.vt.const == 2:
             return f"_nr_multiply_{_suffix(t)}({x}, {x})"
         if t.kind == "c":
@@ -685,7 +691,7 @@ class Emitter:
         elif vt.kind == "b":
             expr = f"(not {a.expr})"
         elif vt.kind in "iu":
-            expr = f"{cast_name(out)}({op}{a.expr})"
+            expr = f"{cast_name(out)}({op}_nr_u8({a.expr}))"  # in 64 bits, then wrapped
         else:
             expr = f"({op}{a.expr})"
         alt = vt.alt
@@ -746,6 +752,8 @@ class Emitter:
                                                                 call=_call("abs", vt)))
         if vt.kind in "ub":
             return a
+        if vt.kind == "i":  # in 64 bits, then wrapped: abs of int8 -128 is -128
+            return Value(f"{cast_name(vt.dtype)}(abs(_nr_i8({a.expr})))", VType(vt.dtype))
         return Value(f"{cast_name(vt.dtype)}(abs({a.expr}))", VType(vt.dtype))
 
     def python_number(self, kind: str, args: list[Value]) -> Value:
@@ -882,6 +890,14 @@ class Emitter:
         if not v.vt.weak:
             return v
         return Value(f"{cast_name(v.vt.dtype)}({v.expr})", VType(v.vt.dtype))
+
+
+def _wrapping(x: str, op: str, y: str) -> str:
+    """``x op y`` (+, - or *) of integers, modulo 2**64: in unsigned 64-bit arithmetic, whose
+    overflow is defined (numba marks signed integer arithmetic as not overflowing, so that
+    LLVM and NVVM may assume it does not), to be converted to the loop's type, which keeps the
+    low bits as NumPy's wrapping does."""
+    return f"_nr_u8({x}) {op} _nr_u8({y})"
 
 
 def _integer_helper(kind: str) -> tuple[str, str]:
