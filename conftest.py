@@ -55,6 +55,26 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(20261122)
 
 
+@pytest.fixture
+def device_cap(monkeypatch: pytest.MonkeyPatch):
+    """``device_cap(nbytes)``: run the rest of the test as on a GPU of ``nbytes``: CuPy's pool
+    in this process capped (restored after), ``CUPY_GPU_MEMORY_LIMIT`` set for the processes
+    it starts (cluster workers, CLI runs). GPU tests only."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    before = pool.get_limit()
+
+    def cap(nbytes: int) -> None:
+        pool.free_all_blocks()
+        monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", str(int(nbytes)))
+        pool.set_limit(size=int(nbytes))
+
+    yield cap
+    pool.free_all_blocks()
+    pool.set_limit(size=before)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _SESSION_CACHE is not None:
         import shutil

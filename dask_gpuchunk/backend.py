@@ -308,6 +308,8 @@ def run_staged(
     inputs: Sequence[Any],
     dest: np.ndarray | None = None,
     timings: dict[str, float] | None = None,
+    scratch_bytes: int = 0,
+    what: str = "a chunk",
 ) -> np.ndarray:
     """Run ``launch`` on the GPU over host ``inputs`` through pinned staging; NumPy result.
 
@@ -324,9 +326,14 @@ def run_staged(
     With ``timings`` (a dict), it records what :mod:`dask_gpuchunk.placement` needs:
     ``stage_seconds`` and ``staged_bytes`` (host copies into and out of pinned buffers),
     ``h2d_bytes``/``d2h_bytes`` (PCIe traffic) and ``kernel`` (seconds, CUDA events).
+
+    The chunk holds a reservation of the device budget (:func:`dask_gpuchunk.budget.reserve`)
+    for its inputs, its output and ``scratch_bytes`` (what ``launch`` allocates) while it holds
+    device memory; ``what`` names it in the error where it can never fit.
     """
     import cupy
 
+    from .budget import reserve
     from .staging import (
         copy_to_host,
         device_slot,
@@ -362,7 +369,9 @@ def run_staged(
         direct_out = dest.flags.c_contiguous and is_pinned(dest)
         host_out = dest if direct_out else borrowed.enter_context(pinned_pool.borrow(out_dtype, shape))
         stage_seconds += time.perf_counter() - t0
-        with device_slot() as slot, slot.stream as stream:
+        device_bytes = (sum(0 if is_scalar(a) else a.nbytes for a in host_inputs)
+                        + dest.nbytes + scratch_bytes)
+        with device_slot() as slot, reserve(device_bytes, what), slot.stream as stream:
             # The chunk's inputs on the device, then its output. All of them are released
             # before the slot is, so the next chunk on this slot's stream reuses them from
             # CuPy's pool (which keeps one arena per stream).
@@ -404,21 +413,31 @@ def run_on_device(
     shape: tuple[int, ...],
     out_dtype: Any,
     inputs: Sequence[Any],
+    scratch_bytes: int = 0,
+    what: str = "a chunk",
 ) -> Any:
     """Run ``launch`` (as in :func:`run_staged`) on device inputs; CuPy result, no wait.
 
     NumPy inputs are copied to the device first; the work is queued on the thread's current
-    CuPy stream, like any CuPy operation.
+    CuPy stream, like any CuPy operation. The chunk reserves its output, the inputs it copies
+    and ``scratch_bytes`` of the device budget (:func:`dask_gpuchunk.budget.reserve`) until it
+    returns: the output then belongs to the caller (a dask-cuda worker stores it, and spills it
+    beyond its limit).
     """
     import cupy
 
+    from .budget import reserve
     from .staging import numba_stream
 
-    nb_stream = numba_stream(cupy.cuda.get_current_stream())
-    dev_inputs = [a if is_cupy(a) or is_scalar(a) else cupy.asarray(a) for a in inputs]
-    out = cupy.empty(shape, dtype=out_dtype)
-    if out.size:
-        launch(out, dev_inputs, nb_stream)
+    out_dtype = np.dtype(out_dtype)
+    copied = sum(0 if is_cupy(a) or is_scalar(a) else np.asarray(a).nbytes for a in inputs)
+    out_bytes = int(np.prod(shape, dtype=np.int64)) * out_dtype.itemsize
+    with reserve(out_bytes + copied + scratch_bytes, what):
+        nb_stream = numba_stream(cupy.cuda.get_current_stream())
+        dev_inputs = [a if is_cupy(a) or is_scalar(a) else cupy.asarray(a) for a in inputs]
+        out = cupy.empty(shape, dtype=out_dtype)
+        if out.size:
+            launch(out, dev_inputs, nb_stream)
     return out
 
 

@@ -158,11 +158,14 @@ def bench() -> None:
 @click.option("--skip", multiple=True, help="Skip entries whose name contains this (repeatable).")
 @click.option("--out-dir", default=".", show_default=True, type=click.Path(file_okay=False),
               help="Where to write bench-elementwise.json and .png.")
+@click.option("--device-budget", help="Run under a device-memory cap, as on a GPU of this size "
+              "(8GiB, 2GiB): caps CuPy's pool here and in any workers (CUPY_GPU_MEMORY_LIMIT).")
 def bench_elementwise(rows: int, cols: int, chunk_mb: float, rk4_rows: int, repeat: int,
-                      skip: tuple[str, ...], out_dir: str) -> None:
+                      skip: tuple[str, ...], out_dir: str, device_budget: str | None) -> None:
     """A float64 product and an RK4-style function through every path, with limits."""
     if rows < 1 or cols < 1 or rk4_rows < 1 or repeat < 1 or chunk_mb <= 0:
         raise click.BadParameter("sizes, --repeat and --chunk-mb must be positive")
+    _apply_device_budget(device_budget)
     from .bench.elementwise import host_memory_needed, rows_that_fit, run
     from .bench.limits import available_host_memory
     from .bench.report import format_table, save
@@ -182,6 +185,24 @@ def bench_elementwise(rows: int, cols: int, chunk_mb: float, rk4_rows: int, repe
     click.echo(format_table(report))
     for path in save(report, out_dir, "bench-elementwise", log=lambda s: click.echo(s, err=True)):
         click.echo(f"wrote {path}", err=True)
+
+
+def _apply_device_budget(value: str | None) -> None:
+    if value is None:
+        return
+    from dask.utils import parse_bytes
+
+    from .budget import cap_device_memory
+
+    try:
+        nbytes = parse_bytes(value)
+        if nbytes <= 0:
+            raise ValueError
+    except (ValueError, TypeError):
+        raise click.BadParameter(f"--device-budget: cannot read {value!r} as a positive size "
+                                 "(8GiB, 2GiB)") from None
+    cap_device_memory(nbytes)
+    click.echo(f"device budget: CuPy's pool capped at {nbytes:,} bytes", err=True)
 
 
 def _tile(value: str) -> tuple[int, int, int, int, int]:
@@ -205,11 +226,15 @@ def _tile(value: str) -> tuple[int, int, int, int, int]:
 @click.option("--skip", multiple=True, help="Skip entries whose name contains this (repeatable).")
 @click.option("--out-dir", default=".", show_default=True, type=click.Path(file_okay=False),
               help="Where to write bench-gram.json and .png.")
+@click.option("--device-budget", help="Run under a device-memory cap, as on a GPU of this size "
+              "(8GiB, 2GiB): caps CuPy's pool here and in any workers (CUPY_GPU_MEMORY_LIMIT).")
 def bench_gram(n: int, k: int, chunk_rows: tuple[int, ...], tiles: tuple[str, ...], seed_rows: int,
-               cpu_rows: int, repeat: int, skip: tuple[str, ...], out_dir: str) -> None:
+               cpu_rows: int, repeat: int, skip: tuple[str, ...], out_dir: str,
+               device_budget: str | None) -> None:
     """The Gram matrix A·Aᵀ of 0/1 data: every method, the peers, the popcount ceiling."""
     if min(n, k, seed_rows, cpu_rows, repeat, *(chunk_rows or (1,))) < 1:
         raise click.BadParameter("sizes, row counts and --repeat must be positive")
+    _apply_device_budget(device_budget)
     from .bench.gram import format_table as gram_table
     from .bench.gram import run
     from .bench.report import save
@@ -327,6 +352,7 @@ def _progress(enabled: bool) -> Callable[[int, int], None] | None:
 def _run_job(as_json: bool, opts: dict[str, Any], prepare: Callable[[], Callable]) -> None:
     """Check the job (``prepare()``, before any cluster starts), run it on the cluster the
     options describe, report; map errors to exit codes with one line on stderr."""
+    from .budget import DeviceBudgetError
     from .devices import GPUNotAvailableError
     from .jobs import ClusterError, JobError, where_it_ran
 
@@ -344,6 +370,9 @@ def _run_job(as_json: bool, opts: dict[str, Any], prepare: Callable[[], Callable
     except GPUNotAvailableError as exc:  # --device gpu, --method int8/bmma without a GPU
         click.echo(f"error: {str(exc).splitlines()[0]}", err=True)
         sys.exit(ClusterError.exit_code)
+    except DeviceBudgetError as exc:  # a chunk larger than the device budget, found early
+        click.echo(f"error: {str(exc).splitlines()[0]}; nothing was written", err=True)
+        sys.exit(2)
     except (ValueError, TypeError) as exc:  # bad arguments found by the job's checks
         click.echo(f"error: {str(exc).splitlines()[0]}", err=True)
         sys.exit(2)
@@ -413,8 +442,9 @@ def multiply(a: str, b: str, output: str, chunk_size: str, overwrite: bool, devi
               "e.g. np.packbits output), not 0/1 values.")
 @click.option("--method", type=click.Choice(["auto", "popcount", "int8", "bmma"]), default="auto",
               show_default=True)
-@click.option("--chunk-rows", default=4096, show_default=True, type=click.IntRange(min=1),
-              help="Rows per chunk (and per output block).")
+@click.option("--chunk-rows", type=click.IntRange(min=1),
+              help="Rows per chunk (and per output block) [default: 4096, halved while a "
+              "block would not fit the GPUs' memory budget].")
 @click.option("--layout", type=click.Choice(["auto", "blocks", "rows"]), default="auto",
               show_default=True, help="blocks: upper blocks, the rest transposed on the host; "
               "rows: each row slab whole in one task; auto: rows on GPUs with tensor cores "

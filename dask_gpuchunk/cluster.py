@@ -15,6 +15,7 @@ Kernels are compiled inside the workers, at their first chunk, once per process.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
@@ -26,7 +27,7 @@ from dask.utils import parse_bytes
 from .devices import GPUNotAvailableError, gpu_count
 
 __all__ = ["PRELOAD", "connect", "dask_setup", "local_cluster", "parse_memory_limit",
-           "wait_for_workers"]
+           "release_memory", "wait_for_workers"]
 
 #: The module a worker imports when it starts (``preload=``; ``--preload`` of ``dask worker``).
 PRELOAD = "dask_gpuchunk.cluster"
@@ -80,6 +81,42 @@ def parse_memory_limit(value: Any, what: str) -> Any:
     if nbytes < 0:
         raise ValueError(f"{what}: must not be negative, got {value!r}")
     return int(nbytes)
+
+
+def release_memory() -> None:
+    """Give back what this process caches: pinned staging buffers, CuPy's device and pinned
+    pools. Run in each worker before a cluster closes: freeing many GB of page-locked memory
+    takes seconds, which otherwise run out the nanny's time to stop its worker."""
+    import gc
+
+    gc.collect()
+    from .devices import gpu_available
+
+    if not gpu_available():
+        return
+    import cupy
+
+    from .staging import pinned_pool
+
+    cupy.cuda.runtime.deviceSynchronize()
+    pinned_pool.clear()
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def _workers_spill_limit(device_memory_limit: Any) -> Any:
+    """dask-cuda's ``device_memory_limit`` for the workers: where CuPy's pool is capped
+    (``CUPY_GPU_MEMORY_LIMIT``, which the workers inherit), taken of the capped size, so that
+    a capped card spills as a card of that size would; else as given."""
+    if not os.environ.get("CUPY_GPU_MEMORY_LIMIT", "").strip():
+        return device_memory_limit
+    import cupy
+
+    from .budget import pool_limit_from_env, spill_limit
+
+    total = int(cupy.cuda.runtime.memGetInfo()[1])
+    capacity = min(total, pool_limit_from_env(total) or total)
+    return spill_limit(capacity, device_memory_limit) or 0
 
 
 def _gpu_list(gpus: Any) -> str | None:
@@ -168,8 +205,9 @@ def local_cluster(
             CUDA_VISIBLE_DEVICES=visible,
             threads_per_worker=threads_per_gpu or max(1, cores // n),
         )
-        if device_memory_limit != "default":
-            kwargs["device_memory_limit"] = device_memory_limit if device_memory_limit else 0
+        limit = _workers_spill_limit(device_memory_limit)
+        if limit != "default":
+            kwargs["device_memory_limit"] = limit if limit else 0
         kwargs.update(cluster_kwargs)
         cluster: Any = LocalCUDACluster(**kwargs)
     else:
@@ -183,8 +221,20 @@ def local_cluster(
         kwargs.update(n_workers=1, threads_per_worker=threads_per_gpu or cores)
         kwargs.update(cluster_kwargs)
         cluster = LocalCluster(**kwargs)
-    with cluster, Client(cluster) as client:
-        yield client
+    try:
+        with Client(cluster) as client:
+            try:
+                yield client
+            finally:
+                with contextlib.suppress(Exception):  # a worker already gone frees nothing
+                    client.run(release_memory)
+    finally:
+        try:
+            cluster.close()
+        except (TimeoutError, asyncio.TimeoutError):
+            # A worker still stopping after the nanny's few seconds is killed; every result
+            # was already delivered, so this is not an error of the job.
+            pass
 
 
 def connect(scheduler_file: str | os.PathLike | None = None, address: str | None = None,

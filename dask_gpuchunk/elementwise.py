@@ -37,7 +37,7 @@ from ._kernels.numpy_rules import VType, weak_type
 from ._kernels.translate import check_call
 from .arrays import asarray, is_array_like, refuse_masked
 from .backend import is_cupy, run_elementwise
-from .devices import check_device_for_graph
+from .devices import check_device_for_graph, gpu_available
 
 __all__ = ["ElementwiseOp", "elementwise", "multiply"]
 
@@ -143,6 +143,8 @@ class ElementwiseOp:
                 "'auto', or move it to the host first (x.map_blocks(cupy.asnumpy))"
             )
         arrays, chunks = _to_dask(operands)
+        if (on_device or device == "gpu") and gpu_available():
+            _check_chunk_fits(self.__name__, arrays, chunks, out_dtype, on_device)
         if on_device:
             import cupy
 
@@ -318,6 +320,24 @@ def _index_pairs(arrays: list[Any], ndim: int) -> list[Any]:
 #: a persist of the whole result 4-10 % faster; 100,000 blocks would take over a second to list
 #: (before any slice of the result could compute), where a ``Blockwise`` layer takes 0.6 ms.
 LISTED_GRAPH_MAX_BLOCKS = 1024
+
+
+def _largest_block_bytes(chunks: tuple[tuple[int, ...], ...], dtype: np.dtype) -> int:
+    return math.prod(max(c, default=0) for c in chunks) * np.dtype(dtype).itemsize
+
+
+def _check_chunk_fits(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],
+                      out_dtype: np.dtype, on_device: bool) -> None:
+    """Refuse, before any work, a result chunk that cannot fit this process's device budget
+    (:mod:`dask_gpuchunk.budget`) with its inputs: its output, and host inputs copied to the
+    device (device inputs are already there)."""
+    from .budget import check_fits
+
+    nbytes = _largest_block_bytes(chunks, out_dtype)
+    if not on_device:
+        nbytes += sum(_largest_block_bytes(a.chunks, a.dtype) for a in arrays
+                      if isinstance(a, da.Array))
+    check_fits(nbytes, f"{name}: one chunk", "chunks= of the inputs, or dask's rechunk")
 
 
 def _listed_graph(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],

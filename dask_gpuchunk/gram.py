@@ -39,7 +39,8 @@ from .devices import (
     gpu_available,
 )
 
-__all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "gram", "gram_slab", "resolve_method"]
+__all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "block_bytes", "block_scratch_bytes",
+           "check_block_fits", "check_method", "gram", "gram_slab", "resolve_method"]
 
 #: ``method=`` values of :func:`gram`.
 METHODS = kernels.METHODS
@@ -209,22 +210,50 @@ def _launcher(method: str, diagonal: bool) -> Any:
     return launch
 
 
+def block_scratch_bytes(method: str, na: int, nb: int, words: int, diagonal: bool = False) -> int:
+    """Device bytes a Gram block of ``na`` x ``nb`` rows of ``words`` 64-bit words allocates
+    beyond its inputs and output: int8 unpacks each operand to a byte per bit; bmma copies an
+    operand whose rows it must pad (counted as a copy of each, the most it makes).
+
+    Examples
+    --------
+    >>> block_scratch_bytes("int8", 4096, 4096, 3125)
+    1638400000
+    >>> block_scratch_bytes("popcount", 4096, 4096, 3125)
+    0
+    """
+    rows = na if diagonal else na + nb
+    if method == "int8":
+        return rows * words * 64
+    if method == "bmma":
+        from ._kernels.bmma import TILE
+
+        per_stage = TILE.kbits // 64
+        return rows * (-(-words // per_stage) * per_stage) * 8
+    return 0
+
+
 def _run_counts(inputs: list[Any], shape: tuple[int, int], method: str, device: str,
-                gpu_launch: Callable[[str], Any], on_cpu: Callable[[], Any]) -> Any:
+                gpu_launch: Callable[[str], Any], on_cpu: Callable[[], Any],
+                scratch: Callable[[str], int] = lambda method: 0) -> Any:
     """Counts of packed ``inputs`` (``uint64`` words) where they are: CuPy chunks on their GPU,
     NumPy chunks on a GPU or the CPU (:func:`_device_for_host_chunk`). ``gpu_launch(method)``
-    makes the ``launch`` for the resolved method; ``on_cpu()`` computes on the CPU."""
+    makes the ``launch`` for the resolved method, which allocates ``scratch(method)`` bytes on
+    the device; ``on_cpu()`` computes on the CPU."""
+    what = f"a Gram block of {shape[0]} x {shape[1]} rows"
     if any(backend.is_cupy(v) for v in inputs):
         if device == "cpu":
             raise ValueError(
                 "device='cpu' was given CuPy chunks; use device='gpu' or 'auto', or move the "
                 "data to the host first (x.map_blocks(cupy.asnumpy))"
             )
-        launch = gpu_launch(resolve_method(method, on_gpu=True))
-        return backend.run_on_device(launch, shape, np.int32, inputs)
+        resolved = resolve_method(method, on_gpu=True)
+        return backend.run_on_device(gpu_launch(resolved), shape, np.int32, inputs,
+                                     scratch_bytes=scratch(resolved), what=what)
     if _device_for_host_chunk(device) == "gpu":
-        launch = gpu_launch(resolve_method(method, on_gpu=True))
-        return backend.run_staged(launch, shape, np.int32, inputs)
+        resolved = resolve_method(method, on_gpu=True)
+        return backend.run_staged(gpu_launch(resolved), shape, np.int32, inputs,
+                                  scratch_bytes=scratch(resolved), what=what)
     if method in kernels.GPU_METHODS:
         raise ValueError(f"method={method!r} runs on a GPU only; use method='popcount' or 'auto' here")
     return on_cpu()
@@ -238,7 +267,9 @@ def _gram_block(a: Any, b: Any, method: str, device: str) -> Any:
         inputs, (a.shape[0], inputs[-1].shape[0]), method, device,
         lambda resolved: _launcher(resolved, diagonal),
         lambda: backend.run_cpu_kernel(kernels.popcount_cpu, inputs[0],
-                                       None if diagonal else inputs[1]))
+                                       None if diagonal else inputs[1]),
+        lambda resolved: block_scratch_bytes(resolved, a.shape[0], inputs[-1].shape[0],
+                                             inputs[0].shape[1], diagonal))
 
 
 def _slab_launcher(method: str) -> Any:
@@ -288,7 +319,14 @@ def gram_slab(a: Any, others: list[Any], method: str = "auto", device: str = "au
         return out
 
     shape = (a.shape[0], sum(b.shape[0] for b in inputs[1:]))
-    return _run_counts(inputs, shape, method, device, _slab_launcher, on_cpu)
+    widest = max((b.shape[0] for b in inputs[1:]), default=0)
+
+    def scratch(resolved: str) -> int:
+        # One block of the widest column chunk, and what its launch allocates.
+        return (a.shape[0] * widest * 4
+                + block_scratch_bytes(resolved, a.shape[0], widest, inputs[0].shape[1]))
+
+    return _run_counts(inputs, shape, method, device, _slab_launcher, on_cpu, scratch)
 
 
 def _sum_blocks(*blocks: Any) -> Any:
@@ -370,6 +408,23 @@ def gram(x: Any, *, packed: bool = False, method: str = "auto", device: str = "a
     >>> (gram(np.packbits(a, axis=1), packed=True).compute() == a.astype(int) @ a.T).all()
     np.True_
     """
+    check_method(method, device)
+    x = asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"gram takes a 2-D array (rows x bits); got {x.ndim}-D shape {x.shape}")
+    if packed:
+        bits.check_words_dtype(x.dtype, "x")
+        words = x
+    else:
+        words = bitpack(x, device="cpu" if device == "cpu" else "auto")
+    if device != "cpu" and gpu_available():
+        check_block_fits(words.chunks, words.dtype.itemsize, method)
+    return _gram_graph(words, method, device)
+
+
+def check_method(method: str, device: str) -> None:
+    """Validate ``method=`` with ``device=`` as :func:`gram` does: a GPU method needs a GPU
+    here, unless a distributed client is active (its workers may have one)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}; got {method!r}")
     check_device_for_graph(device)
@@ -381,15 +436,33 @@ def gram(x: Any, *, packed: bool = False, method: str = "auto", device: str = "a
                 f"method={method!r} needs a CUDA GPU and none is visible; use method='popcount' "
                 "or 'auto', which run on the CPU too"
             )
-    x = asarray(x)
-    if x.ndim != 2:
-        raise ValueError(f"gram takes a 2-D array (rows x bits); got {x.ndim}-D shape {x.shape}")
-    if packed:
-        bits.check_words_dtype(x.dtype, "x")
-        words = x
-    else:
-        words = bitpack(x, device="cpu" if device == "cpu" else "auto")
-    return _gram_graph(words, method, device)
+
+
+def block_bytes(rows: int, words64: int, method: str) -> int:
+    """Device bytes of one off-diagonal Gram block of ``rows``-row chunks of ``words64``
+    64-bit words: both operands, the ``int32`` block and the method's scratch.
+
+    Examples
+    --------
+    >>> block_bytes(4096, 3125, "popcount")
+    271908864
+    """
+    return 2 * rows * words64 * 8 + rows * rows * 4 + block_scratch_bytes(method, rows, rows,
+                                                                            words64)
+
+
+def check_block_fits(chunks: tuple[tuple[int, ...], ...], itemsize: int, method: str,
+                     budget: int | None = None) -> None:
+    """Refuse, before any work, Gram blocks that cannot fit the device budget (this process's,
+    or ``budget``): :class:`dask_gpuchunk.budget.DeviceBudgetError` naming the bytes."""
+    from .budget import check_fits
+
+    rows = max(chunks[0], default=0)
+    words64 = -(-max(chunks[1], default=0) * itemsize // 8)
+    resolved = method if method != "auto" else resolve_method("auto", on_gpu=True)
+    check_fits(block_bytes(rows, words64, resolved),
+               f"a Gram block of {rows} x {rows} rows of {words64 * 64} bits ({resolved})",
+               "fewer rows per chunk: chunks= of the rows, --chunk-rows", budget)
 
 
 def _gram_graph(words: da.Array, method: str, device: str) -> da.Array:

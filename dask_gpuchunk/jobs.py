@@ -26,6 +26,7 @@ from .devices import GPUNotAvailableError
 from .io import NpyFormatError, NpyHeader, from_npy, read_header, to_npy
 
 __all__ = [
+    "BudgetError",
     "ClusterError",
     "InputError",
     "JobError",
@@ -45,20 +46,34 @@ SLAB_BYTES = 2 << 30
 #: Largest packed input for which a Gram job on GPUs computes whole row slabs, one task each
 #: (every such task holds all the words on its device).
 ROWS_LAYOUT_WORDS_BYTES = 4 << 30
+#: Rows per chunk of a Gram job where none is given (and per output block).
+CHUNK_ROWS = 4096
+#: Fewest rows per chunk a Gram job takes to fit its blocks into a device budget.
+MIN_CHUNK_ROWS = 256
 #: Row slabs computed ahead of the one being written (layout "rows"): each waits for the
 #: write of the slab this many places before it, so finished slabs never pile up in memory.
 SLABS_AHEAD = 2
 
 
-def _gpus_where_it_runs() -> int:
-    """GPUs of the workers of the active distributed client, or of this process."""
-    from .devices import distributed_client_active
+def _device_report(dask_worker: Any = None) -> dict[str, Any]:
+    """:func:`dask_gpuchunk.budget.budget_report` of this process (``Client.run`` runs it in
+    each worker, passing the worker)."""
+    from .budget import budget_report
+
+    return budget_report(dask_worker)
+
+
+def _budgets_where_it_runs() -> list[int]:
+    """The working device budgets of the workers of the active client that have a GPU (or of
+    this process), in bytes; empty where none has one."""
+    from .devices import distributed_client_active, gpu_available
 
     if not distributed_client_active():
-        return where_it_ran(None)["gpus"]
+        return [_device_report()["working_budget"]] if gpu_available() else []
     from distributed import default_client
 
-    return where_it_ran(default_client())["gpus"]
+    reports = default_client().run(_device_report)
+    return [r["working_budget"] for r in reports.values() if r["working_budget"] is not None]
 
 
 def _slab_after(_previous: Any, a: Any, others: list[Any], method: str, device: str) -> Any:
@@ -96,6 +111,18 @@ def _gram_rows_to_npy(words: Any, target: Path, method: str, device: str, overwr
         _run_write_graph(write, dsk, words, (len(words.chunks[0]), 1), progress)
 
 
+def _slab_bytes(chunk_rows: int, n: int, words_bytes: int, words: int, itemsize: int,
+                method: str) -> int:
+    """Device bytes of one whole-width row slab task (layout ``rows``): every word, the slab,
+    one scratch block and its method's scratch."""
+    from .gram import block_scratch_bytes, resolve_method
+
+    words64 = -(-words * itemsize // 8)
+    resolved = method if method != "auto" else resolve_method("auto", on_gpu=True)
+    return (words_bytes + chunk_rows * n * 4 + chunk_rows * chunk_rows * 4
+            + block_scratch_bytes(resolved, chunk_rows, chunk_rows, words64))
+
+
 class JobError(Exception):
     """A job that cannot run or did not finish; ``exit_code`` is the command's exit status."""
 
@@ -106,6 +133,12 @@ class InputError(JobError):
     """An input file is missing, unreadable, not ``.npy``, or of the wrong shape or kind."""
 
     exit_code = 3
+
+
+class BudgetError(JobError):
+    """A chunk of the job cannot fit the device budget of the GPUs that would run it."""
+
+    exit_code = 2
 
 
 class OutputError(JobError):
@@ -307,14 +340,15 @@ def gram_job(
     packed: bool = False,
     method: str = "auto",
     device: str = "auto",
-    chunk_rows: int = 4096,
+    chunk_rows: int | None = None,
     layout: str = "auto",
     overwrite: bool = False,
 ) -> Job:
     """Check the files of a Gram job now; return the job, to run as ``job(progress)``.
 
-    ``chunk_rows``: rows per chunk of ``A``, and so per block of the output (4096 measured best
-    for the int8 method on an H200). ``layout``: ``"blocks"`` (:func:`dask_gpuchunk.gram`'s
+    ``chunk_rows``: rows per chunk of ``A``, and so per block of the output; ``None``:
+    :data:`CHUNK_ROWS` (measured best for the int8 method on an H200), halved while a block
+    would not fit the device budget of the workers. ``layout``: ``"blocks"`` (:func:`dask_gpuchunk.gram`'s
     square blocks, only those above the diagonal computed, joined into row slabs on the host),
     ``"rows"`` (each whole row slab computed in one task and written, at most
     :data:`SLABS_AHEAD` ahead of the writer), or ``"auto"``: ``"rows"`` where the job runs on
@@ -322,13 +356,14 @@ def gram_job(
     :data:`ROWS_LAYOUT_WORDS_BYTES`, else ``"blocks"``. Values other than 0/1 raise
     :class:`InputError` when found, with nothing written.
     """
-    from .gram import METHODS, bitpack, gram
+    from .gram import METHODS, bitpack, check_block_fits, check_method, gram
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    check_method(method, device)  # now: the job's graph is built once the cluster is up
     if layout not in ("auto", "blocks", "rows"):
         raise ValueError(f"layout must be one of auto, blocks, rows; got {layout!r}")
-    if chunk_rows < 1:
+    if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"chunk rows must be positive, got {chunk_rows}")
     h = _header(bits, "input")
     if len(h.shape) != 2:
@@ -339,51 +374,85 @@ def gram_job(
         raise InputError(str(exc)) from None
     target = _check_output(out, [bits], overwrite)
     n, k = h.shape
-    if packed:
-        words = from_npy(bits, chunks=(chunk_rows, -1))
-        k_bits = k * h.dtype.itemsize * 8
-    else:
+    k_bits = k * h.dtype.itemsize * 8 if packed else k
+
+    def packed_words(rows: int) -> Any:
+        if packed:
+            return from_npy(bits, chunks=(rows, -1))
         # Column chunks keep each read bounded; the packed words of a row block are then
         # merged into one chunk (64 x smaller), so each output block is one partial product.
-        x = from_npy(bits, chunks=(chunk_rows, max(64, (1 << 27) // max(1, chunk_rows) // 64 * 64)))
-        words = bitpack(x, device="cpu" if device == "cpu" else "auto").rechunk({1: -1})
-        k_bits = k
-    if layout == "auto":
-        # On tensor cores the whole Gram costs less than moving it: computing each row slab
-        # whole on the GPU leaves the host nothing to do but write it (no transposes of the
-        # blocks below the diagonal, no joining of blocks into slabs).
-        words_bytes = n * words.shape[1] * words.dtype.itemsize
-        rows = (device != "cpu" and method != "popcount" and chunk_rows * n * 4 <= SLAB_BYTES
-                and words_bytes <= ROWS_LAYOUT_WORDS_BYTES and _gpus_where_it_runs() > 0)
-        layout = "rows" if rows else "blocks"
-    if layout == "rows":
-        chunks = len(words.chunks[0])
+        x = from_npy(bits, chunks=(rows, max(64, (1 << 27) // max(1, rows) // 64 * 64)))
+        return bitpack(x, device="cpu" if device == "cpu" else "auto").rechunk({1: -1})
 
-        def write(progress: Progress) -> None:
-            _gram_rows_to_npy(words, target, method, device, overwrite, progress)
-    else:
+    words = packed_words(chunk_rows or CHUNK_ROWS)  # checks the input's layout now
+    words_bytes = n * words.shape[1] * words.dtype.itemsize
+
+    planned: dict[str, int] = {}
+
+    def plan() -> tuple[str, int, Callable[[Progress], None]]:
+        # Where the job runs (the cluster is up by now): the devices' budgets decide.
+        nonlocal words
+        budgets = _budgets_where_it_runs() if device != "cpu" else []
+        rows_per_chunk = chunk_rows or CHUNK_ROWS
+        if budgets:
+            from .budget import DeviceBudgetError
+            from .gram import block_bytes, resolve_method
+
+            resolved = method if method != "auto" else resolve_method("auto", on_gpu=True)
+            words64 = -(-words.shape[1] * words.dtype.itemsize // 8)
+            if chunk_rows is None:
+                while (rows_per_chunk > MIN_CHUNK_ROWS
+                       and block_bytes(rows_per_chunk, words64, resolved) > min(budgets)):
+                    rows_per_chunk //= 2
+                if rows_per_chunk != CHUNK_ROWS:
+                    words = packed_words(rows_per_chunk)
+            try:
+                check_block_fits(words.chunks, words.dtype.itemsize, method, min(budgets))
+            except DeviceBudgetError as exc:
+                raise BudgetError(str(exc)) from None
+        planned["chunk_rows"] = rows_per_chunk
+        chosen = layout
+        if chosen == "auto":
+            # On tensor cores the whole Gram costs less than moving it: computing each row
+            # slab whole on the GPU leaves the host nothing to do but write it (no transposes
+            # of the blocks below the diagonal, no joining of blocks into slabs). Each slab
+            # task holds every word on its device, so it must fit the workers' budget.
+            rows = (device != "cpu" and method != "popcount"
+                    and rows_per_chunk * n * 4 <= SLAB_BYTES
+                    and words_bytes <= ROWS_LAYOUT_WORDS_BYTES and bool(budgets)
+                    and _slab_bytes(rows_per_chunk, n, words_bytes, words.shape[1],
+                                    words.dtype.itemsize, method) <= min(budgets))
+            chosen = "rows" if rows else "blocks"
+        if chosen == "rows":
+            def write(progress: Progress) -> None:
+                _gram_rows_to_npy(words, target, method, device, overwrite, progress)
+
+            return chosen, len(words.chunks[0]), write
         result = gram(words, packed=True, method=method, device=device)
-        if 1 < result.numblocks[1] and chunk_rows * n * 4 <= SLAB_BYTES:
+        if 1 < result.numblocks[1] and rows_per_chunk * n * 4 <= SLAB_BYTES:
             # Whole-width row slabs: each is one sequential write, as np.save's is. Square
             # blocks dirty the page cache in short runs all over the file, and its writeback
             # then goes to the disk in small pieces.
             result = result.rechunk({1: -1})
-        chunks = int(np.prod(result.numblocks))
 
-        def write(progress: Progress) -> None:
+        def write_blocks(progress: Progress) -> None:
             to_npy(result, target, overwrite=overwrite, progress=progress)
 
+        return chosen, int(np.prod(result.numblocks)), write_blocks
+
     def run(progress: Progress) -> dict[str, Any]:
+        chosen, chunks, write = plan()
         seconds = _run(lambda: write(progress),
                        lambda: _start_warmup(_warm_gram, str(words.dtype), method, device,
-                                             layout))
+                                             chosen))
         return {
             "command": "gram",
             "inputs": [{"path": str(bits), "shape": list(h.shape), "dtype": str(h.dtype),
                         "packed": packed}],
             "output": {"path": str(target), "shape": [n, n], "dtype": "int32"},
             "chunks": chunks,
-            "layout": layout,
+            "chunk_rows": planned["chunk_rows"],
+            "layout": chosen,
             "method": method,
             "device": device,
             "seconds": seconds,
@@ -399,10 +468,12 @@ def where_it_ran(client: Any | None) -> dict[str, Any]:
     from .devices import gpu_count
 
     if client is None:
-        return {"cluster": "local threads", "workers": 1, "gpus": gpu_count()}
+        return {"cluster": "local threads", "workers": 1, "gpus": gpu_count(),
+                "device_memory": [_device_report()] if gpu_count() else []}
     info = client.scheduler_info()
     workers = info.get("workers", {})
     gpus = client.run(gpu_count) if workers else {}
+    reports = client.run(_device_report) if any(gpus.values()) else {}
     cluster = getattr(client, "cluster", None)
     return {
         "cluster": type(cluster).__name__ if cluster is not None
@@ -410,6 +481,8 @@ def where_it_ran(client: Any | None) -> dict[str, Any]:
         "workers": len(workers),
         "threads": sum(int(w.get("nthreads", 0)) for w in workers.values()),
         "gpus": int(sum(gpus.values())),
+        # Per worker with a GPU: its budget and the high-water marks of its device memory.
+        "device_memory": [dict(worker=address, **report) for address, report in reports.items()],
     }
 
 

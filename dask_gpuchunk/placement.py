@@ -187,7 +187,14 @@ def run_placed(kernels: Any, out_dtype: np.dtype, inputs: Sequence[Any],
     from .backend import run_cpu, run_gpu_from_host
     from .staging import is_pinned
 
+    from .budget import working_budget
+
     inputs = [a if is_python_number(a) else np.asarray(a) for a in inputs]
+    shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
+    device_bytes = (sum(np.asarray(a).nbytes for a in inputs if not is_python_number(a))
+                    + int(np.prod(shape)) * np.dtype(out_dtype).itemsize)
+    if device_bytes > working_budget():  # never fits the GPU here: the CPU computes it
+        return run_cpu(kernels, out_dtype, inputs, dest)
     pinned = tuple(bool(np.ndim(a) and a.flags.c_contiguous and is_pinned(a)) for a in inputs)
     dest_pinned = dest is not None and dest.flags.c_contiguous and is_pinned(dest)
     key = (kernels.token, tuple(type(a).__name__ if is_python_number(a) else a.dtype.str
@@ -198,7 +205,6 @@ def run_placed(kernels: Any, out_dtype: np.dtype, inputs: Sequence[Any],
             lock = _locks.setdefault(key, threading.Lock())
         with lock:
             choice = _decided.get(key)
-            shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
             if choice is None and int(np.prod(shape)) > 1:
                 choice, result = _measure(kernels, np.dtype(out_dtype), inputs, dest, key)
                 _decided[key] = choice

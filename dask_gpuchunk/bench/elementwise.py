@@ -129,6 +129,9 @@ def _machine() -> dict[str, Any]:
         props = cupy.cuda.runtime.getDeviceProperties(0)
         info.update(gpu=props["name"].decode(), gpu_memory=int(props["totalGlobalMem"]),
                     cupy=cupy.__version__)
+        limit = int(cupy.get_default_memory_pool().get_limit())
+        if limit:  # --device-budget, or CUPY_GPU_MEMORY_LIMIT: run as on a card of this size
+            info["device_budget"] = limit
     return info
 
 

@@ -19,7 +19,9 @@ def format_table(report: dict[str, Any]) -> str:
     lines = []
     m = report["machine"]
     lines.append(f"machine: {m.get('gpu', 'no GPU')}, {m['cpus']} CPUs, numpy {m['numpy']}, "
-                 f"numba {m['numba']}, dask {m['dask']}" + (f", cupy {m['cupy']}" if "cupy" in m else ""))
+                 f"numba {m['numba']}, dask {m['dask']}" + (f", cupy {m['cupy']}" if "cupy" in m else "")
+                 + (f", device budget {m['device_budget'] / 2**30:.2f} GiB (CuPy's pool capped)"
+                    if m.get("device_budget") else ""))
     lim = report["limits"]
     parts = [f"host copy {_gbps(lim['host_copy_traffic'])} (read+write)"]
     if "pcie_h2d" in lim:

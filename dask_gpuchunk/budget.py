@@ -1,0 +1,310 @@
+"""The device-memory budget: how many bytes the package's chunks may hold on a GPU at once.
+
+A process's *capacity* on its current device is the device's memory, or CuPy's pool limit
+where one is set (``CUPY_GPU_MEMORY_LIMIT``, ``MemoryPool.set_limit``): a card capped that way
+behaves as a card of that size. Inside a dask-cuda worker, results stored on the device are
+spilled to the host beyond the worker's ``device_memory_limit`` (dask-cuda's default: 80 % of
+the capacity, see :func:`spill_limit`). The *working budget*, what running chunks may allocate,
+is the capacity less :data:`HEADROOM_FRACTION` (for what CuPy's pool does not hold: kernel
+modules, cuBLAS's workspace) and less the results stored on the device at the time.
+
+Every chunk the package runs on a GPU holds a reservation (:func:`reserve`) of the bytes it
+allocates there (its output, inputs it copies to the device, scratch) while it runs: chunks in
+several Dask threads wait for each other instead of running the device out of memory, and a chunk
+that could never fit raises :class:`DeviceBudgetError` naming its bytes, the budget and what to
+change, before it allocates anything. The pool's high-water mark is kept (:func:`peak_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = [
+    "DEFAULT_SPILL_FRACTION",
+    "HEADROOM_FRACTION",
+    "DeviceBudgetError",
+    "budget_report",
+    "cap_device_memory",
+    "check_fits",
+    "device_capacity",
+    "format_bytes",
+    "peak_bytes",
+    "pool_limit_from_env",
+    "reserve",
+    "reset_peak",
+    "spill_limit",
+    "stored_bytes",
+    "stored_limit",
+    "working_budget",
+]
+
+#: Outside a spilling worker, the part of the capacity left to what CuPy's pool does not hold.
+HEADROOM_FRACTION = 0.1
+#: dask-cuda's ``device_memory_limit="default"``: spill stored results beyond this part of the
+#: device (taken here of the capacity, so that a capped card spills as a card of that size).
+DEFAULT_SPILL_FRACTION = 0.8
+
+
+class DeviceBudgetError(MemoryError):
+    """A chunk needs more device memory than the budget allows, even alone."""
+
+
+def format_bytes(nbytes: float) -> str:
+    """Bytes as text with a binary unit.
+
+    Examples
+    --------
+    >>> format_bytes(3 * 2**30)
+    '3.00 GiB'
+    >>> format_bytes(512)
+    '512 B'
+    """
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def pool_limit_from_env(device_total: int, value: str | None = None) -> int | None:
+    """CuPy's pool limit as ``CUPY_GPU_MEMORY_LIMIT`` gives it (bytes, or ``"50%"`` of the
+    device), or ``None`` where it is unset or zero.
+
+    Examples
+    --------
+    >>> pool_limit_from_env(16 * 2**30, "8589934592")
+    8589934592
+    >>> pool_limit_from_env(16 * 2**30, "25%")
+    4294967296
+    >>> pool_limit_from_env(16 * 2**30, "") is None
+    True
+    """
+    text = (os.environ.get("CUPY_GPU_MEMORY_LIMIT", "") if value is None else value).strip()
+    if not text:
+        return None
+    if text.endswith("%"):
+        limit = int(device_total * float(text[:-1]) / 100)
+    else:
+        limit = int(float(text))
+    return limit if limit > 0 else None
+
+
+def cap_device_memory(nbytes: int) -> None:
+    """Cap CuPy's pool at ``nbytes`` in this process and in the processes it starts (cluster
+    workers inherit ``CUPY_GPU_MEMORY_LIMIT``): the GPU then behaves as a card of that size."""
+    if nbytes <= 0:
+        raise ValueError(f"a device budget must be positive, got {nbytes}")
+    os.environ["CUPY_GPU_MEMORY_LIMIT"] = str(int(nbytes))
+    from .devices import gpu_available
+
+    if gpu_available():
+        import cupy
+
+        cupy.get_default_memory_pool().set_limit(size=int(nbytes))
+
+
+def spill_limit(capacity: int, device_memory_limit: Any = "default") -> int | None:
+    """The bytes of stored results a dask-cuda worker keeps on a device of ``capacity`` bytes
+    before spilling to the host: ``"default"`` is :data:`DEFAULT_SPILL_FRACTION` of it, a
+    fraction in (0, 1] a part of it, bytes as given (at most the capacity); ``0``/``None``:
+    never spill (``None`` returned).
+
+    Examples
+    --------
+    >>> spill_limit(8 * 2**30)
+    6871947673
+    >>> spill_limit(8 * 2**30, 0.5)
+    4294967296
+    >>> spill_limit(8 * 2**30, 10**12)
+    8589934592
+    >>> spill_limit(8 * 2**30, 0) is None
+    True
+    """
+    if device_memory_limit == "default":
+        return int(capacity * DEFAULT_SPILL_FRACTION)
+    if device_memory_limit in (None, 0, "auto") or device_memory_limit == 0.0:
+        return None
+    value = float(device_memory_limit)
+    if 0 < value <= 1:
+        return int(capacity * value)
+    return min(int(value), capacity)
+
+
+# ---- what this process has --------------------------------------------------------------------
+
+
+def _device_total(device: int) -> int:
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return int(cupy.cuda.runtime.memGetInfo()[1])
+
+
+_totals: dict[int, int] = {}
+
+
+def device_capacity() -> int:
+    """Bytes this process may allocate through CuPy on its current device: the device's
+    memory, or CuPy's pool limit where that is smaller."""
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    total = _totals.get(device)
+    if total is None:
+        total = _totals[device] = _device_total(device)
+    limit = int(cupy.get_default_memory_pool().get_limit())
+    return min(total, limit) if limit > 0 else total
+
+
+def _worker_device_buffer(worker: Any = None) -> Any:
+    """The device LRU of ``worker`` (default: the dask-cuda worker running this task), or
+    ``None``."""
+    if worker is None:
+        try:
+            from distributed import get_worker
+
+            worker = get_worker()
+        except (ImportError, ValueError):
+            return None
+    buffer = getattr(worker.data, "device_buffer", None)
+    fast = getattr(buffer, "fast", None)
+    return fast if fast is not None and hasattr(fast, "n") else None
+
+
+def stored_limit(dask_worker: Any = None) -> int:
+    """Device bytes of stored results a dask-cuda worker (``dask_worker``, as
+    ``Client.run`` passes it, or the one running this task) keeps before spilling to the host;
+    0 outside such a worker, or where it never spills."""
+    fast = _worker_device_buffer(dask_worker)
+    return int(fast.n) if fast is not None else 0
+
+
+def stored_bytes(dask_worker: Any = None) -> int:
+    """Device bytes of results the dask-cuda worker holds stored now (0 outside such a worker)."""
+    fast = _worker_device_buffer(dask_worker)
+    return int(getattr(fast, "total_weight", 0)) if fast is not None else 0
+
+
+def working_budget(dask_worker: Any = None) -> int:
+    """Bytes the chunks running in this process may hold on its current device at once: the
+    capacity less :data:`HEADROOM_FRACTION` and less the results a dask-cuda worker holds
+    stored on the device now (``dask_worker``: as for :func:`stored_limit`). A job whose
+    results go to the host has nearly the whole device; one that keeps its results on the
+    device has what its stored results leave (at least the part above the spill limit)."""
+    capacity = device_capacity()
+    return max(int(capacity * (1 - HEADROOM_FRACTION)) - stored_bytes(dask_worker), 0)
+
+
+# ---- admission --------------------------------------------------------------------------------
+
+
+class _Admission:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.in_use = 0
+        self.peak_pool = 0
+        self.peak_reserved = 0
+
+
+_admissions: dict[int, _Admission] = {}
+_admissions_lock = threading.Lock()
+
+
+def _admission() -> _Admission:
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    with _admissions_lock:
+        a = _admissions.get(device)
+        if a is None:
+            a = _admissions[device] = _Admission()
+        return a
+
+
+def check_fits(nbytes: int, what: str, option: str, budget: int | None = None) -> None:
+    """Raise :class:`DeviceBudgetError` if one chunk's ``nbytes`` exceed the working budget
+    (this process's, or ``budget``): ``what`` names the chunk, ``option`` what to change."""
+    origin = "the smallest of the workers' GPUs" if budget is not None else None
+    budget = working_budget() if budget is None else budget
+    if nbytes > budget:
+        raise DeviceBudgetError(
+            f"{what} needs {format_bytes(nbytes)} of device memory at once; the budget for "
+            f"running chunks is {format_bytes(budget)} ({origin or _budget_origin()}). Use "
+            "smaller chunks "
+            f"({option}), or give the device more (a higher CUPY_GPU_MEMORY_LIMIT, a lower "
+            "device_memory_limit / --device-memory-limit)"
+        )
+
+
+def _budget_origin() -> str:
+    try:
+        capacity, stored = device_capacity(), stored_bytes()
+    except Exception:  # no device here
+        return "the device's memory"
+    text = f"{format_bytes(capacity)} on the device less {HEADROOM_FRACTION:.0%} headroom"
+    return text + (f" and {format_bytes(stored)} of stored results" if stored else "")
+
+
+@contextlib.contextmanager
+def reserve(nbytes: int, what: str = "a chunk", option: str = "chunks=") -> Iterator[None]:
+    """Hold ``nbytes`` of the current device's working budget while the block runs, waiting
+    for other chunks to release theirs; :class:`DeviceBudgetError` if it can never fit."""
+    import cupy
+
+    nbytes = int(nbytes)
+    budget = working_budget()
+    check_fits(nbytes, what, option, budget)
+    a = _admission()
+    with a.cond:
+        # One chunk alone always runs (it fits, checked above); others wait their turn.
+        while a.in_use and a.in_use + nbytes > budget:
+            a.cond.wait()
+        a.in_use += nbytes
+        a.peak_reserved = max(a.peak_reserved, a.in_use)
+    pool = cupy.get_default_memory_pool()
+    try:
+        yield
+    finally:
+        used = int(pool.total_bytes())
+        with a.cond:
+            a.peak_pool = max(a.peak_pool, used)
+            a.in_use -= nbytes
+            a.cond.notify_all()
+
+
+def peak_bytes() -> dict[str, int]:
+    """This process's high-water marks on its current device: ``pool`` (CuPy's pool, sampled
+    as each reserved chunk ends, and now) and ``reserved`` (the budget held at once)."""
+    import cupy
+
+    a = _admission()
+    with a.cond:
+        a.peak_pool = max(a.peak_pool, int(cupy.get_default_memory_pool().total_bytes()))
+        return {"pool": a.peak_pool, "reserved": a.peak_reserved}
+
+
+def reset_peak() -> None:
+    """Forget the high-water marks of the current device (see :func:`peak_bytes`)."""
+    a = _admission()
+    with a.cond:
+        a.peak_pool = a.peak_reserved = 0
+
+
+def budget_report(dask_worker: Any = None) -> dict[str, Any]:
+    """The budget of this process on its current device, and its peaks (for summaries):
+    ``capacity``, ``stored_limit``, ``working_budget``, ``peak_pool``, ``peak_reserved``;
+    ``None`` values where no GPU is visible. ``dask_worker``: as for :func:`stored_limit`
+    (``Client.run(budget_report)`` reports each worker's)."""
+    from .devices import gpu_available
+
+    if not gpu_available():
+        return {"capacity": None, "stored_limit": None, "stored_bytes": None, "working_budget": None,
+                "peak_pool": None, "peak_reserved": None}
+    peaks = peak_bytes()
+    return {"capacity": device_capacity(), "stored_limit": stored_limit(dask_worker) or None,
+            "stored_bytes": stored_bytes(dask_worker),
+            "working_budget": working_budget(dask_worker), "peak_pool": peaks["pool"],
+            "peak_reserved": peaks["reserved"]}
