@@ -214,14 +214,9 @@ _admissions_lock = threading.Lock()
 
 
 def _admission() -> _Admission:
-    import cupy
+    from .staging import per_device
 
-    device = cupy.cuda.runtime.getDevice()
-    with _admissions_lock:
-        a = _admissions.get(device)
-        if a is None:
-            a = _admissions[device] = _Admission()
-        return a
+    return per_device(_admissions, _admissions_lock, _Admission)
 
 
 def check_fits(nbytes: int, what: str, option: str, budget: int | None = None) -> None:

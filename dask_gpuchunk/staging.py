@@ -20,8 +20,8 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,7 +36,10 @@ __all__ = [
     "copy_to_host",
     "empty_pinned",
     "empty_pooled_pinned",
+    "per_device",
 ]
+
+T = TypeVar("T")
 
 #: Chunks of NumPy data on the GPU at once, per device. Each holds device memory for its
 #: inputs and output, so this bounds the device memory of the host-resident path; four keep
@@ -174,15 +177,21 @@ _queues: dict[int, _DeviceQueue] = {}
 _queues_lock = threading.Lock()
 
 
-def _device_queue() -> _DeviceQueue:
+def per_device(registry: dict[int, T], lock: threading.Lock, make: Callable[[], T]) -> T:
+    """The current device's entry of ``registry``, made by ``make()`` the first time (under
+    ``lock``): state kept once per GPU of the process."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
-    with _queues_lock:
-        q = _queues.get(device)
-        if q is None:
-            q = _queues[device] = _DeviceQueue()
-        return q
+    with lock:
+        entry = registry.get(device)
+        if entry is None:
+            entry = registry[device] = make()
+        return entry
+
+
+def _device_queue() -> _DeviceQueue:
+    return per_device(_queues, _queues_lock, _DeviceQueue)
 
 
 @contextlib.contextmanager

@@ -24,42 +24,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 from dask.utils import parse_bytes
-
-
-class ProcessMemorySampler:
-    """Peak GPU memory per process (MiB), from nvidia-smi every 0.2 s."""
-
-    def __init__(self) -> None:
-        self.peak: dict[int, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                  "--format=csv,noheader,nounits"], capture_output=True,
-                                 text=True, check=False).stdout
-            for line in out.strip().splitlines():
-                try:
-                    pid, used = (int(v) for v in line.split(","))
-                except ValueError:
-                    continue
-                self.peak[pid] = max(self.peak.get(pid, 0), used)
-            self._stop.wait(0.2)
-
-    def __enter__(self) -> ProcessMemorySampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+from nvidia_smi_peaks import NvidiaSmiPeaks
 
 
 def _env(cap: int | None) -> dict[str, str]:
@@ -86,7 +56,7 @@ def gram(args: argparse.Namespace) -> dict:
         cmd = [sys.executable, "-m", "dask_gpuchunk", "gram", str(bits_path), "-o", str(out_path),
                "--packed", "--json"]
         t0 = time.perf_counter()
-        with ProcessMemorySampler() as sampler:
+        with NvidiaSmiPeaks("compute-apps", "pid", "used_memory") as sampler:
             r = subprocess.run(cmd, capture_output=True, text=True, env=_env(cap), check=False)
         wall = time.perf_counter() - t0
         run = {"cap": cap, "returncode": r.returncode, "wall_seconds": wall,
@@ -133,7 +103,7 @@ def _seed000_child(repeat: int) -> None:
 def seed000(args: argparse.Namespace) -> dict:
     runs = []
     for cap in (None, args.cap):
-        with ProcessMemorySampler() as sampler:
+        with NvidiaSmiPeaks("compute-apps", "pid", "used_memory") as sampler:
             r = subprocess.run([sys.executable, __file__, "_seed000_child", "--repeat",
                                 str(args.repeat)], capture_output=True, text=True,
                                env=_env(cap), check=False)
@@ -204,7 +174,7 @@ def _resident_child(gb: int, steps: int) -> None:
 
 
 def resident(args: argparse.Namespace) -> dict:
-    with ProcessMemorySampler() as sampler:
+    with NvidiaSmiPeaks("compute-apps", "pid", "used_memory") as sampler:
         r = subprocess.run([sys.executable, __file__, "_resident_child", "--gb", str(args.gb),
                             "--steps", str(args.steps)], capture_output=True, text=True,
                            env=_env(args.cap), check=False, timeout=args.timeout)

@@ -28,11 +28,11 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
+from nvidia_smi_peaks import NvidiaSmiPeaks
 
 
 def drop_caches() -> bool:
@@ -43,33 +43,6 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
-
-
-class GpuMemorySampler:
-    """Peak used memory per GPU (MiB) sampled by nvidia-smi every 0.2 s."""
-
-    def __init__(self) -> None:
-        self.peak: dict[int, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used",
-                                  "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                                 check=False).stdout
-            for line in out.strip().splitlines():
-                i, used = (int(v) for v in line.split(","))
-                self.peak[i] = max(self.peak.get(i, 0), used)
-            self._stop.wait(0.2)
-
-    def __enter__(self) -> GpuMemorySampler:  # noqa: PYI034
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 #: Extra options for every job (e.g. ["--gpus", "1"] on a machine with several GPUs).
@@ -300,7 +273,7 @@ def gram_figures(work: Path, result: dict, rows: int, bits: int) -> None:
         g_path.unlink()
         return run
 
-    with GpuMemorySampler() as sampler:
+    with NvidiaSmiPeaks("gpu", "index", "memory.used") as sampler:
         runs, med = alternate("gram", numpy_run, ours_run)
     exact = checked[0]
     result["gram"] = {
