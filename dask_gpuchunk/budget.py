@@ -6,7 +6,9 @@ behaves as a card of that size. Inside a dask-cuda worker, results stored on the
 spilled to the host beyond the worker's ``device_memory_limit`` (dask-cuda's default: 80 % of
 the capacity, see :func:`spill_limit`). The *working budget*, what running chunks may allocate,
 is the capacity less :data:`HEADROOM_FRACTION` (for what CuPy's pool does not hold: kernel
-modules, cuBLAS's workspace) and less the results stored on the device at the time.
+modules, cuBLAS's workspace) and less the results stored on the device at the time, unless they
+yield: in the workers of :func:`dask_gpuchunk.local_cluster` an allocation that fails first moves
+stored results to the host (:mod:`dask_gpuchunk.spilling`).
 
 Every chunk the package runs on a GPU holds a reservation (:func:`reserve`) of the bytes it
 allocates there (its output, inputs it copies to the device, scratch) while it runs: chunks in
@@ -37,8 +39,10 @@ __all__ = [
     "reserve",
     "reset_peak",
     "spill_limit",
+    "spilled_on_failure",
     "stored_bytes",
     "stored_limit",
+    "stored_results_yield",
     "working_budget",
 ]
 
@@ -190,12 +194,21 @@ def stored_bytes(dask_worker: Any = None) -> int:
 
 def working_budget(dask_worker: Any = None) -> int:
     """Bytes the chunks running in this process may hold on its current device at once: the
-    capacity less :data:`HEADROOM_FRACTION` and less the results a dask-cuda worker holds
-    stored on the device now (``dask_worker``: as for :func:`stored_limit`). A job whose
-    results go to the host has nearly the whole device; one that keeps its results on the
-    device has what its stored results leave (at least the part above the spill limit)."""
+    capacity less :data:`HEADROOM_FRACTION`, and less the results a dask-cuda worker holds
+    stored on the device now (``dask_worker``: as for :func:`stored_limit`) unless they yield
+    to running chunks (:func:`dask_gpuchunk.spilling.hold_budget`, as in the workers of
+    :func:`dask_gpuchunk.local_cluster`)."""
     capacity = device_capacity()
-    return max(int(capacity * (1 - HEADROOM_FRACTION)) - stored_bytes(dask_worker), 0)
+    stored = 0 if stored_results_yield else stored_bytes(dask_worker)
+    return max(int(capacity * (1 - HEADROOM_FRACTION)) - stored, 0)
+
+
+#: Set by :func:`dask_gpuchunk.spilling.hold_budget` in a worker whose stored device results
+#: yield to allocations: the working budget then does not subtract them.
+stored_results_yield = False
+#: Stored results moved to the host because an allocation failed (see
+#: :mod:`dask_gpuchunk.spilling`).
+spilled_on_failure = {"bytes": 0, "results": 0}
 
 
 # ---- admission --------------------------------------------------------------------------------
@@ -236,7 +249,8 @@ def check_fits(nbytes: int, what: str, option: str, budget: int | None = None) -
 
 def _budget_origin() -> str:
     try:
-        capacity, stored = device_capacity(), stored_bytes()
+        capacity = device_capacity()
+        stored = 0 if stored_results_yield else stored_bytes()
     except Exception:  # no device here
         return "the device's memory"
     text = f"{format_bytes(capacity)} on the device less {HEADROOM_FRACTION:.0%} headroom"
@@ -291,15 +305,17 @@ def reset_peak() -> None:
 def budget_report(dask_worker: Any = None) -> dict[str, Any]:
     """The budget of this process on its current device, and its peaks (for summaries):
     ``capacity``, ``stored_limit``, ``working_budget``, ``peak_pool``, ``peak_reserved``;
-    ``None`` values where no GPU is visible. ``dask_worker``: as for :func:`stored_limit`
-    (``Client.run(budget_report)`` reports each worker's)."""
+    ``None`` values where no GPU is visible; ``spilled_on_failure_bytes``: stored results moved
+    to the host because an allocation failed (:mod:`dask_gpuchunk.spilling`).
+    ``dask_worker``: as for :func:`stored_limit` (``Client.run(budget_report)`` reports each
+    worker's)."""
     from .devices import gpu_available
 
     if not gpu_available():
         return {"capacity": None, "stored_limit": None, "stored_bytes": None, "working_budget": None,
-                "peak_pool": None, "peak_reserved": None}
+                "peak_pool": None, "peak_reserved": None, "spilled_on_failure_bytes": None}
     peaks = peak_bytes()
     return {"capacity": device_capacity(), "stored_limit": stored_limit(dask_worker) or None,
             "stored_bytes": stored_bytes(dask_worker),
             "working_budget": working_budget(dask_worker), "peak_pool": peaks["pool"],
-            "peak_reserved": peaks["reserved"]}
+            "peak_reserved": peaks["reserved"], "spilled_on_failure_bytes": spilled_on_failure["bytes"]}

@@ -271,7 +271,8 @@ def _cluster_options(func: Callable) -> Callable:
         click.option("--spill-dir", type=click.Path(file_okay=False),
                      help="Local cluster: where workers spill to disk."),
         click.option("--threads-per-gpu", type=click.IntRange(min=1),
-                     help="Local cluster: Dask threads per GPU worker (CPU-only: per worker)."),
+                     help="Local cluster: Dask threads per GPU worker (CPU-only: per worker) "
+                     "[default: cores / GPUs]."),
         click.option("--device", type=click.Choice(["auto", "gpu", "cpu"]), default="auto",
                      show_default=True, help="Where chunks run."),
         click.option("--json", "as_json", is_flag=True,
@@ -321,7 +322,9 @@ def _cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
         cluster = local_cluster(
             gpus=gpus, device_memory_limit=opts["device_memory_limit"],
             memory_limit=opts["memory_limit"], spill_dir=opts["spill_dir"],
-            threads_per_gpu=opts["threads_per_gpu"], silence_logs=logging.CRITICAL,
+            # A job's chunks are all staged from files by the package, their device memory
+            # bounded by its staging slots and budget: a thread per core copies at full rate.
+            threads_per_gpu=opts["threads_per_gpu"] or "cores", silence_logs=logging.CRITICAL,
             dashboard_address=None,
         )
         client = cluster.__enter__()

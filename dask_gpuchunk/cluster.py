@@ -26,11 +26,17 @@ from dask.utils import parse_bytes
 
 from .devices import GPUNotAvailableError, gpu_count
 
-__all__ = ["PRELOAD", "connect", "dask_setup", "local_cluster", "parse_memory_limit",
-           "release_memory", "wait_for_workers"]
+__all__ = ["PRELOAD", "THREADS_PER_GPU", "connect", "dask_setup", "local_cluster",
+           "parse_memory_limit", "release_memory", "wait_for_workers"]
 
 #: The module a worker imports when it starts (``preload=``; ``--preload`` of ``dask worker``).
 PRELOAD = "dask_gpuchunk.cluster"
+#: Dask threads per GPU worker of :func:`local_cluster` by default. A worker gathers a task's
+#: inputs, unspilling them to the device, before the task runs, so every running task over
+#: device-resident chunks holds its inputs and output there at once: a thread per core (16 on
+#: the H200 machine) ran an 8 GiB card out of memory with 1 GiB chunks. Two keep one task's
+#: kernels running while the worker's event loop unspills the next task's inputs.
+THREADS_PER_GPU = 2
 
 
 def dask_setup(worker: Any) -> None:
@@ -39,10 +45,15 @@ def dask_setup(worker: Any) -> None:
     A fresh worker otherwise imports the package, numba and CuPy when it unpickles its first
     task (~1 s on the H200 machine, every task of a job waiting behind it), and initialises
     numba's threading layer in its first CPU chunk (:func:`dask_gpuchunk.backend.prepare_process`).
+    In a dask-cuda worker it also makes spilling hold the device budget
+    (:func:`dask_gpuchunk.spilling.hold_budget`).
     """
     from . import backend, io, jobs  # noqa: F401 - the package, and what the tasks of jobs call
 
     backend.prepare_process()
+    from .spilling import hold_budget
+
+    hold_budget(worker)
 
 
 def parse_memory_limit(value: Any, what: str) -> Any:
@@ -143,7 +154,7 @@ def local_cluster(
     device_memory_limit: Any = "default",
     memory_limit: Any = "auto",
     spill_dir: str | os.PathLike | None = None,
-    threads_per_gpu: int | None = None,
+    threads_per_gpu: int | str | None = None,
     **cluster_kwargs: Any,
 ) -> Iterator[Any]:
     """A ``distributed.Client`` on a cluster of this machine, closed on exit.
@@ -163,9 +174,15 @@ def local_cluster(
     spill_dir
         Where workers spill to disk (their ``local_directory``).
     threads_per_gpu
-        Dask threads per GPU worker (default ``cores / gpus``: host copies into pinned buffers
-        run in every thread at once, the device work is bounded by the staging slots). On a
-        CPU-only machine, the threads of its one worker (default: a thread per core).
+        Dask threads per GPU worker. Default :data:`THREADS_PER_GPU`: tasks over chunks that
+        live on the device hold their inputs and outputs there while they run, so few run at
+        once; results stored beyond ``device_memory_limit`` spill to the host, and stored
+        results yield to a running task's allocation that would fail
+        (:mod:`dask_gpuchunk.spilling`). ``"cores"``: ``cores /
+        gpus``, for work staged from host memory (files, NumPy chunks: host copies run in every
+        thread, device memory bounded by the package's staging slots and budget), as the CLI's
+        jobs run. On a CPU-only machine, the threads of its one worker (default: a thread per
+        core).
     **cluster_kwargs
         Passed to the cluster class.
 
@@ -187,8 +204,10 @@ def local_cluster(
     device_memory_limit = (device_memory_limit if device_memory_limit == "default"
                            else parse_memory_limit(device_memory_limit, "device_memory_limit"))
     memory_limit = parse_memory_limit(memory_limit, "memory_limit")
-    if threads_per_gpu is not None and threads_per_gpu < 1:
-        raise ValueError(f"threads_per_gpu must be at least 1, got {threads_per_gpu}")
+    if threads_per_gpu is not None and threads_per_gpu != "cores" and (
+            not isinstance(threads_per_gpu, int) or threads_per_gpu < 1):
+        raise ValueError(f"threads_per_gpu must be a number of at least 1 or 'cores', got "
+                         f"{threads_per_gpu!r}")
     cores = os.cpu_count() or 1
     kwargs: dict[str, Any] = {"memory_limit": memory_limit if memory_limit is not None else 0,
                               "preload": [PRELOAD]}
@@ -203,7 +222,8 @@ def local_cluster(
         n = len(visible.split(",")) if visible else gpu_count()
         kwargs.update(
             CUDA_VISIBLE_DEVICES=visible,
-            threads_per_worker=threads_per_gpu or max(1, cores // n),
+            threads_per_worker=(max(1, cores // n) if threads_per_gpu == "cores"
+                                else threads_per_gpu or THREADS_PER_GPU),
         )
         limit = _workers_spill_limit(device_memory_limit)
         if limit != "default":
@@ -218,7 +238,8 @@ def local_cluster(
             )
         from distributed import LocalCluster
 
-        kwargs.update(n_workers=1, threads_per_worker=threads_per_gpu or cores)
+        kwargs.update(n_workers=1, threads_per_worker=(
+            threads_per_gpu if isinstance(threads_per_gpu, int) else cores))
         kwargs.update(cluster_kwargs)
         cluster = LocalCluster(**kwargs)
     try:

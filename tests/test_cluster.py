@@ -49,8 +49,25 @@ def test_local_cluster_worker_processes_compile_their_own_kernels(rng):
         np.testing.assert_array_equal(result.compute(), a * a[0])
 
 
+def test_local_cluster_threads():
+    import os
+
+    with dg.local_cluster(processes=False, dashboard_address=None,
+                          threads_per_gpu="cores") as client:
+        nthreads = list(client.nthreads().values())
+    expected = os.cpu_count() if not dg.gpu_available() else max(
+        1, (os.cpu_count() or 1) // dg.gpu_count())
+    assert nthreads == [expected] * len(nthreads)
+    with dg.local_cluster(processes=False, dashboard_address=None) as client:
+        nthreads = list(client.nthreads().values())
+    expected = os.cpu_count() if not dg.gpu_available() else dg.cluster.THREADS_PER_GPU
+    assert nthreads == [expected] * len(nthreads)
+
+
 def test_local_cluster_bad_arguments():
     with pytest.raises(ValueError, match="threads_per_gpu"), dg.local_cluster(threads_per_gpu=0):
+        pass
+    with pytest.raises(ValueError, match="or 'cores'"), dg.local_cluster(threads_per_gpu="many"):
         pass
     with pytest.raises(ValueError, match="memory size"), dg.local_cluster(memory_limit="lots"):
         pass

@@ -204,7 +204,7 @@ def ours_in_fresh_cluster(make_job, out_path: Path, profile: bool) -> dict:
 
     gpus = int(CLI_EXTRA[1]) if CLI_EXTRA else None
     with dg.local_cluster(gpus=gpus, device_memory_limit="8GB", dashboard_address=None,
-                          silence_logs=logging.CRITICAL) as client:
+                          threads_per_gpu="cores", silence_logs=logging.CRITICAL) as client:
         job = make_job()
         t0 = time.time()
         if profile:

@@ -42,7 +42,8 @@ def main() -> None:
     result: dict = {"rows": args.rows, "bits": args.bits, "chunk_rows": args.chunk_rows,
                     "method": args.method, "gpus_visible": dg.gpu_count(), "runs": {}}
     for gpus in sorted({1, dg.gpu_count()}):
-        with dg.local_cluster(gpus=gpus, dashboard_address=None) as client:
+        with dg.local_cluster(gpus=gpus, dashboard_address=None,
+                              threads_per_gpu="cores") as client:
             times = []
             for _ in range(2):
                 g = dg.gram(dg.from_npy(path, chunks=(args.chunk_rows, -1)), packed=True,

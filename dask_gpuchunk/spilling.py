@@ -1,0 +1,82 @@
+"""Spilling that holds the device budget in a dask-cuda worker.
+
+dask-cuda moves stored results from the device to host memory when more are stored than the
+worker's ``device_memory_limit``, and back when a task needs them. Two things let a worker
+still run its device out of memory, and :func:`hold_budget` changes both:
+
+- What running tasks allocate is not counted: stored results up to the limit plus the chunks
+  of running tasks can exceed the device. Here a CuPy allocation that fails first moves stored
+  results to the host, least recently used first, and tries again; it fails only when nothing
+  stored is left on the device.
+- Without RMM, distributed brings a spilled CuPy array back through numba's allocator
+  (``numba.cuda.to_device``): outside CuPy's pool, so outside a pool cap
+  (``CUPY_GPU_MEMORY_LIMIT``) and out of reach of the retry above, and freed late (numba defers
+  frees until a fifth of the device is pending: 28 GB on an H200, where nvidia-smi showed a
+  worker with an 8 GiB pool holding 23 GB). Here it comes back through CuPy's pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import budget
+
+__all__ = ["hold_budget", "unspill_through_pool"]
+
+
+def _evict_one(buffer: Any) -> bool:
+    """Move the least recently used stored result of a dask-cuda device buffer to the host;
+    ``False`` when nothing is left to move."""
+    try:
+        _, _, weight = buffer.fast.evict()
+    except KeyError:  # empty
+        return False
+    budget.spilled_on_failure["bytes"] += int(weight)
+    budget.spilled_on_failure["results"] += 1
+    return True
+
+
+def unspill_through_pool(header: dict[str, Any], frames: list[Any]) -> Any:
+    """Distributed's ``dask_deserialize`` of a CuPy array (a host copy of its bytes and its
+    ``__cuda_array_interface__``), allocating the device copy from CuPy's pool."""
+    import cupy
+
+    (frame,) = frames
+    host = np.frombuffer(memoryview(frame).cast("B"), dtype=np.uint8)
+    device = cupy.empty(host.nbytes, dtype=np.uint8)
+    device.set(host)
+    return cupy.ndarray(shape=header["shape"], dtype=header["typestr"], memptr=device.data,
+                        strides=header["strides"])
+
+
+def hold_budget(worker: Any) -> bool:
+    """In a dask-cuda worker with a device limit: make failing CuPy allocations move stored
+    results to the host, bring spilled CuPy arrays back through CuPy's pool, and tell the
+    budget that stored results yield (:data:`dask_gpuchunk.budget.stored_results_yield`).
+    Returns whether it did (``False``: no GPU, or no dask-cuda device buffer)."""
+    from .devices import gpu_available
+
+    buffer = getattr(getattr(worker, "data", None), "device_buffer", None)
+    if not gpu_available() or not hasattr(getattr(buffer, "fast", None), "evict"):
+        return False
+    import cupy
+    import distributed.protocol.cupy  # noqa: F401 - distributed's own registration, replaced below
+    from distributed.protocol.serialize import dask_deserialize
+
+    pool = cupy.get_default_memory_pool()
+
+    def malloc(nbytes: int) -> Any:
+        while True:
+            try:
+                return pool.malloc(nbytes)
+            except cupy.cuda.memory.OutOfMemoryError:
+                # The pool has already freed its cached blocks and collected garbage.
+                if not _evict_one(buffer):
+                    raise
+
+    cupy.cuda.set_allocator(malloc)
+    dask_deserialize.register(cupy.ndarray)(unspill_through_pool)
+    budget.stored_results_yield = True
+    return True
