@@ -42,6 +42,7 @@ __all__ = [
     "spilled_on_failure",
     "stored_bytes",
     "stored_limit",
+    "stored_results_lru",
     "stored_results_yield",
     "working_budget",
 ]
@@ -163,8 +164,9 @@ def device_capacity() -> int:
     return min(total, limit) if limit > 0 else total
 
 
-def _worker_device_buffer(worker: Any = None) -> Any:
-    """The device LRU of ``worker`` (default: the dask-cuda worker running this task), or
+def stored_results_lru(worker: Any = None) -> Any:
+    """The LRU of results a dask-cuda worker (``worker``, default: the one running this task)
+    stores on its device (its ``evict()`` moves the least recently used to the host), or
     ``None``."""
     if worker is None:
         try:
@@ -182,13 +184,13 @@ def stored_limit(dask_worker: Any = None) -> int:
     """Device bytes of stored results a dask-cuda worker (``dask_worker``, as
     ``Client.run`` passes it, or the one running this task) keeps before spilling to the host;
     0 outside such a worker, or where it never spills."""
-    fast = _worker_device_buffer(dask_worker)
+    fast = stored_results_lru(dask_worker)
     return int(fast.n) if fast is not None else 0
 
 
 def stored_bytes(dask_worker: Any = None) -> int:
     """Device bytes of results the dask-cuda worker holds stored now (0 outside such a worker)."""
-    fast = _worker_device_buffer(dask_worker)
+    fast = stored_results_lru(dask_worker)
     return int(getattr(fast, "total_weight", 0)) if fast is not None else 0
 
 
@@ -199,8 +201,12 @@ def working_budget(dask_worker: Any = None) -> int:
     to running chunks (:func:`dask_gpuchunk.spilling.hold_budget`, as in the workers of
     :func:`dask_gpuchunk.local_cluster`)."""
     capacity = device_capacity()
-    stored = 0 if stored_results_yield else stored_bytes(dask_worker)
-    return max(int(capacity * (1 - HEADROOM_FRACTION)) - stored, 0)
+    return max(int(capacity * (1 - HEADROOM_FRACTION)) - _stored_in_budget(dask_worker), 0)
+
+
+def _stored_in_budget(dask_worker: Any = None) -> int:
+    """The stored results the working budget subtracts: none where they yield."""
+    return 0 if stored_results_yield else stored_bytes(dask_worker)
 
 
 #: Set by :func:`dask_gpuchunk.spilling.hold_budget` in a worker whose stored device results
@@ -249,8 +255,7 @@ def check_fits(nbytes: int, what: str, option: str, budget: int | None = None) -
 
 def _budget_origin() -> str:
     try:
-        capacity = device_capacity()
-        stored = 0 if stored_results_yield else stored_bytes()
+        capacity, stored = device_capacity(), _stored_in_budget()
     except Exception:  # no device here
         return "the device's memory"
     text = f"{format_bytes(capacity)} on the device less {HEADROOM_FRACTION:.0%} headroom"

@@ -26,11 +26,12 @@ from . import budget
 __all__ = ["hold_budget", "unspill_through_pool"]
 
 
-def _evict_one(buffer: Any) -> bool:
-    """Move the least recently used stored result of a dask-cuda device buffer to the host;
-    ``False`` when nothing is left to move."""
+def _evict_one(stored: Any) -> bool:
+    """Move the least recently used result of a dask-cuda worker's device LRU
+    (:func:`dask_gpuchunk.budget.stored_results_lru`) to the host; ``False`` when nothing is
+    left to move."""
     try:
-        _, _, weight = buffer.fast.evict()
+        _, _, weight = stored.evict()
     except KeyError:  # empty
         return False
     budget.spilled_on_failure["bytes"] += int(weight)
@@ -58,8 +59,8 @@ def hold_budget(worker: Any) -> bool:
     Returns whether it did (``False``: no GPU, or no dask-cuda device buffer)."""
     from .devices import gpu_available
 
-    buffer = getattr(getattr(worker, "data", None), "device_buffer", None)
-    if not gpu_available() or not hasattr(getattr(buffer, "fast", None), "evict"):
+    stored = budget.stored_results_lru(worker)
+    if not gpu_available() or stored is None:
         return False
     import cupy
     import distributed.protocol.cupy  # noqa: F401 - distributed's own registration, replaced below
@@ -73,7 +74,7 @@ def hold_budget(worker: Any) -> bool:
                 return pool.malloc(nbytes)
             except cupy.cuda.memory.OutOfMemoryError:
                 # The pool has already freed its cached blocks and collected garbage.
-                if not _evict_one(buffer):
+                if not _evict_one(stored):
                     raise
 
     cupy.cuda.set_allocator(malloc)

@@ -25,10 +25,10 @@ def test_evict_one_moves_the_least_recently_used_result_and_counts_it(monkeypatc
     buffer = _buffer(1e9)
     buffer["a"], buffer["b"] = np.ones(10), np.ones(20)
     buffer["a"]  # noqa: B018 - touched: "b" is now the least recently used
-    assert spilling._evict_one(buffer)
+    assert spilling._evict_one(buffer.fast)
     assert set(buffer.fast) == {"a"} and set(buffer.slow) == {"b"}
-    assert spilling._evict_one(buffer)
-    assert not spilling._evict_one(buffer)  # nothing left on the "device"
+    assert spilling._evict_one(buffer.fast)
+    assert not spilling._evict_one(buffer.fast)  # nothing left on the "device"
     assert budget.spilled_on_failure == {"bytes": 240, "results": 2}
     np.testing.assert_array_equal(buffer["b"], np.ones(20))
 
