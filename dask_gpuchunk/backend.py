@@ -420,25 +420,28 @@ def run_on_device(
 
     NumPy inputs are copied to the device first; the work is queued on the thread's current
     CuPy stream, like any CuPy operation. The chunk reserves its output, the inputs it copies
-    and ``scratch_bytes`` of the device budget (:func:`dask_gpuchunk.budget.reserve`) until it
-    returns: the output then belongs to the caller (a dask-cuda worker stores it, and spills it
-    beyond its limit).
+    and ``scratch_bytes`` of the device budget (:func:`dask_gpuchunk.budget.run_reserved`: a
+    chunk that runs out of memory beside others runs again alone) until it returns: the output
+    then belongs to the caller (a dask-cuda worker stores it, and spills it beyond its limit).
     """
     import cupy
 
-    from .budget import reserve
+    from .budget import run_reserved
     from .staging import numba_stream
 
     out_dtype = np.dtype(out_dtype)
     copied = sum(0 if is_cupy(a) or is_scalar(a) else np.asarray(a).nbytes for a in inputs)
     out_bytes = int(np.prod(shape, dtype=np.int64)) * out_dtype.itemsize
-    with reserve(out_bytes + copied + scratch_bytes, what):
+
+    def run() -> Any:
         nb_stream = numba_stream(cupy.cuda.get_current_stream())
         dev_inputs = [a if is_cupy(a) or is_scalar(a) else cupy.asarray(a) for a in inputs]
         out = cupy.empty(shape, dtype=out_dtype)
         if out.size:
             launch(out, dev_inputs, nb_stream)
-    return out
+        return out
+
+    return run_reserved(run, out_bytes + copied + scratch_bytes, what)
 
 
 # ---- dispatch ------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
@@ -38,6 +38,8 @@ __all__ = [
     "pool_limit_from_env",
     "reserve",
     "reset_peak",
+    "retried_alone",
+    "run_reserved",
     "spill_limit",
     "spilled_on_failure",
     "stored_bytes",
@@ -262,23 +264,37 @@ def _budget_origin() -> str:
     return text + (f" and {format_bytes(stored)} of stored results" if stored else "")
 
 
+def _held_elsewhere(pool: Any, in_use: int) -> int:
+    """Bytes of CuPy's pool in use beyond what the running chunks reserved: arrays this process
+    holds outside them (earlier outputs kept on the device, a user's own arrays; in a worker
+    whose stored results yield, those are left out). A running chunk may not have allocated all
+    it reserved yet, so this errs low; :func:`run_reserved` catches what it misses."""
+    used = int(pool.used_bytes()) - in_use
+    if stored_results_yield:
+        used -= stored_bytes()
+    return max(used, 0)
+
+
 @contextlib.contextmanager
-def reserve(nbytes: int, what: str = "a chunk", option: str = "chunks=") -> Iterator[None]:
+def reserve(nbytes: int, what: str = "a chunk", option: str = "chunks=", *,
+            alone: bool = False) -> Iterator[None]:
     """Hold ``nbytes`` of the current device's working budget while the block runs, waiting
-    for other chunks to release theirs; :class:`DeviceBudgetError` if it can never fit."""
+    for other chunks to release theirs (and counting what the process holds on the device
+    outside them); :class:`DeviceBudgetError` if it can never fit. ``alone``: wait until no
+    other chunk holds any."""
     import cupy
 
     nbytes = int(nbytes)
     budget = working_budget()
     check_fits(nbytes, what, option, budget)
     a = _admission()
+    pool = cupy.get_default_memory_pool()
     with a.cond:
         # One chunk alone always runs (it fits, checked above); others wait their turn.
-        while a.in_use and a.in_use + nbytes > budget:
+        while a.in_use and (alone or a.in_use + nbytes + _held_elsewhere(pool, a.in_use) > budget):
             a.cond.wait()
         a.in_use += nbytes
         a.peak_reserved = max(a.peak_reserved, a.in_use)
-    pool = cupy.get_default_memory_pool()
     try:
         yield
     finally:
@@ -287,6 +303,30 @@ def reserve(nbytes: int, what: str = "a chunk", option: str = "chunks=") -> Iter
             a.peak_pool = max(a.peak_pool, used)
             a.in_use -= nbytes
             a.cond.notify_all()
+
+
+def run_reserved(fn: Callable[[], Any], nbytes: int, what: str = "a chunk",
+                 option: str = "chunks=") -> Any:
+    """``fn()`` holding ``nbytes`` of the budget (:func:`reserve`). If the device runs out of
+    memory while other chunks run (they had not yet allocated what they reserved, or the
+    process holds more than the budget saw), wait until they are done and run ``fn`` again,
+    alone, with CuPy's cached blocks returned to the device first."""
+    import cupy
+
+    try:
+        with reserve(nbytes, what, option):
+            return fn()
+    except cupy.cuda.memory.OutOfMemoryError:
+        pass
+    retried_alone["chunks"] += 1
+    with reserve(nbytes, what, option, alone=True):
+        cupy.get_default_memory_pool().free_all_blocks()
+        return fn()
+
+
+#: Chunks that ran out of device memory beside others and ran again alone
+#: (:func:`run_reserved`).
+retried_alone = {"chunks": 0}
 
 
 def peak_bytes() -> dict[str, int]:
@@ -311,16 +351,25 @@ def budget_report(dask_worker: Any = None) -> dict[str, Any]:
     """The budget of this process on its current device, and its peaks (for summaries):
     ``capacity``, ``stored_limit``, ``working_budget``, ``peak_pool``, ``peak_reserved``;
     ``None`` values where no GPU is visible; ``spilled_on_failure_bytes``: stored results moved
-    to the host because an allocation failed (:mod:`dask_gpuchunk.spilling`).
+    to the host because an allocation failed (:mod:`dask_gpuchunk.spilling`);
+    ``retried_alone``: chunks that ran out of memory beside others and ran again alone
+    (:func:`run_reserved`);
+    ``peak_process``: the driver's figure for this process at its highest (what nvidia-smi
+    lists: the pool, the context, kernel modules, cuBLAS workspaces), from
+    :func:`dask_gpuchunk.process_memory.watch`, ``None`` where it cannot be read.
     ``dask_worker``: as for :func:`stored_limit` (``Client.run(budget_report)`` reports each
     worker's)."""
     from .devices import gpu_available
 
     if not gpu_available():
         return {"capacity": None, "stored_limit": None, "stored_bytes": None, "working_budget": None,
-                "peak_pool": None, "peak_reserved": None, "spilled_on_failure_bytes": None}
+                "peak_pool": None, "peak_reserved": None, "spilled_on_failure_bytes": None,
+                "retried_alone": None, "peak_process": None}
+    from . import process_memory
+
     peaks = peak_bytes()
     return {"capacity": device_capacity(), "stored_limit": stored_limit(dask_worker) or None,
             "stored_bytes": stored_bytes(dask_worker),
             "working_budget": working_budget(dask_worker), "peak_pool": peaks["pool"],
-            "peak_reserved": peaks["reserved"], "spilled_on_failure_bytes": spilled_on_failure["bytes"]}
+            "peak_reserved": peaks["reserved"], "spilled_on_failure_bytes": spilled_on_failure["bytes"],
+            "retried_alone": retried_alone["chunks"], "peak_process": process_memory.peak_bytes()}

@@ -357,12 +357,13 @@ def _run_job(as_json: bool, opts: dict[str, Any], prepare: Callable[[], Callable
     options describe, report; map errors to exit codes with one line on stderr."""
     from .budget import DeviceBudgetError
     from .devices import GPUNotAvailableError
-    from .jobs import ClusterError, JobError, where_it_ran
+    from .jobs import ClusterError, JobError, watch_device_memory, where_it_ran
 
     logging.getLogger("distributed").setLevel(logging.CRITICAL)
     try:
         job = prepare()
         with _cluster(opts, quiet=as_json) as client:
+            watch_device_memory(client)
             summary = job(_progress(not as_json and sys.stderr.isatty()))
             summary["where"] = where_it_ran(client)
     except click.ClickException:

@@ -46,7 +46,8 @@ def dask_setup(worker: Any) -> None:
     task (~1 s on the H200 machine, every task of a job waiting behind it), and initialises
     numba's threading layer in its first CPU chunk (:func:`dask_gpuchunk.backend.prepare_process`).
     In a dask-cuda worker it also makes spilling hold the device budget
-    (:func:`dask_gpuchunk.spilling.hold_budget`).
+    (:func:`dask_gpuchunk.spilling.hold_budget`); in a worker with a GPU it samples the device
+    memory the driver counts for the process (:func:`dask_gpuchunk.process_memory.watch`).
     """
     from . import backend, io, jobs  # noqa: F401 - the package, and what the tasks of jobs call
 
@@ -54,6 +55,7 @@ def dask_setup(worker: Any) -> None:
     from .spilling import hold_budget
 
     hold_budget(worker)
+    jobs.watch_device_memory(None)
 
 
 def parse_memory_limit(value: Any, what: str) -> Any:

@@ -36,6 +36,7 @@ __all__ = [
     "gram_job",
     "multiply_files",
     "multiply_job",
+    "watch_device_memory",
     "where_it_ran",
 ]
 
@@ -61,6 +62,23 @@ def _device_report(dask_worker: Any = None) -> dict[str, Any]:
     from .budget import budget_report
 
     return budget_report(dask_worker)
+
+
+def _watch_if_gpu() -> bool:
+    from . import process_memory
+    from .devices import gpu_available
+
+    return gpu_available() and process_memory.watch()
+
+
+def watch_device_memory(client: Any | None) -> None:
+    """Sample the device memory the driver counts for each process with a GPU: the workers of
+    ``client``, or this process where it is ``None`` (:func:`dask_gpuchunk.process_memory.watch`;
+    the summaries' ``peak_process``)."""
+    if client is None:
+        _watch_if_gpu()
+    else:
+        client.run(_watch_if_gpu)
 
 
 def _budgets_where_it_runs() -> list[int]:

@@ -147,6 +147,50 @@ def test_reservations_never_exceed_the_budget(device_cap):
 
 
 @pytest.mark.gpu
+def test_admission_counts_device_arrays_held_outside_the_chunks(rng, device_cap):
+    import cupy
+
+    # int8 Gram blocks of 512 + 512 rows x 131,072 bits unpack 128 MiB each: three fit the
+    # budget's 460 MiB, but not beside the 64 MiB of words, 100 MiB this test holds and the
+    # blocks already computed, which only the pool knows of.
+    device_cap(512 * MiB)
+    bits = random_bits(rng, (2048, 131_072), 0.5)
+    words = cupy.asarray(np.packbits(bits, axis=1))
+    held = cupy.ones(100 * MiB, dtype=np.uint8)
+    x = dg.asarray(words, chunks=(512, -1))
+    g = cupy.asnumpy(dg.gram(x, packed=True, method="int8").compute(scheduler="threads",
+                                                                      num_workers=8))
+    rows = rng.choice(2048, 8, replace=False)
+    b = bits.astype(np.int64)
+    np.testing.assert_array_equal(g[rows], b[rows] @ b.T)
+    assert int(held.sum()) == 100 * MiB
+
+
+@pytest.mark.gpu
+def test_a_chunk_that_runs_out_of_memory_beside_others_runs_again_alone(device_cap):
+    import cupy
+
+    device_cap(256 * MiB)
+    calls = []
+
+    def chunk():
+        calls.append(1)
+        if len(calls) == 1:
+            raise cupy.cuda.memory.OutOfMemoryError(1, 2, 3)
+        return "done"
+
+    before = budget.retried_alone["chunks"]
+    assert budget.run_reserved(chunk, 10 * MiB) == "done"
+    assert len(calls) == 2 and budget.retried_alone["chunks"] == before + 1
+
+    def never_fits():
+        raise cupy.cuda.memory.OutOfMemoryError(1, 2, 3)
+
+    with pytest.raises(cupy.cuda.memory.OutOfMemoryError):
+        budget.run_reserved(never_fits, 10 * MiB)
+
+
+@pytest.mark.gpu
 def test_a_device_chunk_larger_than_the_budget_is_refused_before_any_work(device_cap):
     import cupy
 
@@ -230,6 +274,8 @@ def test_gram_command_under_a_cap_reports_the_peak(rng, tmp_path):
     memory = summary["where"]["device_memory"]
     assert memory and all(0 < m["peak_pool"] <= cap for m in memory), memory
     assert all(m["capacity"] == cap for m in memory), memory
+    # The driver's count (context, modules and the pool's blocks), where it can be read.
+    assert all(m["peak_process"] is None or m["peak_process"] > 0 for m in memory), memory
     g = np.load(tmp_path / "g.npy", mmap_mode="r")
     rows = rng.choice(4000, 10, replace=False)
     np.testing.assert_array_equal(g[rows], bits[rows].astype(np.int64) @ bits.T.astype(np.int64))

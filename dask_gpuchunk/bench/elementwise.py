@@ -98,21 +98,49 @@ def _sync_persist(x: Any) -> Any:
     return result
 
 
-def _pool_peak(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """Wrap ``fn`` to record the CuPy pool's size after it ran, from an empty pool."""
-    import cupy
+class _DevicePeaks:
+    """Wraps ``fn`` to record, per call from an emptied pool, the CuPy pool's high-water mark
+    (``pool``) and the driver's figure for this process (``process``: the pool's blocks plus
+    the context, kernel modules and cuBLAS workspaces; sampled by
+    :func:`dask_gpuchunk.process_memory.watch` and read at the end of the call; ``None`` where
+    the driver's per-process figure cannot be read). ``release``, where given, runs first: it
+    drops what the previous call kept alive."""
 
-    pool = cupy.get_default_memory_pool()
-    peaks: list[int] = []
+    def __init__(self, fn: Callable[[], Any], release: Callable[[], Any] | None = None) -> None:
+        from .. import process_memory
 
-    def wrapped() -> Any:
+        process_memory.watch()
+        self.fn = fn
+        self.release = release
+        self.pool: list[int] = []
+        self.process: list[int] = []
+
+    def __call__(self) -> Any:
+        import cupy
+
+        from .. import process_memory
+
+        if self.release is not None:
+            self.release()
+        pool = cupy.get_default_memory_pool()
         pool.free_all_blocks()
-        result = fn()
-        peaks.append(int(pool.total_bytes()))
+        process_memory.reset_peak()
+        result = self.fn()
+        self.pool.append(int(pool.total_bytes()))  # the pool keeps its blocks until freed
+        seen = process_memory.peak_bytes()
+        if seen is not None:
+            self.process.append(seen)
         return result
 
-    wrapped.peaks = peaks  # type: ignore[attr-defined]
-    return wrapped
+    def record(self, entry: Entry | None) -> None:
+        """Put the peaks seen into ``entry.extra`` (``peak_device_bytes``,
+        ``peak_process_bytes``)."""
+        if entry is None:
+            return
+        if self.pool:
+            entry.extra["peak_device_bytes"] = max(self.pool)
+        if self.process:
+            entry.extra["peak_process_bytes"] = max(self.process)
 
 
 def _machine() -> dict[str, Any]:
@@ -283,9 +311,9 @@ def _table(bench: _Bench, table: str, scalar_op: Callable, op: Any, shape: tuple
     kernel(a[:2], b[:2], out[:2])  # compile
     trio = {"ours cpu": ours("cpu"), "ours auto (pageable host arrays)": ours("auto"),
             "peer numba parallel (CPU)": lambda: kernel(a, b, out)}
-    peak: Callable[[], Any] | None = None
+    peak: _DevicePeaks | None = None
     if bench.has_gpu:
-        peak = _pool_peak(ours("gpu"))
+        peak = _DevicePeaks(ours("gpu"))
         trio = {"ours gpu (pageable host arrays)": peak, **trio}
     else:
         bench.timed(table, "ours gpu (pageable host arrays)", lambda: None, gpu=True)
@@ -296,20 +324,19 @@ def _table(bench: _Bench, table: str, scalar_op: Callable, op: Any, shape: tuple
         if e.name.startswith("ours auto"):
             e.extra["placement"] = [{k: v for k, v in d.items() if k != "key"}
                                     for d in decisions()]
-        if e.name.startswith("ours gpu") and peak is not None and peak.peaks:
-            e.extra["peak_device_bytes"] = max(peak.peaks)
+        if e.name.startswith("ours gpu") and peak is not None:
+            peak.record(e)
 
     if table == "product" and bench.has_gpu and bench.want("ours gpu (pinned"):
         from ..staging import empty_pinned
 
         pa, pb, pc = (empty_pinned(shape, np.float64) for _ in range(3))
         pa[...], pb[...], pc[...] = a, b, np.nan
-        pinned = _pool_peak(lambda: op(asarray(pa, chunks), asarray(pb, chunks), device="gpu",
+        pinned = _DevicePeaks(lambda: op(asarray(pa, chunks), asarray(pb, chunks), device="gpu",
                                        out=pc))
         e = bench.timed(table, "ours gpu (pinned host arrays)", pinned, gpu=True,
                         check=lambda: check(pc))
-        if e is not None and pinned.peaks:
-            e.extra["peak_device_bytes"] = max(pinned.peaks)
+        pinned.record(e)
         del pa, pb, pc
 
     if bench.has_gpu and (bench.want("device-resident") or bench.want("cupy")):

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .elementwise import _Bench, _machine
+from .elementwise import _Bench, _DevicePeaks, _machine
 from .timing import Entry
 
 __all__ = ["popcount_ceiling", "run"]
@@ -260,7 +260,8 @@ def _ours_dask(bench: _Bench, table: str, dev_words: Any, n: int, chunk_rows: Se
                 check(held[0].compute(scheduler="threads"))
 
             name = f"ours {method} (device-resident, {rows}-row chunks)"
-            bench.timed(table, name, once, gpu=True, check=check_held)
+            peaks = _DevicePeaks(once, release=held.clear)
+            peaks.record(bench.timed(table, name, peaks, gpu=True, check=check_held))
             held.clear()
             cupy.get_default_memory_pool().free_all_blocks()
 
@@ -309,10 +310,16 @@ def _peers(bench: _Bench, table: str, dev_words: Any, n: int, k: int, seed_rows:
         _scaled(e, (n / rows) ** 2, rows)
         del seed_c
 
-    unpacked = cupy.empty((n, dev_words.shape[1] * 64), dtype=np.int8)
+    int8_rows = ("peer cuBLAS int8 gemmEx via CuPy (full C)", "peer torch._int_mm (full C)",
+                 "peer torch._scaled_mm fp8 (full C)", "peer cupy float32 matmul (full C)")
+    try:
+        unpacked = cupy.empty((n, dev_words.shape[1] * 64), dtype=np.int8)
+        c = cupy.empty((n, n), dtype=np.int32)
+    except cupy.cuda.memory.OutOfMemoryError as exc:  # under --device-budget: reported, not fatal
+        _no_room(bench, table, int8_rows, exc)
+        return
     unpack_int8_cuda(dev_words, unpacked)
     _sync()
-    c = cupy.empty((n, n), dtype=np.int32)
 
     def gemm_int8() -> None:
         kernels._gemm_int8(unpacked, unpacked, c, slice(0, n), slice(0, n),
@@ -323,7 +330,12 @@ def _peers(bench: _Bench, table: str, dev_words: Any, n: int, k: int, seed_rows:
                 check=lambda: check(c))
     _torch_peers(bench, table, unpacked, check)
     if bench.want("float32"):
-        a32 = unpacked.astype(np.float32)
+        del c
+        try:
+            a32 = unpacked.astype(np.float32)
+        except cupy.cuda.memory.OutOfMemoryError as exc:
+            _no_room(bench, table, int8_rows[-1:], exc)
+            return
         held: list[Any] = []
 
         def f32() -> None:
@@ -333,6 +345,14 @@ def _peers(bench: _Bench, table: str, dev_words: Any, n: int, k: int, seed_rows:
         bench.timed(table, "peer cupy float32 matmul (full C)", f32, gpu=True,
                     check=lambda: check(held[0].astype(np.int32)))
         held.clear()
+
+
+def _no_room(bench: _Bench, table: str, names: Sequence[str], exc: Exception) -> None:
+    """Rows whose operands do not fit the device (a capped pool): skipped, with the reason."""
+    for name in names:
+        if bench.want(name):
+            bench.add(Entry(table, name, "peer",
+                            skipped=f"its operands do not fit the device: {exc}".splitlines()[0]))
 
 
 def _torch_peers(bench: _Bench, table: str, unpacked: Any, check: Callable[[Any], None]) -> None:
@@ -414,6 +434,11 @@ def format_table(report: dict[str, Any]) -> str:
         note = f"timed on {x['measured_rows']} rows, scaled" if "measured_rows" in x else ""
         if e["first_run"] is not None and e["first_run"] > 1.5 * e["seconds"] and not note:
             note = f"first run {e['first_run']:.3f} s"
+        if "peak_device_bytes" in x:
+            note += (f"{'; ' if note else ''}peak device {x['peak_device_bytes'] / 1e9:.2f} GB "
+                     "(pool)")
+        if "peak_process_bytes" in x:
+            note += f", {x['peak_process_bytes'] / 1e9:.2f} GB (driver, this process)"
         lines.append(f"  {e['name']:52s} {e['seconds']:9.4f} {x['bit_macs_per_s']:10.3g} "
                      f"{ceil:>7s} {seed:>7s}  {note}")
     return "\n".join(lines)

@@ -45,7 +45,9 @@ def format_table(report: dict[str, Any]) -> str:
             x = e["extra"]
             note = []
             if "peak_device_bytes" in x:
-                note.append(f"peak device {x['peak_device_bytes'] / 1e9:.2f} GB")
+                note.append(f"peak device {x['peak_device_bytes'] / 1e9:.2f} GB (pool)")
+            if "peak_process_bytes" in x:
+                note.append(f"{x['peak_process_bytes'] / 1e9:.2f} GB (driver, this process)")
             if e["first_run"] is not None and e["first_run"] > 1.5 * e["seconds"]:
                 note.append(f"first run {e['first_run']:.3f} s")
             if "vs_cupy" in x:
