@@ -363,6 +363,11 @@ def _table(bench: _Bench, table: str, scalar_op: Callable, op: Any, shape: tuple
     if table == "product":
         bench.timed(table, "peer whole arrays to the GPU (numba.cuda)", _seed000(a, b, out), gpu=True,
                     check=check)
+        from numba import cuda
+
+        # numba frees its device arrays in batches, later: without this, the peer's 12 GB
+        # stay held by this process into the next table's rows (the driver's peak showed them).
+        cuda.current_context().deallocations.clear()
         bench.timed(table, "peer naive dask-cuda (LocalCUDACluster)",
                     _naive_dask_cuda(a, b, chunks), gpu=True, warmup=0, repeat=1)
     for e in bench.entries[first:]:
@@ -389,13 +394,30 @@ def _device_rows(bench: _Bench, table: str, op: Any, a: np.ndarray, b: np.ndarra
     """
     import cupy
 
+    from ..budget import device_capacity, format_bytes
+
+    steps = LOOP_STEPS
+    names = ["ours device-resident (CuPy chunks)", "ours device-resident, one chunk per array",
+             f"ours device-resident, {steps}-step loop (per step)"]
+    if table == "product":
+        names += [CUPY_ROW, CUPY_LOOP_ROW, "peer dask.array a*b (CuPy chunks)",
+                  "peer dask.array a*b, one chunk per array"]
+    # Both inputs, the result kept from the last run and the one being made, all at once.
+    needed = 4 * a.nbytes
+    if needed > device_capacity():  # a capped device (--device-budget): reported, not fatal
+        for name in names:
+            if bench.want(name):
+                bench.add(Entry(table, name, "ours" if name.startswith("ours") else "peer",
+                                skipped=f"needs {format_bytes(needed)} on the device at once; "
+                                        f"the device has {format_bytes(device_capacity())} "
+                                        "(fewer --rows)"))
+        return
     dev_a, dev_b = cupy.asarray(a), cupy.asarray(b)
     rows = max(1, a.shape[0] // 4)  # four chunks of a quarter each: device memory is ample
     xa, xb = asarray(dev_a, (rows, a.shape[1])), asarray(dev_b, (rows, a.shape[1]))
     # The same arrays as one chunk each (they fit): Dask's cost per persist is mostly per task.
     whole_a, whole_b = asarray(dev_a, dev_a.shape), asarray(dev_b, dev_b.shape)
     held: list[Any] = []
-    steps = LOOP_STEPS
 
     def ours() -> None:
         held[:] = [_sync_persist(op(xa, xb, device="gpu"))]
@@ -431,17 +453,10 @@ def _device_rows(bench: _Bench, table: str, op: Any, a: np.ndarray, b: np.ndarra
         if held:  # the last result of ours (or of Dask's own multiply) that ran
             check(cupy.asnumpy(held[0].compute(scheduler="threads")))
 
-    fns: dict[str, Callable[[], None]] = {
-        "ours device-resident (CuPy chunks)": ours,
-        "ours device-resident, one chunk per array": ours_whole,
-        f"ours device-resident, {steps}-step loop (per step)": ours_loop,
-    }
-    if table == "product":
-        fns[CUPY_ROW] = cupy_mul
-        fns[CUPY_LOOP_ROW] = cupy_loop
-        # Dask's own multiply on the same CuPy chunks: what any Dask operation pays per persist.
-        fns["peer dask.array a*b (CuPy chunks)"] = dask_mul
-        fns["peer dask.array a*b, one chunk per array"] = dask_mul_whole
+    # CuPy's own a * b, and Dask's own multiply on the same CuPy chunks (what any Dask
+    # operation pays per persist), in the product table.
+    fns = dict(zip(names, [ours, ours_whole, ours_loop, cupy_mul, cupy_loop, dask_mul,
+                           dask_mul_whole], strict=False))
     for e in bench.interleaved(table, fns, check_ours, repeat=max(bench.repeat, DEVICE_ROUNDS)):
         e.extra["interleaved_rounds"] = len(e.runs)
         if "loop" in e.name:
