@@ -370,7 +370,13 @@ def _run_writes(written: da.Array, progress: Callable[[int, int], None] | None) 
                 wait(futures, timeout=0.25)
         client.gather(futures)  # raises what a failed chunk raised
     except BaseException:
-        client.cancel(futures)
+        # Released, not cancelled: Client.cancel trips an assertion in distributed's scheduler
+        # (stimulus_cancel, "assert ts.who_wants") for wanted keys whose dependents nobody
+        # wants, as the rows layout's slabs that wait for earlier writes: after a chunk ran out
+        # of device memory, the CLI's one-line error came with that traceback. Nobody wants
+        # the released keys, so the scheduler drops what has not run.
+        for future in futures:
+            future.release()
         raise
 
 

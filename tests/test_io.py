@@ -165,3 +165,31 @@ def test_to_npy_of_cupy_chunks(rng, tmp_path):
     x = dg.asarray(cupy.asarray(a), chunks=(64, 40))
     dg.to_npy(dg.multiply(x, 3.0), tmp_path / "c.npy")
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), a * np.float32(3.0))
+
+
+def _fails_after_a_while(block: np.ndarray) -> np.ndarray:
+    import time
+
+    time.sleep(0.3)
+    raise MemoryError("out of device memory, on purpose")
+
+
+def test_a_failed_write_on_a_cluster_releases_its_tasks_without_cancel(tmp_path, monkeypatch):
+    # Client.cancel trips distributed's scheduler ("assert ts.who_wants") for wanted keys whose
+    # dependents nobody wants; the writes are released instead, and the failure propagates.
+    import time
+
+    from distributed import Client, LocalCluster
+
+    monkeypatch.setattr(Client, "cancel", lambda *a, **k: pytest.fail("Client.cancel called"))
+    x = da.ones((64, 8), chunks=(4, 8)).map_blocks(_fails_after_a_while, dtype=float)
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        with pytest.raises(MemoryError, match="on purpose"):
+            dg.to_npy(x, tmp_path / "c.npy")
+        deadline = time.monotonic() + 10
+        while client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)) and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)) == 0
+    assert list(tmp_path.iterdir()) == []  # nothing written, no partial file left
