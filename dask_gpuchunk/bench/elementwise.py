@@ -366,8 +366,10 @@ def _table(bench: _Bench, table: str, scalar_op: Callable, op: Any, shape: tuple
         from numba import cuda
 
         # numba frees its device arrays in batches, later: without this, the peer's 12 GB
-        # stay held by this process into the next table's rows (the driver's peak showed them).
-        cuda.current_context().deallocations.clear()
+        # stay held by this process into the next table's rows (the driver's peak showed
+        # them). numba-cuda keeps the pending frees with its memory manager.
+        context = cuda.current_context()
+        getattr(context.memory_manager, "deallocations", context.deallocations).clear()
         bench.timed(table, "peer naive dask-cuda (LocalCUDACluster)",
                     _naive_dask_cuda(a, b, chunks), gpu=True, warmup=0, repeat=1)
     for e in bench.entries[first:]:
