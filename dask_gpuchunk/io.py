@@ -34,6 +34,17 @@ from dask.highlevelgraph import HighLevelGraph
 
 from .arrays import asarray
 from .backend import is_cupy
+from .files import (
+    FileIdentity,
+    check_unchanged,
+    create_exclusive,
+    file_key,
+    identity,
+    open_pinned,
+    open_same,
+    publish,
+    refuse_unless_regular,
+)
 
 __all__ = ["NpyFormatError", "NpyHeader", "from_npy", "read_header", "to_npy"]
 
@@ -171,19 +182,22 @@ _read_slots = threading.Semaphore(FILE_READS_IN_FLIGHT) if FILE_READS_IN_FLIGHT 
 
 
 def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...],
-                 pinned: bool | None = None) -> np.ndarray:
+                 pinned: bool | None = None, pinned_file: FileIdentity | None = None) -> np.ndarray:
     """Read one region of the file into a new (pinned where a GPU is visible) array.
 
     ``preadv`` of each contiguous run, straight into the array: large sequential reads, no
     page faults, no other copy. Fortran-order or big-endian files are read through a memory
-    map instead (a strided region, or a conversion, needs a copy anyway).
+    map instead (a strided region, or a conversion, needs a copy anyway). ``pinned_file``: the
+    file's identity when the graph was built (:class:`InputChangedError` where it changed).
     """
     shape = tuple(len(range(*s.indices(n))) for s, n in zip(region, header.shape))
     if header.nbytes == 0 or 0 in shape:
         return np.empty(shape, dtype=_native(header.dtype))
+    fd = open_pinned(path, pinned_file) if pinned_file is not None else os.open(path, os.O_RDONLY)
     if header.fortran_order or not header.dtype.isnative:
-        mm = np.memmap(path, dtype=header.dtype, mode="r", offset=header.offset,
-                       shape=header.shape, order="F" if header.fortran_order else "C")
+        with open(fd, "rb") as f:  # the map outlives the descriptor
+            mm = np.memmap(f, dtype=header.dtype, mode="r", offset=header.offset,
+                           shape=header.shape, order="F" if header.fortran_order else "C")
         view = mm[region] if region else mm  # a 0-d memmap indexed by () would be a scalar
         out = _host_array(shape, _native(header.dtype), pinned)
         out[...] = view
@@ -191,7 +205,6 @@ def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...],
     out = _host_array(shape, header.dtype, pinned)
     raw = memoryview(out.reshape(-1).view(np.uint8))
     run, offsets = _region_runs(header, region)
-    fd = os.open(path, os.O_RDONLY)
     try:
         with _read_slots or contextlib.nullcontext():
             if not _each_run(lambda view, offset: os.preadv(fd, [view], offset), raw, run, offsets):
@@ -243,14 +256,40 @@ def from_npy(path: str | os.PathLike, chunks: Any = "auto", *, pinned: bool | No
     path = os.path.abspath(os.fspath(path))
     header = read_header(path)
     dtype = _native(header.dtype)
-    chunks = normalize_chunks(chunks, header.shape, dtype=dtype)
-    stat = os.stat(path)
-    name = "from-npy-" + tokenize(path, stat.st_mtime_ns, stat.st_size, chunks, pinned)
+    chunks = _checked_chunks(chunks, header.shape, dtype)
+    pinned_file = identity(path)
+    name = "from-npy-" + tokenize(path, pinned_file, chunks, pinned)
     keys = [(name, *idx) for idx in np.ndindex(*(len(c) for c in chunks))]
-    dsk = {key: (_read_region, path, header, region, pinned)
+    dsk = {key: (_read_region, path, header, region, pinned, pinned_file)
            for key, region in zip(keys, slices_from_chunks(chunks))}
+    _pinned_inputs[name] = (path, pinned_file)
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=[])
     return da.Array(graph, name, chunks, dtype=dtype, meta=np.empty((0,) * len(chunks), dtype))
+
+
+#: The files behind the ``from_npy`` layers made in this process (layer name -> path and
+#: identity): :func:`to_npy` checks those its result was read from before publishing it.
+_pinned_inputs: dict[str, tuple[str, FileIdentity]] = {}
+
+
+def _checked_chunks(chunks: Any, shape: tuple[int, ...], dtype: np.dtype) -> tuple[tuple[int, ...], ...]:
+    """``normalize_chunks``, refusing what does not tile ``shape`` (negative sizes other than
+    -1, blocks that do not add up)."""
+    if isinstance(chunks, (tuple, list)) and any(
+            isinstance(c, (int, np.integer)) and (c < -1 or c == 0) for c in chunks):
+        raise ValueError(f"chunks={chunks!r}: a block size must be positive, or -1 for the whole "
+                         "axis")
+    normalized = normalize_chunks(chunks, shape, dtype=dtype)
+    for axis, (blocks, n) in enumerate(zip(normalized, shape)):
+        if any(b < 0 for b in blocks) or sum(blocks) != n or (n and 0 in blocks):
+            raise ValueError(f"chunks={chunks!r} do not tile axis {axis} of length {n}")
+    return normalized
+
+
+def _inputs_of(x: Any) -> list[tuple[str, FileIdentity]]:
+    """The pinned ``.npy`` inputs (:func:`from_npy`) that Dask array ``x`` is computed from."""
+    layers = getattr(getattr(x, "dask", None), "layers", {})
+    return [_pinned_inputs[name] for name in layers if name in _pinned_inputs]
 
 
 # ---- writing ---------------------------------------------------------------------------------
@@ -267,8 +306,9 @@ def _check_target(path: Path, overwrite: bool) -> None:
             pass
     except OSError:
         raise PermissionError(f"output directory {parent} is not writable") from None
-    if path.exists() and not overwrite:
+    if os.path.lexists(path) and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it")
+    refuse_unless_regular(path)
 
 
 #: Chunk writes at once per process (``DASK_GPUCHUNK_FILE_WRITES``; 0: no limit). Measured on
@@ -278,11 +318,14 @@ FILE_WRITES_IN_FLIGHT = int(os.environ.get("DASK_GPUCHUNK_FILE_WRITES", "1") or 
 _write_slots = threading.Semaphore(FILE_WRITES_IN_FLIGHT) if FILE_WRITES_IN_FLIGHT > 0 else None
 
 
-def _create_file(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> NpyHeader:
-    """Write a C-order ``.npy`` header and extend the file to its full size (sparse, unwritten)."""
+def _create_file(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[NpyHeader, tuple[int, int, int]]:
+    """Create ``path`` (exclusively, not through a symlink), write a C-order ``.npy`` header and
+    extend the file to its full size (sparse, unwritten): the header and the file's key
+    (:func:`dask_gpuchunk.files.file_key`)."""
     fmt = np.lib.format
     header = {"descr": fmt.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
-    with open(path, "xb") as f:
+    with open(create_exclusive(path), "wb") as f:
+        st = os.fstat(f.fileno())
         try:
             fmt.write_array_header_1_0(f, header)
         except ValueError:  # a header longer than 64 KiB (a very long shape or dtype)
@@ -291,18 +334,20 @@ def _create_file(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> NpyHead
             fmt.write_array_header_2_0(f, header)
         offset = f.tell()
         f.truncate(offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-    return NpyHeader(tuple(shape), dtype, False, offset)
+    return NpyHeader(tuple(shape), dtype, False, offset), file_key(st)
 
 
-def _write_region(block: Any, path: str, header: NpyHeader, region: tuple[slice, ...]) -> np.ndarray:
-    """Write one computed chunk into its region of the (temporary) file.
+def _write_region(block: Any, path: str, header: NpyHeader, region: tuple[slice, ...],
+                  key: tuple[int, int, int]) -> np.ndarray:
+    """Write one computed chunk into its region of the temporary file, opened only where the
+    path still names the file the job created (``key``, :func:`dask_gpuchunk.files.file_key`).
 
     Returns the bytes written, as a one-element array per chunk (so the writes form an array).
     """
     done = np.zeros((1,) * len(region), dtype=np.int64)
     if header.nbytes == 0 or block.size == 0:
         return done
-    fd = os.open(path, os.O_WRONLY)
+    fd = open_same(path, key)
     try:
         if is_cupy(block):
             _device_to_file(block, fd, header, region)
@@ -429,28 +474,37 @@ def to_npy(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
         raise TypeError(f"cannot write an array of Python objects ({x.dtype}) to a .npy file")
     _check_target(target, overwrite)
     x = asarray(x)
-    with _file_in_place(target, _native(x.dtype), x.shape) as (tmp, header):
+    with _file_in_place(target, _native(x.dtype), x.shape, overwrite,
+                        _inputs_of(x)) as (tmp, header, key):
         name = "to-npy-" + tokenize(x, tmp)
         dsk: dict[tuple, Any] = {}
         for idx, region in zip(np.ndindex(*x.numblocks), slices_from_chunks(x.chunks)):
-            dsk[(name, *idx)] = (_write_region, (x.name, *idx), tmp, header, region)
+            dsk[(name, *idx)] = (_write_region, (x.name, *idx), tmp, header, region, key)
         _run_write_graph(name, dsk, x, x.numblocks, progress)
     return target
 
 
 @contextlib.contextmanager
-def _file_in_place(target: Path, dtype: np.dtype,
-                   shape: tuple[int, ...]) -> Iterator[tuple[str, NpyHeader]]:
-    """A temporary ``.npy`` beside ``target``, header written and sized: ``(its path, header)``.
-    Renamed onto ``target`` when the block ends, removed if it raises (never half-written)."""
+def _file_in_place(target: Path, dtype: np.dtype, shape: tuple[int, ...], overwrite: bool,
+                   inputs: list[tuple[str, FileIdentity]] = ()
+                   ) -> Iterator[tuple[str, NpyHeader, tuple[int, int, int]]]:
+    """A temporary ``.npy`` beside ``target``, header written and sized: ``(its path, header,
+    its key)`` (:func:`dask_gpuchunk.files.file_key`). When the block ends, each of ``inputs``
+    (path, identity) is checked unchanged, then the file is published onto ``target`` (:func:`dask_gpuchunk.files.publish`:
+    never over a file that appeared meanwhile unless ``overwrite``, and then only over a regular
+    file). Removed if anything raises (never half-written)."""
     tmp = _temporary_name(target)
+    key = None
     try:
-        header = _create_file(tmp, dtype, shape)
-        yield str(tmp), header
-        os.replace(tmp, target)
+        header, key = _create_file(tmp, dtype, shape)
+        yield str(tmp), header, key
+        for path, pinned_file in inputs:
+            check_unchanged(path, pinned_file)
+        publish(tmp, target, key, overwrite)
     except BaseException:
         with contextlib.suppress(OSError):
-            tmp.unlink()
+            if key is not None and file_key(os.lstat(tmp)) == tuple(key):
+                tmp.unlink()  # ours; a file swapped in under its name is not ours to remove
         raise
 
 

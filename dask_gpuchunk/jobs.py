@@ -10,6 +10,7 @@ cluster's workers when a client is active), and writes the result chunk by chunk
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -23,6 +24,7 @@ from dask.utils import parse_bytes
 from ._kernels.bitpack import BitValueError, check_bits_dtype, check_words_dtype
 from ._kernels.elementwise import check_dtype
 from .devices import GPUNotAvailableError
+from .files import FileReplacedError, InputChangedError
 from .io import NpyFormatError, NpyHeader, from_npy, read_header, to_npy
 
 __all__ = [
@@ -110,11 +112,12 @@ def _gram_rows_to_npy(words: Any, target: Path, method: str, device: str, overwr
     Never half-written, as :func:`dask_gpuchunk.to_npy`."""
     from dask.base import tokenize
 
-    from .io import _check_target, _file_in_place, _run_write_graph, _write_region
+    from .io import _check_target, _file_in_place, _inputs_of, _run_write_graph, _write_region
 
     n = words.shape[0]
     _check_target(target, overwrite)
-    with _file_in_place(target, np.dtype(np.int32), (n, n)) as (tmp, header):
+    with _file_in_place(target, np.dtype(np.int32), (n, n), overwrite,
+                        _inputs_of(words)) as (tmp, header, key):
         token = tokenize(words, method, device, tmp)
         slab, write = f"gram-slab-{token}", f"gram-slab-write-{token}"
         everything = [(words.name, j, 0) for j in range(len(words.chunks[0]))]
@@ -124,7 +127,7 @@ def _gram_rows_to_npy(words: Any, target: Path, method: str, device: str, overwr
             previous = (write, i - SLABS_AHEAD, 0) if i >= SLABS_AHEAD else None
             dsk[(slab, i, 0)] = (_slab_after, previous, (words.name, i, 0), everything, method, device)
             dsk[(write, i, 0)] = (_write_region, (slab, i, 0), tmp, header,
-                                  (slice(start, start + rows), slice(0, n)))
+                                  (slice(start, start + rows), slice(0, n)), key)
             start += rows
         _run_write_graph(write, dsk, words, (len(words.chunks[0]), 1), progress)
 
@@ -184,8 +187,15 @@ def _check_output(out: str | os.PathLike, inputs: list[str | os.PathLike], overw
     from .io import _check_target
 
     target = Path(os.path.abspath(os.fspath(out)))
-    if any(target == Path(os.path.abspath(os.fspath(p))) for p in inputs):
-        raise OutputError(f"output {out} is also an input; write to another file")
+    # Resolved, so that a symlinked directory (dirlink/a.npy with dirlink -> .) or a link to
+    # an input is seen for what it is; the same file under another name (a hard link) too.
+    resolved = os.path.realpath(target)
+    for p in inputs:
+        same = resolved == os.path.realpath(p)
+        with contextlib.suppress(OSError):
+            same = same or os.path.samefile(target, p)
+        if same:
+            raise OutputError(f"output {out} is also an input ({p}); write to another file")
     try:
         _check_target(target, overwrite)
     except OSError as exc:
@@ -268,6 +278,13 @@ def _run(write: Callable[[], Any], warmup: Callable[[], list[Any]] | None = None
         raise InputError(str(exc)) from None
     except GPUNotAvailableError as exc:
         raise ClusterError(str(exc)) from None
+    except InputChangedError as exc:
+        raise JobError(exc.strerror or str(exc)) from None
+    except FileReplacedError as exc:
+        raise OutputError(f"output: {exc.strerror or exc}") from None
+    except FileExistsError as exc:  # the target appeared during the job: kept, not replaced
+        raise OutputError(f"output: {exc.strerror or exc} (it appeared during the job); "
+                          "this job's result was not kept") from None
     return time.perf_counter() - t0
 
 

@@ -312,3 +312,96 @@ def test_gram_command_on_the_gpu(rng, tmp_path, layout):
     rows = rng.choice(3000, 10, replace=False)
     expected = bits[rows].astype(np.int64) @ bits.T.astype(np.int64)
     np.testing.assert_array_equal(g[rows], expected)
+
+
+# ---- nothing lost: no clobbering, pinned inputs, resolved paths --------------------------------
+
+
+def _leftovers(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.name.endswith(".partial"))
+
+
+def test_two_jobs_to_one_target_one_wins_the_other_exits_4(inputs):
+    d, a, b, _ = inputs
+    target = str(d / "c.npy")
+    args = [*PYTHON, "multiply", str(d / "a.npy"), str(d / "b.npy"), "-o", target,
+            "--chunk-size", "40KB"]
+    jobs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    results = [(p.wait(timeout=180), p.stderr.read()) for p in jobs]
+    assert sorted(rc for rc, _ in results) == [0, 4], results
+    loser = next(err for rc, err in results if rc == 4).strip()
+    assert loser.startswith("error: output") and "\n" not in loser, loser
+    np.testing.assert_array_equal(np.load(target), a * b)
+    assert _leftovers(d) == []
+
+
+def test_a_target_that_appears_during_a_job_is_kept_exit_4(inputs, monkeypatch):
+    from dask_gpuchunk import io
+
+    d, *_ = inputs
+    real = io.publish
+
+    def another_job_first(tmp, target, key, overwrite):
+        np.save(target, np.zeros(3))  # another job's result lands first
+        real(tmp, target, key, overwrite)
+
+    monkeypatch.setattr(io, "publish", another_job_first)
+    monkeypatch.chdir(d)
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy"])
+    assert result.exit_code == 4, result.output
+    assert "appeared during the job" in result.stderr and "\n" not in result.stderr.strip()
+    np.testing.assert_array_equal(np.load(d / "c.npy"), np.zeros(3))
+    assert _leftovers(d) == []
+
+
+def test_an_input_changed_during_a_job_exits_1_and_writes_nothing(inputs, monkeypatch):
+    from dask_gpuchunk import io
+
+    d, *_ = inputs
+    real = io.check_unchanged
+
+    def modified_meanwhile(path, pinned):
+        if path.endswith("a.npy"):
+            with open(path, "r+b") as f:  # in place, same size: a change only mtime shows
+                f.seek(-8, os.SEEK_END)
+                f.write(np.float64(7).tobytes())
+            st = os.stat(path)
+            os.utime(path, ns=(st.st_atime_ns, pinned.mtime_ns + 10**9))
+        real(path, pinned)
+
+    monkeypatch.setattr(io, "check_unchanged", modified_meanwhile)
+    monkeypatch.chdir(d)
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy"])
+    assert result.exit_code == 1, result.output
+    message = result.stderr.strip()
+    assert "a.npy was modified during the job" in message and "\n" not in message, message
+    assert not (d / "c.npy").exists() and _leftovers(d) == []
+
+
+def test_output_through_a_symlinked_directory_is_still_an_input(inputs, monkeypatch):
+    d, a, *_ = inputs
+    os.symlink(d, d / "dirlink")
+    monkeypatch.chdir(d)
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "dirlink/a.npy",
+                                       "--overwrite"])
+    assert result.exit_code == 4, result.output
+    assert "is also an input" in result.stderr
+    np.testing.assert_array_equal(np.load(d / "a.npy"), a)
+
+
+def test_overwrite_refuses_a_fifo_and_keeps_a_files_mode(inputs, monkeypatch):
+    d, a, b, _ = inputs
+    os.mkfifo(d / "fifo.npy")
+    monkeypatch.chdir(d)
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "fifo.npy",
+                                       "--overwrite"])
+    assert result.exit_code == 4, result.output
+    assert "a FIFO" in result.stderr
+    np.save(d / "c.npy", np.zeros(2))
+    os.chmod(d / "c.npy", 0o600)
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy",
+                                       "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert (os.stat(d / "c.npy").st_mode & 0o777) == 0o600
+    np.testing.assert_array_equal(np.load(d / "c.npy"), a * b)

@@ -363,13 +363,8 @@ def _table(bench: _Bench, table: str, scalar_op: Callable, op: Any, shape: tuple
     if table == "product":
         bench.timed(table, "peer whole arrays to the GPU (numba.cuda)", _seed000(a, b, out), gpu=True,
                     check=check)
-        from numba import cuda
-
-        # numba frees its device arrays in batches, later: without this, the peer's 12 GB
-        # stay held by this process into the next table's rows (the driver's peak showed
-        # them). numba-cuda keeps the pending frees with its memory manager.
-        context = cuda.current_context()
-        getattr(context.memory_manager, "deallocations", context.deallocations).clear()
+        if bench.has_gpu:
+            _flush_numba_frees()
         bench.timed(table, "peer naive dask-cuda (LocalCUDACluster)",
                     _naive_dask_cuda(a, b, chunks), gpu=True, warmup=0, repeat=1)
     for e in bench.entries[first:]:
@@ -472,6 +467,20 @@ def _per_step(entry: Entry | None, steps: int) -> None:
         entry.runs = [t / steps for t in entry.runs]
         entry.first_run = None if entry.first_run is None else entry.first_run / steps
         entry.extra["steps"] = steps
+
+
+def _flush_numba_frees() -> None:
+    """Free the device arrays numba has released but not yet freed. It frees them in
+    batches, later: without this, the whole-array peer's 12 GB stayed held by this process
+    into the next table's rows (the driver's peak showed them). numba-cuda keeps the pending
+    frees with its memory manager (measured: the context's own list was empty)."""
+    from numba import cuda
+
+    context = cuda.current_context()
+    pending = getattr(getattr(context, "memory_manager", None), "deallocations", None)
+    for frees in (pending, getattr(context, "deallocations", None)):
+        if frees is not None:
+            frees.clear()
 
 
 def _seed000(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> Callable[[], None]:
