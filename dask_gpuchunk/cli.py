@@ -273,6 +273,9 @@ def _cluster_options(func: Callable) -> Callable:
         click.option("--threads-per-gpu", type=click.IntRange(min=1),
                      help="Local cluster: Dask threads per GPU worker (CPU-only: per worker) "
                      "[default: cores / GPUs]."),
+        click.option("--no-tls", is_flag=True,
+                     help="Local cluster: plain TCP on loopback instead of TLS with throwaway "
+                     "credentials (any local user could then connect and run code as you)."),
         click.option("--device", type=click.Choice(["auto", "gpu", "cpu"]), default="auto",
                      show_default=True, help="Where chunks run."),
         click.option("--json", "as_json", is_flag=True,
@@ -293,7 +296,7 @@ def _cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
     if opts["scheduler_file"] and opts["scheduler_address"]:
         raise click.UsageError("give --scheduler-file or --scheduler-address, not both")
     local_only = [f"--{k.replace('_', '-')}" for k in ("gpus", "spill_dir", "threads_per_gpu")
-                  if opts[k] is not None]
+                  if opts[k] is not None] + (["--no-tls"] if opts.get("no_tls") else [])
     if joined and local_only:
         raise click.UsageError(f"{', '.join(local_only)} configure a local cluster; the joined "
                                "cluster's workers are configured where they are started")
@@ -325,10 +328,10 @@ def _cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
             # A job's chunks are all staged from files by the package, their device memory
             # bounded by its staging slots and budget: a thread per core copies at full rate.
             threads_per_gpu=opts["threads_per_gpu"] or "cores", silence_logs=logging.CRITICAL,
-            dashboard_address=None,
+            dashboard_address=None, secure=not opts["no_tls"],
         )
         client = cluster.__enter__()
-    except (OSError, TimeoutError, GPUNotAvailableError, ValueError) as exc:
+    except (OSError, TimeoutError, GPUNotAvailableError, ValueError, ImportError) as exc:
         raise ClusterError(f"cannot start or join the cluster: {exc}".splitlines()[0]) from None
     try:
         yield client

@@ -26,8 +26,8 @@ from dask.utils import parse_bytes
 
 from .devices import GPUNotAvailableError, gpu_count
 
-__all__ = ["PRELOAD", "THREADS_PER_GPU", "connect", "dask_setup", "local_cluster",
-           "parse_memory_limit", "release_memory", "wait_for_workers"]
+__all__ = ["LOOPBACK", "PRELOAD", "THREADS_PER_GPU", "connect", "dask_setup", "local_cluster",
+           "parse_memory_limit", "release_memory", "temporary_security", "wait_for_workers"]
 
 #: The module a worker imports when it starts (``preload=``; ``--preload`` of ``dask worker``).
 PRELOAD = "dask_gpuchunk.cluster"
@@ -37,6 +37,24 @@ PRELOAD = "dask_gpuchunk.cluster"
 #: the H200 machine) ran an 8 GiB card out of memory with 1 GiB chunks. Two keep one task's
 #: kernels running while the worker's event loop unspills the next task's inputs.
 THREADS_PER_GPU = 2
+
+
+#: Where :func:`local_cluster`'s scheduler, workers and dashboard listen.
+LOOPBACK = "127.0.0.1"
+
+
+def temporary_security() -> Any:
+    """``distributed.Security.temporary()``: TLS with a throwaway certificate that only this
+    process and the workers it starts hold (it needs the ``cryptography`` package)."""
+    from distributed import Security
+
+    try:
+        return Security.temporary()
+    except ImportError as exc:
+        raise ImportError(
+            f"a local cluster talks TLS by default, which needs the cryptography package "
+            f"({exc}); install it, or pass secure=False (--no-tls) for plain TCP on loopback"
+        ) from None
 
 
 def dask_setup(worker: Any) -> None:
@@ -157,6 +175,7 @@ def local_cluster(
     memory_limit: Any = "auto",
     spill_dir: str | os.PathLike | None = None,
     threads_per_gpu: int | str | None = None,
+    secure: bool = True,
     **cluster_kwargs: Any,
 ) -> Iterator[Any]:
     """A ``distributed.Client`` on a cluster of this machine, closed on exit.
@@ -185,6 +204,11 @@ def local_cluster(
         thread, device memory bounded by the package's staging slots and budget), as the CLI's
         jobs run. On a CPU-only machine, the threads of its one worker (default: a thread per
         core).
+    secure
+        Talk TLS with throwaway credentials (``distributed.Security.temporary()``) and listen on
+        loopback only, dashboard included: without them, any local user could connect to the
+        scheduler and run code as you. ``False``: Dask's plain TCP (still on loopback). A
+        ``security=`` of your own is used as given.
     **cluster_kwargs
         Passed to the cluster class.
 
@@ -212,7 +236,18 @@ def local_cluster(
                          f"{threads_per_gpu!r}")
     cores = os.cpu_count() or 1
     kwargs: dict[str, Any] = {"memory_limit": memory_limit if memory_limit is not None else 0,
-                              "preload": [PRELOAD]}
+                              "preload": [PRELOAD], "host": LOOPBACK}
+    if secure and "security" not in cluster_kwargs:
+        kwargs["security"] = temporary_security()
+    if "dashboard_address" in cluster_kwargs and cluster_kwargs["dashboard_address"] is None:
+        # No dashboard wanted; the scheduler's HTTP server (health, metrics) still starts, on
+        # Dask's 8787 unless told otherwise, and a second cluster then warns that the port is
+        # taken: any free loopback port instead.
+        cluster_kwargs = {**cluster_kwargs, "dashboard_address": f"{LOOPBACK}:0"}
+    if not secure and "protocol" not in cluster_kwargs and "security" not in cluster_kwargs:
+        # In one process Dask's default is "inproc", whose HTTP servers listen on every
+        # interface; TCP takes the loopback host.
+        kwargs["protocol"] = "tcp://"
     if spill_dir is not None:
         spill_dir = os.fspath(spill_dir)
         os.makedirs(spill_dir, exist_ok=True)

@@ -101,3 +101,31 @@ def test_local_cuda_cluster_runs_operators_on_worker_gpus(rng, tmp_path, capfd):
     np.testing.assert_array_equal(np.load(tmp_path / "g.npy"), bits.astype(np.int64) @ bits.T)
     # The workers' preload left the CUDA context to dask-cuda (which warns about an earlier one).
     assert "already exists" not in capfd.readouterr().err
+
+
+def _listening_addresses() -> list[str]:
+    import psutil
+
+    return [c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN]
+
+
+def test_local_cluster_talks_tls_on_loopback_and_refuses_strangers():
+    from distributed import Client
+
+    with dg.local_cluster(processes=False, dashboard_address=None) as client:
+        address = client.scheduler.address
+        assert address.startswith("tls://127.0.0.1:"), address
+        assert client.submit(lambda: 41 + 1).result() == 42
+        # Everything this process listens on, the scheduler's HTTP server included.
+        assert set(_listening_addresses()) <= {"127.0.0.1"}, _listening_addresses()
+        for stranger in (address, address.replace("tls://", "tcp://")):
+            with pytest.raises((OSError, TypeError, TimeoutError)):  # no credentials: refused
+                Client(stranger, timeout=2).close()
+
+
+def test_local_cluster_without_tls_stays_on_loopback():
+    with dg.local_cluster(processes=False, dashboard_address=None, secure=False) as client:
+        assert not client.scheduler.address.startswith("tls://")
+        assert client.submit(lambda: 1).result() == 1
+        assert set(_listening_addresses()) <= {"127.0.0.1"}, _listening_addresses()
