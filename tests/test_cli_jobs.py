@@ -197,6 +197,7 @@ def _setup_bad(d: Path) -> None:
     np.save(d / "badbits.npy", bad_bits)
     np.save(d / "bits.npy", np.ones((6, 70), np.uint8))
     np.save(d / "exists.npy", np.zeros(3))
+    np.save(d / "long.npy", np.ones((200_001, 1)))
     (d / "text.npy").write_text("not numpy at all")
     (d / "empty.npy").write_bytes(b"")
     np.save(d / "trunc.npy", np.ones((100, 100)))
@@ -237,6 +238,10 @@ BAD = [
                                  "-3GB"], 2, "negative"),
     ("bad chunk size", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--chunk-size", "abc"], 2,
      "chunk-size"),
+    ("tiny chunk size", ["multiply", "long.npy", "long.npy", "-o", "c.npy", "--chunk-size", "1"],
+     2, "use at least 24 B"),
+    ("empty chunk size", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--chunk-size", ""], 2,
+     "--chunk-size is empty"),
     ("zero chunk rows", ["gram", "bits.npy", "-o", "c.npy", "--chunk-rows", "0"], 2, "chunk-rows"),
     ("bad method", ["gram", "bits.npy", "-o", "c.npy", "--method", "magic"], 2, "method"),
     ("bad layout", ["gram", "bits.npy", "-o", "c.npy", "--layout", "cols"], 2, "layout"),
