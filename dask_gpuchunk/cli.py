@@ -387,6 +387,11 @@ def _run_job(as_json: bool, opts: dict[str, Any], prepare: Callable[[], Callable
         click.echo("error: interrupted; nothing was written", err=True)
         sys.exit(130)
     except Exception as exc:  # the job failed on the cluster: one line, not a traceback
+        if type(exc).__name__ == "KilledWorker":  # a worker died under a chunk, again and again
+            click.echo("error: the job failed: workers died while running a chunk (most often "
+                       "out of host memory): use a smaller --chunk-size (--chunk-rows for "
+                       "gram) or a higher --memory-limit; nothing was written", err=True)
+            sys.exit(1)
         text = str(exc).splitlines()[0] if str(exc) else ""
         click.echo(f"error: the job failed: {type(exc).__name__}: {text}; nothing was written",
                    err=True)

@@ -410,3 +410,22 @@ def test_overwrite_refuses_a_fifo_and_keeps_a_files_mode(inputs, monkeypatch):
     assert result.exit_code == 0, result.output
     assert (os.stat(d / "c.npy").st_mode & 0o777) == 0o600
     np.testing.assert_array_equal(np.load(d / "c.npy"), a * b)
+
+
+def test_workers_dying_under_a_chunk_is_one_line_naming_the_options(inputs, monkeypatch):
+    from distributed.scheduler import KilledWorker
+
+    from dask_gpuchunk import jobs
+
+    d, *_ = inputs
+
+    def killed(*args, **kwargs):
+        raise KilledWorker("multiply-abc", "tcp://127.0.0.1:1", 3)
+
+    monkeypatch.setattr(jobs, "to_npy", killed)
+    monkeypatch.chdir(d)
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy"])
+    assert result.exit_code == 1, result.output
+    message = result.stderr.strip()
+    assert "--chunk-size" in message and "--memory-limit" in message and "\n" not in message
+    assert not (d / "c.npy").exists()

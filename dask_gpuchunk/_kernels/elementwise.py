@@ -27,7 +27,7 @@ import numpy as np
 
 from .launch import DirectLaunch, StridedArg, current_device, load_lock
 from .numpy_rules import VType, weak_type
-from .source_cache import function_stamp, load_kernel
+from .source_cache import cached_njit, function_stamp, load_kernel
 from .translate import Translation, translate
 
 __all__ = [
@@ -129,7 +129,7 @@ def numba_result_dtype(func: Callable, dtypes: Sequence[np.dtype],
     import numba
     from numba.np.numpy_support import as_dtype
 
-    dispatcher = numba.njit(func, cache=cache)
+    dispatcher = cached_njit(func) if cache else numba.njit(func)
     args = tuple(numba.from_dtype(dt) for dt in dtypes)
     try:
         dispatcher.compile(args)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cache_dir", "function_stamp", "load_kernel"]
+__all__ = ["cache_dir", "cached_njit", "function_stamp", "load_kernel"]
 
 #: Part of every file's key (the generated sources may change between versions).
 _PACKAGE_VERSION = "0.1.0"
@@ -123,3 +123,37 @@ def function_stamp(func: Callable) -> str | None:
     digest = hashlib.sha256(marshal.dumps(code)).hexdigest()[:16]
     return (f"{os.path.abspath(code.co_filename)}:{st.st_size}:{st.st_mtime_ns}:"
             f"{getattr(func, '__qualname__', '')}:{code.co_firstlineno}:{digest}")
+
+
+def cached_njit(func: Callable, **options: Any) -> Any:
+    """``numba.njit(func, cache=True, **options)``; where numba finds nowhere to keep the
+    compiled code (the function's directory read-only and no writable home directory: "cannot
+    cache function"), it keeps it in a temporary directory for this process instead, with one
+    warning, rather than failing."""
+    import numba
+
+    try:
+        return numba.njit(func, cache=True, **options)
+    except RuntimeError as exc:
+        if "cannot cache" not in str(exc):
+            raise
+        _temporary_numba_cache(str(exc).splitlines()[0])
+    return numba.njit(func, cache=True, **options)
+
+
+def _temporary_numba_cache(why: str) -> None:
+    import tempfile
+    import warnings
+
+    from numba.core import config
+
+    with _lock:
+        if _temporary_cache:
+            return
+        _temporary_cache.append(tempfile.mkdtemp(prefix="dask-gpuchunk-numba-"))
+        config.CACHE_DIR = _temporary_cache[0]
+    warnings.warn(f"{why}; compiled kernels are kept in {config.CACHE_DIR} for this process "
+                  "(set NUMBA_CACHE_DIR to a writable directory to keep them)", stacklevel=3)
+
+
+_temporary_cache: list[str] = []

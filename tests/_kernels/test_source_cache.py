@@ -12,6 +12,7 @@ import pytest
 from helpers import assert_same
 
 from dask_gpuchunk._kernels.elementwise import ElementwiseKernels
+from dask_gpuchunk._kernels import source_cache
 from dask_gpuchunk._kernels.source_cache import cache_dir, function_stamp
 
 
@@ -87,3 +88,35 @@ def test_functions_without_a_file_are_not_cached(tmp_path, monkeypatch):
     k.cpu(out, np.arange(3.0), np.ones(3))
     assert_same(out, np.arange(3.0) - 1)
     assert not any(tmp_path.rglob("*.py"))  # nothing written for it
+
+
+def _scaled(x):
+    return 3 * x
+
+
+def test_nowhere_to_cache_falls_back_to_a_temporary_directory_with_one_warning(monkeypatch):
+    # What numba says where the function's directory is read-only and the home directory is
+    # not writable (as root, every directory here is writable, so numba is made to say it).
+    from numba.core import config
+    from numba.core.dispatcher import Dispatcher
+
+    real = Dispatcher.enable_caching
+
+    def no_locator(self):
+        if not config.CACHE_DIR:
+            raise RuntimeError(f"cannot cache function {self.py_func.__name__!r}: no locator "
+                               "available for file '/read-only/f.py'")
+        real(self)
+
+    monkeypatch.setattr(Dispatcher, "enable_caching", no_locator)
+    monkeypatch.setattr(config, "CACHE_DIR", "")
+    monkeypatch.setattr(source_cache, "_temporary_cache", [])
+    with pytest.warns(UserWarning, match="cannot cache function.*NUMBA_CACHE_DIR"):
+        first = source_cache.cached_njit(_scaled)
+    assert first(7) == 21
+    assert os.path.isdir(config.CACHE_DIR)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per process
+        assert source_cache.cached_njit(_scaled)(2) == 6
