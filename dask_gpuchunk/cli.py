@@ -261,7 +261,8 @@ def _cluster_options(func: Callable) -> Callable:
                      "the job starts [default: 1]."),
         click.option("--worker-timeout", type=click.FloatRange(min=0), default=300.0,
                      show_default=True, help="Joined cluster: seconds to wait for --workers; "
-                     "fewer by then ends the job (exit 5, nothing written)."),
+                     "fewer by then ends the job (exit 5, nothing written). Also how long a "
+                     "job waits for a cluster that lost its last worker."),
         click.option("--gpus", help="Local cluster: how many GPUs (a number) or which (0,2); "
                      "default every visible GPU."),
         click.option("--device-memory-limit", default="default", show_default=True,
@@ -297,6 +298,8 @@ def _cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
         raise click.UsageError("give --scheduler-file or --scheduler-address, not both")
     local_only = [f"--{k.replace('_', '-')}" for k in ("gpus", "spill_dir", "threads_per_gpu")
                   if opts[k] is not None] + (["--no-tls"] if opts.get("no_tls") else [])
+    # A joined cluster that loses its last worker fails the job after the same time.
+    os.environ["DASK_GPUCHUNK_NO_WORKERS_TIMEOUT"] = str(opts["worker_timeout"])
     if joined and local_only:
         raise click.UsageError(f"{', '.join(local_only)} configure a local cluster; the joined "
                                "cluster's workers are configured where they are started")

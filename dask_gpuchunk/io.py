@@ -20,6 +20,7 @@ import contextlib
 import os
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,7 +47,8 @@ from .files import (
     refuse_unless_regular,
 )
 
-__all__ = ["NpyFormatError", "NpyHeader", "from_npy", "read_header", "to_npy"]
+__all__ = ["NoWorkersError", "NpyFormatError", "NpyHeader", "from_npy", "no_workers_timeout",
+           "read_header", "to_npy"]
 
 
 class NpyFormatError(ValueError):
@@ -390,6 +392,16 @@ def _temporary_name(path: Path) -> Path:
     return path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.partial"
 
 
+class NoWorkersError(TimeoutError):
+    """A job's cluster has had no workers for :func:`no_workers_timeout` seconds."""
+
+
+def no_workers_timeout() -> float:
+    """Seconds a job waits for a cluster without workers to get one again before giving up
+    (``DASK_GPUCHUNK_NO_WORKERS_TIMEOUT``, default 300; the CLI's ``--worker-timeout``)."""
+    return float(os.environ.get("DASK_GPUCHUNK_NO_WORKERS_TIMEOUT", "300"))
+
+
 def _run_writes(written: da.Array, progress: Callable[[int, int], None] | None) -> None:
     """Compute every write task; on a distributed client, report ``progress(done, total)``."""
     from .devices import distributed_client_active
@@ -405,6 +417,8 @@ def _run_writes(written: da.Array, progress: Callable[[int, int], None] | None) 
     futures = futures_of(client.persist(written))
     try:
         total = len(futures)
+        alone_since: float | None = None  # when the cluster was last seen without workers
+        checked = 0.0
         while True:
             done = sum(f.done() for f in futures)
             if progress is not None:
@@ -413,6 +427,18 @@ def _run_writes(written: da.Array, progress: Callable[[int, int], None] | None) 
                 break
             with contextlib.suppress(TimeoutError):
                 wait(futures, timeout=0.25)
+            now = time.monotonic()
+            if now - checked >= 1.0:
+                checked = now
+                if client.scheduler_info().get("workers"):
+                    alone_since = None
+                else:
+                    alone_since = alone_since or now
+                    if now - alone_since > no_workers_timeout():
+                        raise NoWorkersError(
+                            f"the cluster has had no workers for {no_workers_timeout():g} s (the "
+                            f"last one left or died) with {total - done} of {total} chunks to "
+                            "go; nothing was written")
         client.gather(futures)  # raises what a failed chunk raised
     except BaseException:
         # Released, not cancelled: Client.cancel trips an assertion in distributed's scheduler

@@ -25,7 +25,7 @@ from ._kernels.bitpack import BitValueError, check_bits_dtype, check_words_dtype
 from ._kernels.elementwise import check_dtype
 from .devices import GPUNotAvailableError
 from .files import FileReplacedError, InputChangedError
-from .io import NpyFormatError, NpyHeader, from_npy, read_header, to_npy
+from .io import NoWorkersError, NpyFormatError, NpyHeader, from_npy, read_header, to_npy
 
 __all__ = [
     "BudgetError",
@@ -292,6 +292,8 @@ def _run(write: Callable[[], Any], warmup: Callable[[], list[Any]] | None = None
     except BitValueError as exc:
         raise InputError(str(exc)) from None
     except GPUNotAvailableError as exc:
+        raise ClusterError(str(exc)) from None
+    except NoWorkersError as exc:
         raise ClusterError(str(exc)) from None
     except InputChangedError as exc:
         raise JobError(exc.strerror or str(exc)) from None

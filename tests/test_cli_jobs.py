@@ -429,3 +429,24 @@ def test_workers_dying_under_a_chunk_is_one_line_naming_the_options(inputs, monk
     message = result.stderr.strip()
     assert "--chunk-size" in message and "--memory-limit" in message and "\n" not in message
     assert not (d / "c.npy").exists()
+
+
+def test_a_cluster_left_without_workers_ends_the_job_with_exit_5(inputs, monkeypatch):
+    from dask_gpuchunk import jobs
+    from dask_gpuchunk.io import NoWorkersError
+
+    d, *_ = inputs
+
+    def deserted(*args, **kwargs):
+        raise NoWorkersError("the cluster has had no workers for 2 s (the last one left or "
+                             "died) with 3 of 5 chunks to go; nothing was written")
+
+    monkeypatch.setattr(jobs, "to_npy", deserted)
+    monkeypatch.setenv("DASK_GPUCHUNK_NO_WORKERS_TIMEOUT", "300")  # restored after the test
+    monkeypatch.chdir(d)
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy",
+                                       "--worker-timeout", "2"])
+    assert result.exit_code == 5, result.output
+    message = result.stderr.strip()
+    assert "no workers for 2 s" in message and "\n" not in message, message
+    assert os.environ.get("DASK_GPUCHUNK_NO_WORKERS_TIMEOUT") == "2.0"

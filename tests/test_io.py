@@ -193,3 +193,31 @@ def test_a_failed_write_on_a_cluster_releases_its_tasks_without_cancel(tmp_path,
             time.sleep(0.05)
         assert client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)) == 0
     assert list(tmp_path.iterdir()) == []  # nothing written, no partial file left
+
+
+def _slow(block: np.ndarray) -> np.ndarray:
+    import time
+
+    time.sleep(0.5)
+    return block
+
+
+def test_a_cluster_that_loses_its_last_worker_fails_the_write_after_the_timeout(tmp_path,
+                                                                                monkeypatch):
+    import threading
+    import time
+
+    from distributed import Client, LocalCluster
+
+    from dask_gpuchunk.io import NoWorkersError
+
+    monkeypatch.setenv("DASK_GPUCHUNK_NO_WORKERS_TIMEOUT", "1")
+    x = da.ones((40, 8), chunks=(2, 8)).map_blocks(_slow, dtype=float)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=None) as cluster, Client(cluster):
+        threading.Timer(1.0, lambda: cluster.scale(0)).start()  # the only worker leaves
+        t0 = time.monotonic()
+        with pytest.raises(NoWorkersError, match="no workers for 1 s"):
+            dg.to_npy(x, tmp_path / "c.npy")
+        assert time.monotonic() - t0 < 30
+    assert list(tmp_path.iterdir()) == []
