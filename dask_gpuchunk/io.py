@@ -516,9 +516,10 @@ def _file_in_place(target: Path, dtype: np.dtype, shape: tuple[int, ...], overwr
                    ) -> Iterator[tuple[str, NpyHeader, tuple[int, int, int]]]:
     """A temporary ``.npy`` beside ``target``, header written and sized: ``(its path, header,
     its key)`` (:func:`dask_gpuchunk.files.file_key`). When the block ends, each of ``inputs``
-    (path, identity) is checked unchanged, then the file is published onto ``target`` (:func:`dask_gpuchunk.files.publish`:
-    never over a file that appeared meanwhile unless ``overwrite``, and then only over a regular
-    file). Removed if anything raises (never half-written)."""
+    (path, identity) is checked unchanged, then the file is published onto ``target``
+    (:func:`dask_gpuchunk.files.publish`: never over a file that appeared meanwhile unless
+    ``overwrite``, and then only over a regular file). Removed if anything raises (never
+    half-written)."""
     tmp = _temporary_name(target)
     key = None
     try:

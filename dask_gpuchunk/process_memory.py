@@ -13,19 +13,20 @@ it is reported where available and never guessed.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
 import threading
+import time
 from typing import Any
 
-__all__ = ["peak_bytes", "reset_peak", "used_bytes", "watch"]
+__all__ = ["nvidia_smi_table", "peak_bytes", "reset_peak", "used_bytes", "watch"]
 
 
 def _nvml_used(pid: int) -> int | None:
-    import pynvml
+    import pynvml  # initialised by _reader
 
-    pynvml.nvmlInit()  # counted by NVML itself; cheap after the first call
     total, seen = 0, False
     for index in range(pynvml.nvmlDeviceGetCount()):
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
@@ -35,23 +36,43 @@ def _nvml_used(pid: int) -> int | None:
     return total if seen else None
 
 
-def _nvidia_smi_used(pid: int) -> int | None:
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                          "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=False, timeout=10).stdout
-    total, seen = 0, False
+def nvidia_smi_table(query: str) -> dict[int, int]:
+    """``nvidia-smi --query-<query> --format=csv,noheader,nounits`` for a query of two integer
+    fields, a key and a figure (``"compute-apps=pid,used_memory"``,
+    ``"gpu=index,memory.used"``): ``{key: figure}``, figures of a repeated key added (a process
+    on several GPUs), rows where the driver does not say (``[N/A]``) left out; empty where
+    there is no ``nvidia-smi``.
+
+    Examples
+    --------
+    >>> table = nvidia_smi_table("gpu=index,memory.used")  # {GPU index: MiB in use}
+    >>> all(isinstance(k, int) and v >= 0 for k, v in table.items())
+    True
+    """
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=False, timeout=10).stdout
+    except FileNotFoundError:
+        return {}
+    table: dict[int, int] = {}
     for line in out.strip().splitlines():
         try:
-            listed, mib = (int(v) for v in line.split(","))
-        except ValueError:  # "[N/A]" where the driver does not say
+            key, figure = (int(v) for v in line.split(","))
+        except ValueError:  # "[N/A]", or a process that has just gone
             continue
-        if listed == pid:
-            total, seen = total + mib * 2**20, True
-    return total if seen else None
+        table[key] = table.get(key, 0) + figure
+    return table
 
 
+def _nvidia_smi_used(pid: int) -> int | None:
+    mib = nvidia_smi_table("compute-apps=pid,used_memory").get(pid)
+    return None if mib is None else mib * 2**20
+
+
+@functools.cache
 def _reader() -> tuple[Any, float] | None:
-    """The way to read a process's device memory here and how often to sample with it."""
+    """The way to read a process's device memory here and how often to sample with it (found
+    once per process)."""
     try:
         import pynvml
 
@@ -89,8 +110,7 @@ _WATCHER = _Watcher()
 
 def _sample(read: Any, interval: float) -> None:
     pid = os.getpid()
-    stop = threading.Event()
-    while not stop.is_set():
+    while True:
         try:
             used = read(pid)
         except Exception:  # the driver went away (shutting down): stop quietly
@@ -98,7 +118,7 @@ def _sample(read: Any, interval: float) -> None:
         if used is not None:
             with _WATCHER.lock:
                 _WATCHER.peak = max(_WATCHER.peak or 0, used)
-        stop.wait(interval)
+        time.sleep(interval)
 
 
 def watch() -> bool:

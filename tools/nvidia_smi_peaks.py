@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
 import threading
+
+from dask_gpuchunk.process_memory import nvidia_smi_table
 
 
 class NvidiaSmiPeaks:
@@ -12,20 +13,14 @@ class NvidiaSmiPeaks:
     GPU, ``NvidiaSmiPeaks("compute-apps", "pid", "used_memory")`` per process."""
 
     def __init__(self, what: str, key: str, used: str) -> None:
-        self.query = f"--query-{what}={key},{used}"
+        self.query = f"{what}={key},{used}"
         self.peak: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            out = subprocess.run(["nvidia-smi", self.query, "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, check=False).stdout
-            for line in out.strip().splitlines():
-                try:
-                    key, used = (int(v) for v in line.split(","))
-                except ValueError:  # "[N/A]" or a header where a process has just gone
-                    continue
+            for key, used in nvidia_smi_table(self.query).items():
                 self.peak[key] = max(self.peak.get(key, 0), used)
             self._stop.wait(0.2)
 
