@@ -460,10 +460,11 @@ def multiply(a: str, b: str, output: str, chunk_size: str, overwrite: bool, devi
 @click.option("--chunk-rows", type=click.IntRange(min=1),
               help="Rows per chunk (and per output block) [default: 4096, halved while a "
               "block would not fit the GPUs' memory budget].")
-@click.option("--layout", type=click.Choice(["auto", "blocks", "rows"]), default="auto",
+@click.option("--layout", type=click.Choice(["auto", "blocks", "rows", "upper"]), default="auto",
               show_default=True, help="blocks: upper blocks, the rest transposed on the host; "
-              "rows: each row slab whole in one task; auto: rows on GPUs with tensor cores "
-              "when the packed input is at most 4 GiB.")
+              "rows: each row slab whole in one task; upper: each row slab from the diagonal "
+              "rightwards, written also transposed; auto: rows on GPUs with tensor cores "
+              "when the packed input is at most 4 GiB, blocks on other GPUs, upper on the CPU.")
 @click.option("--overwrite", is_flag=True, help="Replace the output if it exists.")
 @_cluster_options
 def gram_command(bits: str, output: str, packed: bool, method: str, chunk_rows: int,

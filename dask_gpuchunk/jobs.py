@@ -53,6 +53,8 @@ ROWS_LAYOUT_WORDS_BYTES = 4 << 30
 CHUNK_ROWS = 4096
 #: Fewest rows per chunk a Gram job takes to fit its blocks into a device budget.
 MIN_CHUNK_ROWS = 256
+#: The layouts of a Gram job's work (:func:`gram_job`).
+LAYOUTS = ("auto", "blocks", "rows", "upper")
 #: Row slabs computed ahead of the one being written (layout "rows"): each waits for the
 #: write of the slab this many places before it, so finished slabs never pile up in memory.
 SLABS_AHEAD = 2
@@ -104,12 +106,29 @@ def _slab_after(_previous: Any, a: Any, others: list[Any], method: str, device: 
     return gram_slab(a, others, method, device)
 
 
-def _gram_rows_to_npy(words: Any, target: Path, method: str, device: str, overwrite: bool,
-                      progress: Progress) -> None:
+def _write_upper_strip(strip: Any, path: str, header: NpyHeader, start: int,
+                       key: tuple[int, int, int]) -> np.ndarray:
+    """Write the part of a row slab from its diagonal block rightwards (rows ``start`` on,
+    columns ``start`` to the end) in its place, and the same strip transposed in its place
+    below the diagonal (columns of the slab's rows), as :func:`dask_gpuchunk.io._write_region`
+    writes a chunk."""
+    from .io import _write_region
+
+    rows, n = strip.shape[0], header.shape[0]
+    done = _write_region(strip, path, header, (slice(start, start + rows), slice(start, n)), key)
+    below = strip[:, rows:].T  # C is symmetric: these are the slab's columns under the diagonal
+    return done + _write_region(below, path, header,
+                                (slice(start + rows, n), slice(start, start + rows)), key)
+
+
+def _gram_slabs_to_npy(words: Any, target: Path, method: str, device: str, overwrite: bool,
+                       progress: Progress, upper: bool) -> None:
     """Write the Gram of ``words`` (whole-width row chunks) to ``target`` slab by slab: each
-    task computes one whole row slab (:func:`dask_gpuchunk.gram.gram_slab`), each write task
-    puts it in its place, and slab ``i`` starts only once slab ``i - SLABS_AHEAD`` is written.
-    Never half-written, as :func:`dask_gpuchunk.to_npy`."""
+    task computes one row slab (:func:`dask_gpuchunk.gram.gram_slab`), whole (layout ``rows``)
+    or from its diagonal block rightwards (``upper``, :func:`_write_upper_strip`), each write
+    task puts it in its place, and slab ``i`` starts only once slab ``i - SLABS_AHEAD`` is
+    written, so memory is bounded by slabs, not by the output. Never half-written, as
+    :func:`dask_gpuchunk.to_npy`."""
     from dask.base import tokenize
 
     from .io import _check_target, _file_in_place, _inputs_of, _run_write_graph, _write_region
@@ -118,16 +137,20 @@ def _gram_rows_to_npy(words: Any, target: Path, method: str, device: str, overwr
     _check_target(target, overwrite)
     with _file_in_place(target, np.dtype(np.int32), (n, n), overwrite,
                         _inputs_of(words)) as (tmp, header, key):
-        token = tokenize(words, method, device, tmp)
+        token = tokenize(words, method, device, tmp, upper)
         slab, write = f"gram-slab-{token}", f"gram-slab-write-{token}"
         everything = [(words.name, j, 0) for j in range(len(words.chunks[0]))]
         dsk: dict[tuple, Any] = {}
         start = 0
         for i, rows in enumerate(words.chunks[0]):
             previous = (write, i - SLABS_AHEAD, 0) if i >= SLABS_AHEAD else None
-            dsk[(slab, i, 0)] = (_slab_after, previous, (words.name, i, 0), everything, method, device)
-            dsk[(write, i, 0)] = (_write_region, (slab, i, 0), tmp, header,
-                                  (slice(start, start + rows), slice(0, n)), key)
+            others = everything[i:] if upper else everything
+            dsk[(slab, i, 0)] = (_slab_after, previous, (words.name, i, 0), others, method, device)
+            if upper:
+                dsk[(write, i, 0)] = (_write_upper_strip, (slab, i, 0), tmp, header, start, key)
+            else:
+                dsk[(write, i, 0)] = (_write_region, (slab, i, 0), tmp, header,
+                                      (slice(start, start + rows), slice(0, n)), key)
             start += rows
         _run_write_graph(write, dsk, words, (len(words.chunks[0]), 1), progress)
 
@@ -251,14 +274,14 @@ def _warm_multiply(a_shape: tuple[int, ...], a_dtype: str, b_shape: tuple[int, .
 
 def _warm_gram(words_dtype: str, method: str, device: str, layout: str) -> None:
     """Compile the kernels a Gram job of this layout runs, on two row blocks of packed words:
-    for ``blocks`` (a mirror, a transpose), for ``rows`` one slab, and nothing else (numba
-    compiles under one lock per process, so a kernel compiled but not needed can still hold
-    up the first slab: 2.4 s of it on the H200 machine)."""
+    for ``blocks`` (a mirror, a transpose), for ``rows`` and ``upper`` one slab, and nothing
+    else (numba compiles under one lock per process, so a kernel compiled but not needed can
+    still hold up the first slab: 2.4 s of it on the H200 machine)."""
     from .arrays import asarray
     from .gram import gram, gram_slab
 
     words = np.ones((96, 16), dtype=words_dtype)
-    if layout == "rows":
+    if layout in ("rows", "upper"):
         gram_slab(words[:48], [words[:48], words[48:]], method, device)
         return
     gram(asarray(words, (48, 16)), packed=True, method=method, device=device).compute(
@@ -400,12 +423,16 @@ def gram_job(
 
     ``chunk_rows``: rows per chunk of ``A``, and so per block of the output; ``None``:
     :data:`CHUNK_ROWS` (measured best for the int8 method on an H200), halved while a block
-    would not fit the device budget of the workers. ``layout``: ``"blocks"`` (:func:`dask_gpuchunk.gram`'s
-    square blocks, only those above the diagonal computed, joined into row slabs on the host),
-    ``"rows"`` (each whole row slab computed in one task and written, at most
-    :data:`SLABS_AHEAD` ahead of the writer), or ``"auto"``: ``"rows"`` where the job runs on
-    GPUs with a method other than popcount and the packed words take at most
-    :data:`ROWS_LAYOUT_WORDS_BYTES`, else ``"blocks"``. Values other than 0/1 raise
+    would not fit the device budget of the workers (on the CPU: while a row slab of the output
+    is over :data:`SLAB_BYTES`). ``layout``: ``"blocks"`` (:func:`dask_gpuchunk.gram`'s square
+    blocks, only those above the diagonal computed, joined into row slabs on the host; holds
+    each block until its transpose is written), ``"rows"`` (each whole row slab computed in one
+    task and written, at most :data:`SLABS_AHEAD` ahead of the writer), ``"upper"`` (as
+    ``"rows"``, each slab computed from its diagonal block rightwards only, and written in its
+    rows and, transposed, in its columns), or ``"auto"``: ``"rows"`` where the job runs on GPUs
+    with a method other than popcount and the packed words take at most
+    :data:`ROWS_LAYOUT_WORDS_BYTES`, ``"blocks"`` on other GPUs, ``"upper"`` on the CPU. Values
+    other than 0/1 raise
     :class:`InputError` when found, with nothing written.
     """
     from .gram import METHODS, bitpack, check_block_fits, check_method, gram
@@ -413,8 +440,8 @@ def gram_job(
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
     check_method(method, device)  # now: the job's graph is built once the cluster is up
-    if layout not in ("auto", "blocks", "rows"):
-        raise ValueError(f"layout must be one of auto, blocks, rows; got {layout!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"chunk rows must be positive, got {chunk_rows}")
     h = _header(bits, "input")
@@ -462,6 +489,12 @@ def gram_job(
                 check_block_fits(words.chunks, words.dtype.itemsize, method, min(budgets))
             except DeviceBudgetError as exc:
                 raise BudgetError(str(exc)) from None
+        elif chunk_rows is None and layout in ("auto", "upper"):
+            # On the CPU: a strip of at most SLAB_BYTES per task.
+            while rows_per_chunk > MIN_CHUNK_ROWS and rows_per_chunk * n * 4 > SLAB_BYTES:
+                rows_per_chunk //= 2
+            if rows_per_chunk != CHUNK_ROWS:
+                words = packed_words(rows_per_chunk)
         planned["chunk_rows"] = rows_per_chunk
         chosen = layout
         if chosen == "auto":
@@ -474,10 +507,15 @@ def gram_job(
                     and words_bytes <= ROWS_LAYOUT_WORDS_BYTES and bool(budgets)
                     and _slab_bytes(rows_per_chunk, n, words_bytes, words.shape[1],
                                     words.dtype.itemsize, method) <= min(budgets))
-            chosen = "rows" if rows else "blocks"
-        if chosen == "rows":
+            # Elsewhere, on the CPU, each slab's strip from the diagonal rightwards, computed
+            # once and written twice (itself, and transposed under the diagonal): half the
+            # work of whole slabs, and memory bounded by strips, where dask's blocks hold every
+            # block above the diagonal until its transpose is written (the output's half).
+            chosen = "rows" if rows else "blocks" if budgets else "upper"
+        if chosen in ("rows", "upper"):
             def write(progress: Progress) -> None:
-                _gram_rows_to_npy(words, target, method, device, overwrite, progress)
+                _gram_slabs_to_npy(words, target, method, device, overwrite, progress,
+                                   upper=chosen == "upper")
 
             return chosen, len(words.chunks[0]), write
         result = gram(words, packed=True, method=method, device=device)

@@ -100,7 +100,8 @@ def _layout_of(rng, tmp_path, monkeypatch, budget_bytes):
     monkeypatch.setattr(gram_module, "resolve_method",
                         lambda method, on_gpu: "int8" if on_gpu else "popcount")
     captured = {}
-    monkeypatch.setattr(jobs, "_gram_rows_to_npy", lambda *a, **k: captured.setdefault("rows", 1))
+    monkeypatch.setattr(jobs, "_gram_slabs_to_npy",
+                        lambda *a, upper, **k: captured.setdefault("upper" if upper else "rows", 1))
     monkeypatch.setattr(jobs, "to_npy", lambda *a, **k: captured.setdefault("blocks", 1))
     monkeypatch.setattr(jobs, "_start_warmup", lambda *a: [])
     jobs.gram_job(tmp_path / "packed.npy", tmp_path / "g.npy", packed=True, method="auto",

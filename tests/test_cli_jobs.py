@@ -54,6 +54,16 @@ def test_multiply_and_gram_on_a_local_cluster(inputs):
     expected = bits.astype(np.int64) @ bits.T
     np.testing.assert_array_equal(np.load(d / "g.npy"), expected)
 
+    # The CPU's default layout (each slab's strip from the diagonal, also written transposed)
+    # and dask's blocks give the same file.
+    for layout, chosen in (("auto", "upper"), ("blocks", "blocks")):
+        r = run_cli("gram", str(d / "bits.npy"), "-o", str(d / f"g-{layout}.npy"),
+                    "--chunk-rows", "128", "--layout", layout, "--json")
+        assert r.returncode == 0, r.stderr
+        summary = json.loads(r.stdout.strip().splitlines()[-1])
+        assert summary["layout"] == chosen
+        np.testing.assert_array_equal(np.load(d / f"g-{layout}.npy"), expected)
+
     r = run_cli("gram", str(d / "packed.npy"), "-o", str(d / "g2.npy"), "--packed", "--json")
     assert r.returncode == 0, r.stderr
     np.testing.assert_array_equal(np.load(d / "g2.npy"), expected)
@@ -64,6 +74,33 @@ def test_multiply_and_gram_on_a_local_cluster(inputs):
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["layout"] == "rows" and summary["chunks"] == -(-len(bits) // 70)
     np.testing.assert_array_equal(np.load(d / "g3.npy"), expected)
+
+
+def test_gram_on_the_cpu_holds_strips_not_the_output(rng, tmp_path):
+    # NumPy's buffers are traced by tracemalloc: the peak is what the job held at once.
+    import tracemalloc
+
+    from dask_gpuchunk.jobs import gram_files
+
+    bits = random_bits(rng, (2001, 100), 0.4)
+    np.save(tmp_path / "bits.npy", bits)
+    expected = bits.astype(np.int64) @ bits.T
+    output_bytes = expected.size * 4
+    gram_files(tmp_path / "bits.npy", tmp_path / "warm.npy", chunk_rows=150, device="cpu",
+               layout="rows")  # numba's compilation is traced too: done before measuring
+    peaks = {}
+    for layout in ("auto", "blocks"):
+        tracemalloc.start()
+        try:
+            summary = gram_files(tmp_path / "bits.npy", tmp_path / f"{layout}.npy",
+                                 chunk_rows=150, device="cpu", layout=layout)
+            peaks[summary["layout"]] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        np.testing.assert_array_equal(np.load(tmp_path / f"{layout}.npy"), expected)
+    # Strips of 150 x 2001 int32 (1.2 MB), a few at a time; dask's blocks hold those above
+    # the diagonal until their transposes are written: half the output and more.
+    assert peaks["upper"] < output_bytes / 4 < output_bytes / 2 < peaks["blocks"], peaks
 
 
 def test_demo_runs_and_checks_itself():
@@ -303,7 +340,7 @@ def test_gpu_options_on_a_machine_without_gpu_exit_5(tmp_path, monkeypatch, args
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["auto", "blocks", "rows"])
+@pytest.mark.parametrize("layout", ["auto", "blocks", "rows", "upper"])
 def test_gram_command_on_the_gpu(rng, tmp_path, layout):
     bits = random_bits(rng, (3000, 5000), 0.5)
     np.save(tmp_path / "bits.npy", np.packbits(bits, axis=1))
