@@ -2,10 +2,16 @@
 
 ``dask.array.from_array`` copies a NumPy input before slicing it (dask 2026.x): for the 4 GB
 arrays of a GPU job that doubles host memory, costs a second of copying, and turns a pinned
-array into a pageable one. :func:`asarray` slices views instead. Like any view, the result
-sees later writes to the source array. Arrays that are not in memory (h5py and Zarr datasets,
-other objects with ``shape``, ``dtype`` and slicing) go to ``dask.array.from_array``, which
-reads each chunk when it is computed.
+array into a pageable one. :func:`asarray` lists views of the array as the graph's values
+(``gpuchunk.listed-graphs``, :mod:`dask_gpuchunk.config`), or, under dask's array query
+planning, hands ``from_array`` a reader without a ``copy`` method, which it does not copy
+(:class:`ViewReader`): each chunk a view, sliced when computed. Like any view, the result sees
+later writes to the source array. Arrays that are not in memory (h5py and Zarr datasets, other
+objects with ``shape``, ``dtype`` and slicing) go to ``dask.array.from_array`` as they are,
+read each chunk when it is computed. Through a reader, on a ``distributed`` cluster, an
+in-memory array travels whole to each worker that computes one of its chunks (listed, each
+chunk travels alone): for arrays near the workers' memory, write them to ``.npy`` and read
+them with :func:`dask_gpuchunk.from_npy`.
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ import itertools
 import threading
 import uuid
 import weakref
-from itertools import product
 from typing import Any
 
 import dask.array as da
@@ -23,8 +28,9 @@ from dask.array.core import normalize_chunks, slices_from_chunks
 from dask.base import tokenize
 
 from .backend import is_cupy
+from .config import listed_graphs
 
-__all__ = ["asarray", "is_array_like", "refuse_masked"]
+__all__ = ["ViewReader", "asarray", "is_array_like", "refuse_masked"]
 
 
 def asarray(x: Any, chunks: Any = "auto", *, name: str | None = None) -> da.Array:
@@ -41,8 +47,9 @@ def asarray(x: Any, chunks: Any = "auto", *, name: str | None = None) -> da.Arra
         As for :func:`dask.array.from_array` (``"auto"``, a block shape, explicit sizes, or a
         byte size such as ``"200 MiB"``).
     name
-        The Dask key name. Default: from ``x``'s identity, the same for the same array object
-        within a process (dask's ``tokenize`` of the data for arrays up to
+        The Dask key name (under dask's array query planning, which names arrays itself: the
+        identity its name is made from). Default: from ``x``'s identity, the same for the same
+        array object within a process (dask's ``tokenize`` of the data for arrays up to
         ``CONTENT_TOKEN_BYTES`` and for memmaps, whose token is their file; hashing a larger
         array in memory would read all of it).
 
@@ -58,7 +65,7 @@ def asarray(x: Any, chunks: Any = "auto", *, name: str | None = None) -> da.Arra
     >>> x = asarray(a, chunks=4)
     >>> x.chunks
     ((4, 4, 2),)
-    >>> x.blocks[1].compute()
+    >>> x.compute()[4:8]
     array([4., 5., 6., 7.])
     >>> asarray(a, chunks=4).name == x.name
     True
@@ -74,11 +81,43 @@ def asarray(x: Any, chunks: Any = "auto", *, name: str | None = None) -> da.Arra
                                  meta=np.empty((0,) * len(x.shape), dtype=x.dtype))
         x = np.asarray(x)
     chunks = normalize_chunks(chunks, x.shape, dtype=x.dtype)
-    name = name or f"asarray-{tokenize(_identity(x), chunks)}"
-    keys = product([name], *(range(len(c)) for c in chunks))
-    dsk = {key: x[(*slc, Ellipsis)] for key, slc in zip(keys, slices_from_chunks(chunks))}
     meta = x[(slice(0, 0),) * x.ndim]
-    return da.Array(dsk, name, chunks, meta=meta, dtype=x.dtype)
+    if listed_graphs():  # views listed as the graph's values (dask_gpuchunk.config)
+        name = name or f"asarray-{tokenize(_identity(x), chunks)}"
+        keys = itertools.product([name], *(range(len(c)) for c in chunks))
+        dsk = {key: x[(*slc, Ellipsis)] for key, slc in zip(keys, slices_from_chunks(chunks))}
+        return da.Array(dsk, name, chunks, meta=meta, dtype=x.dtype)
+    reader = ViewReader(x, name or _identity(x))
+    # asarray=False: CuPy views must stay CuPy (dask would call np.asarray on each chunk).
+    # The name is dask's token of the reader (its identity) under array query planning, which
+    # takes no name=; the same name gives the same keys either way.
+    kwargs = {} if da.array_expr_enabled() else {"name": name or f"asarray-{tokenize(reader, chunks)}"}
+    return da.from_array(reader, chunks=chunks, asarray=False, meta=meta, **kwargs)
+
+
+class ViewReader:
+    """An in-memory array as :func:`dask.array.from_array` reads it without copying it first:
+    ``shape``, ``dtype``, ``ndim``, slicing (views), no ``copy``; tokenized by ``identity``
+    (:func:`asarray`'s name for the array) instead of by hashing its data.
+
+    Examples
+    --------
+    >>> r = ViewReader(np.arange(6.0), "six")
+    >>> r[2:4], r.shape, hasattr(r, "copy")
+    (array([2., 3.]), (6,), False)
+    """
+
+    __slots__ = ("array", "identity", "shape", "dtype", "ndim")
+
+    def __init__(self, array: Any, identity: Any) -> None:
+        self.array, self.identity = array, identity
+        self.shape, self.dtype, self.ndim = array.shape, array.dtype, array.ndim
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.array[index]
+
+    def __dask_tokenize__(self) -> Any:
+        return ("dask-gpuchunk-view", self.identity)
 
 
 #: NumPy arrays in memory up to this size are named by a hash of their data (the same name in

@@ -21,7 +21,7 @@ from typing import Any
 import dask
 import dask.array as da
 import numpy as np
-from dask.array.core import unify_chunks
+from dask.array.core import common_blockdim
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import Task, TaskRef
@@ -37,6 +37,7 @@ from ._kernels.numpy_rules import VType, weak_type
 from ._kernels.translate import check_call
 from .arrays import asarray, is_array_like, refuse_masked
 from .backend import is_cupy, run_elementwise
+from .config import listed_graphs
 from .devices import check_device_for_graph, gpu_available
 
 __all__ = ["ElementwiseOp", "elementwise", "multiply"]
@@ -71,11 +72,23 @@ def _block(*blocks: Any, kernels: Any, out_dtype: np.dtype, device: str) -> Any:
     return run_elementwise(kernels, out_dtype, blocks, device)
 
 
-def _block_into(*blocks: Any, block_info: dict, kernels: Any, out_dtype: np.dtype, device: str,
-                out: np.ndarray) -> np.ndarray:
-    region = tuple(slice(start, stop) for start, stop in block_info[None]["array-location"])
-    run_elementwise(kernels, out_dtype, blocks, device, dest=out[region])
-    return np.empty((0,) * out.ndim, dtype=out.dtype)  # a marker: the data went into out
+def _block_into(*blocks: Any, block_id: tuple[int, ...], kernels: Any, out_dtype: np.dtype,
+                device: str, target: _Target, result_chunks: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    region = tuple(slice(sum(c[:i]), sum(c[:i + 1])) for c, i in zip(result_chunks, block_id))
+    run_elementwise(kernels, out_dtype, blocks, device, dest=target.array[region])
+    return np.ones((1,) * len(result_chunks), dtype=bool)  # a marker: the data went into out
+
+
+class _Target:
+    """``out=`` as a task argument: tokenized by a fresh name, not by hashing every byte."""
+
+    __slots__ = ("array", "token")
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array, self.token = array, uuid.uuid4().hex
+
+    def __dask_tokenize__(self) -> str:
+        return self.token
 
 
 class ElementwiseOp:
@@ -157,13 +170,16 @@ class ElementwiseOp:
         signature = [(vt.dtype.str, vt.weak) for vt in argtypes]
         name = f"{self.__name__}-{tokenize(self.kernels.token, out_dtype, device, signature, *arrays)}"
         task_kwargs = {"kernels": self.kernels, "out_dtype": out_dtype, "device": device}
-        if math.prod(len(c) for c in chunks) <= LISTED_GRAPH_MAX_BLOCKS:
+        if listed_graphs() and math.prod(len(c) for c in chunks) <= LISTED_GRAPH_MAX_BLOCKS:
             graph = _listed_graph(name, arrays, chunks, task_kwargs)
             return da.Array(graph, name, chunks, meta=meta, dtype=out_dtype)
         # blockwise as map_blocks would call it (trailing dimensions aligned, length-1 block
         # dimensions broadcast), without map_blocks' signature inspection.
+        # Under array query planning a given name= is kept through the optimizer's rewrites
+        # and breaks them (dask 2026.8: a rechunked input is never lowered): a prefix only.
+        naming = {"token": self.__name__} if da.array_expr_enabled() else {"name": name}
         return da.blockwise(
-            _block, tuple(range(len(shape))), *_index_pairs(arrays, len(shape)), name=name,
+            _block, tuple(range(len(shape))), *_index_pairs(arrays, len(shape)), **naming,
             dtype=out_dtype, meta=meta, concatenate=True, align_arrays=False, **task_kwargs,
         )
 
@@ -194,20 +210,17 @@ class ElementwiseOp:
         if not out.flags.writeable:
             raise ValueError(f"{self.__name__}: out= is read-only")
         if not any(isinstance(a, da.Array) for a in arrays):  # numbers only: one 0-d result
-            task_kwargs = {"kernels": self.kernels, "out_dtype": out_dtype, "device": device}
-            name = f"{self.__name__}-into-{uuid.uuid4().hex}"
-            result = da.Array(_listed_graph(name, arrays, chunks, task_kwargs), name, chunks,
-                              meta=meta, dtype=out_dtype)
-            out[...] = result.compute(scheduler="threads")
+            out[...] = _block(*arrays, kernels=self.kernels, out_dtype=out_dtype, device=device)
             return out
-        # The name is not derived from out (tokenizing it would hash every byte).
-        name = f"{self.__name__}-into-{uuid.uuid4().hex}"
+        # One marker element per block: the data goes into out.
         marks = da.map_blocks(
-            _block_into, *arrays, dtype=out_dtype, meta=meta, name=name,
-            kernels=self.kernels, out_dtype=out_dtype, device=device, out=out,
+            _block_into, *arrays, dtype=bool, meta=np.empty((0,) * len(shape), dtype=bool),
+            chunks=tuple((1,) * len(c) for c in chunks), token=f"{self.__name__}-into",
+            kernels=self.kernels, out_dtype=out_dtype, device=device, target=_Target(out),
+            result_chunks=chunks,
         )
         # Writes land in this process's memory: run on local threads, never on a cluster.
-        dask.compute(*marks.to_delayed().ravel().tolist(), scheduler="threads")
+        marks.compute(scheduler="threads")
         return out
 
 
@@ -302,8 +315,22 @@ def _to_dask(operands: list[Any]) -> tuple[list[Any], tuple[tuple[int, ...], ...
     # Blockwise needs aligned blocks: rechunk where the Dask operands' chunks disagree,
     # aligning trailing dimensions as broadcasting does (length-1 dimensions broadcast).
     ndim = max(np.ndim(r) if not isinstance(r, da.Array) else r.ndim for r in result)
-    chunks_by_dim, unified = unify_chunks(*_index_pairs(result, ndim), warn=False)
-    return list(unified), tuple(chunks_by_dim[d] for d in range(ndim))
+    dask_ops = [r for r in result if isinstance(r, da.Array)]
+    chunks_by_dim = []
+    for d in range(ndim):
+        # The chunks of the operands that span this dimension (not broadcast along it).
+        spans = {r.chunks[k] for r in dask_ops
+                 if (k := d - (ndim - r.ndim)) >= 0 and r.shape[k] != 1}
+        chunks_by_dim.append(common_blockdim(spans) if len(spans) > 1
+                             else spans.pop() if spans else (1,))
+    unified = []
+    for r in result:
+        if isinstance(r, da.Array):
+            want = tuple(c if n == 1 else chunks_by_dim[ndim - r.ndim + k]
+                         for k, (n, c) in enumerate(zip(r.shape, r.chunks)))
+            r = r if want == r.chunks else r.rechunk(want)
+        unified.append(r)
+    return unified, tuple(chunks_by_dim)
 
 
 def _index_pairs(arrays: list[Any], ndim: int) -> list[Any]:
@@ -492,8 +519,8 @@ Returns a Dask array, or ``out`` filled when ``out=`` is given.
 Examples
 --------
 >>> import dask.array as da
->>> x = da.arange(6, chunks=4).reshape(2, 3)
->>> multiply(x, da.asarray([1, 10, 100]), device="cpu").compute()
+>>> x = da.from_array(np.arange(6).reshape(2, 3), chunks=(1, 2))
+>>> multiply(x, da.from_array(np.array([1, 10, 100]), chunks=2), device="cpu").compute()
 array([[  0,  10, 200],
        [  3,  40, 500]])
 """

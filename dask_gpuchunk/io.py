@@ -17,6 +17,7 @@ most that hidden temporary file, never a half-written target.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 import threading
@@ -29,9 +30,8 @@ from typing import Any, NamedTuple
 import dask
 import dask.array as da
 import numpy as np
-from dask.array.core import normalize_chunks, slices_from_chunks
+from dask.array.core import normalize_chunks
 from dask.base import tokenize
-from dask.highlevelgraph import HighLevelGraph
 
 from .arrays import asarray
 from .backend import is_cupy
@@ -259,19 +259,31 @@ def from_npy(path: str | os.PathLike, chunks: Any = "auto", *, pinned: bool | No
     header = read_header(path)
     dtype = _native(header.dtype)
     chunks = _checked_chunks(chunks, header.shape, dtype)
-    pinned_file = identity(path)
-    name = "from-npy-" + tokenize(path, pinned_file, chunks, pinned)
-    keys = [(name, *idx) for idx in np.ndindex(*(len(c) for c in chunks))]
-    dsk = {key: (_read_region, path, header, region, pinned, pinned_file)
-           for key, region in zip(keys, slices_from_chunks(chunks))}
-    _pinned_inputs[name] = (path, pinned_file)
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[])
-    return da.Array(graph, name, chunks, dtype=dtype, meta=np.empty((0,) * len(chunks), dtype))
+    reader = NpyReader(path, header, pinned, identity(path))
+    kwargs = {} if da.array_expr_enabled() else {"name": f"from-npy-{tokenize(reader, chunks)}"}
+    return da.from_array(reader, chunks=chunks, asarray=False, fancy=False,
+                         meta=np.empty((0,) * len(chunks), dtype), **kwargs)
 
 
-#: The files behind the ``from_npy`` layers made in this process (layer name -> path and
-#: identity): :func:`to_npy` checks those its result was read from before publishing it.
-_pinned_inputs: dict[str, tuple[str, FileIdentity]] = {}
+class NpyReader:
+    """A ``.npy`` file as :func:`dask.array.from_array` reads it: each chunk a region read
+    when its task runs (:func:`_read_region`), checked against the file's identity when the
+    reader was made (``pinned_file``: :class:`~dask_gpuchunk.files.InputChangedError` where it
+    changed). What :func:`to_npy` finds in a graph to check its inputs once more at the end.
+    """
+
+    __slots__ = ("path", "header", "pinned", "pinned_file", "shape", "dtype", "ndim")
+
+    def __init__(self, path: str, header: NpyHeader, pinned: bool | None,
+                 pinned_file: FileIdentity) -> None:
+        self.path, self.header, self.pinned, self.pinned_file = path, header, pinned, pinned_file
+        self.shape, self.dtype, self.ndim = header.shape, _native(header.dtype), len(header.shape)
+
+    def __getitem__(self, region: tuple[slice, ...]) -> np.ndarray:
+        return _read_region(self.path, self.header, region, self.pinned, self.pinned_file)
+
+    def __dask_tokenize__(self) -> tuple:
+        return ("dask-gpuchunk-npy", self.path, self.pinned_file, self.pinned)
 
 
 def _checked_chunks(chunks: Any, shape: tuple[int, ...], dtype: np.dtype) -> tuple[tuple[int, ...], ...]:
@@ -289,9 +301,17 @@ def _checked_chunks(chunks: Any, shape: tuple[int, ...], dtype: np.dtype) -> tup
 
 
 def _inputs_of(x: Any) -> list[tuple[str, FileIdentity]]:
-    """The pinned ``.npy`` inputs (:func:`from_npy`) that Dask array ``x`` is computed from."""
-    layers = getattr(getattr(x, "dask", None), "layers", {})
-    return [_pinned_inputs[name] for name in layers if name in _pinned_inputs]
+    """The ``.npy`` inputs (:func:`from_npy`) that Dask collection ``x`` reads: their path and
+    identity when read, found among the graph's values (each reader is one value, which the
+    chunks' tasks refer to)."""
+    found: dict[tuple[str, FileIdentity], None] = {}
+    if not hasattr(x, "__dask_graph__"):
+        return []
+    for value in dict(x.__dask_graph__()).values():
+        value = getattr(value, "value", value)  # a DataNode holds the object as its value
+        if isinstance(value, NpyReader):
+            found[(value.path, value.pinned_file)] = None
+    return list(found)
 
 
 # ---- writing ---------------------------------------------------------------------------------
@@ -402,14 +422,16 @@ def no_workers_timeout() -> float:
     return float(os.environ.get("DASK_GPUCHUNK_NO_WORKERS_TIMEOUT", "300"))
 
 
-def _run_writes(written: da.Array, progress: Callable[[int, int], None] | None) -> None:
-    """Compute every write task; on a distributed client, report ``progress(done, total)``."""
+def _run_writes(written: Any, progress: Callable[[int, int], None] | None) -> None:
+    """Compute every write task of ``written`` (a Dask array of one element per write, or a
+    list of Delayed writes); on a distributed client, report ``progress(done, total)``."""
     from .devices import distributed_client_active
 
     if not distributed_client_active():
-        dask.compute(written.sum())
+        total = len(written) if isinstance(written, list) else math.prod(written.numblocks)
+        dask.compute(written)
         if progress is not None:
-            progress(written.npartitions, written.npartitions)
+            progress(total, total)
         return
     from distributed import default_client, futures_of, wait
 
@@ -500,14 +522,21 @@ def to_npy(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
         raise TypeError(f"cannot write an array of Python objects ({x.dtype}) to a .npy file")
     _check_target(target, overwrite)
     x = asarray(x)
-    with _file_in_place(target, _native(x.dtype), x.shape, overwrite,
+    with _file_in_place(target, _native(dtype), x.shape, overwrite,
                         _inputs_of(x)) as (tmp, header, key):
-        name = "to-npy-" + tokenize(x, tmp)
-        dsk: dict[tuple, Any] = {}
-        for idx, region in zip(np.ndindex(*x.numblocks), slices_from_chunks(x.chunks)):
-            dsk[(name, *idx)] = (_write_region, (x.name, *idx), tmp, header, region, key)
-        _run_write_graph(name, dsk, x, x.numblocks, progress)
+        written = x.map_blocks(
+            _write_block, dtype=np.int64, meta=np.empty((0,) * x.ndim, np.int64),
+            chunks=tuple((1,) * n for n in x.numblocks), token="to-npy", path=tmp,
+            header=header, key=key, chunks_of_x=x.chunks)
+        _run_writes(written, progress)
     return target
+
+
+def _write_block(block: Any, path: str, header: NpyHeader, key: tuple[int, int, int],
+                 chunks_of_x: tuple[tuple[int, ...], ...], block_id: tuple[int, ...]) -> np.ndarray:
+    """:func:`_write_region` of block ``block_id`` of an array chunked ``chunks_of_x``."""
+    region = tuple(slice(sum(c[:i]), sum(c[:i + 1])) for c, i in zip(chunks_of_x, block_id))
+    return _write_region(block, path, header, region, key)
 
 
 @contextlib.contextmanager
@@ -535,11 +564,3 @@ def _file_in_place(target: Path, dtype: np.dtype, shape: tuple[int, ...], overwr
         raise
 
 
-def _run_write_graph(name: str, dsk: dict[tuple, Any], source: da.Array,
-                     numblocks: tuple[int, ...], progress: Callable[[int, int], None] | None) -> None:
-    """Run the write tasks ``(name, *index)`` of ``dsk`` (one per block of ``numblocks``, each
-    returning a one-element array; ``dsk`` may hold other tasks too) over ``source``'s graph."""
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[source])
-    written = da.Array(graph, name, tuple((1,) * n for n in numblocks), dtype=np.int64,
-                       meta=np.empty((0,) * len(numblocks), np.int64))
-    _run_writes(written, progress)

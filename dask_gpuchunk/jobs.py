@@ -131,7 +131,7 @@ def _gram_slabs_to_npy(words: Any, target: Path, method: str, device: str, overw
     :func:`dask_gpuchunk.to_npy`."""
     from dask.base import tokenize
 
-    from .io import _check_target, _file_in_place, _inputs_of, _run_write_graph, _write_region
+    from .io import _check_target, _file_in_place, _inputs_of, _write_region
 
     n = words.shape[0]
     _check_target(target, overwrite)
@@ -152,7 +152,30 @@ def _gram_slabs_to_npy(words: Any, target: Path, method: str, device: str, overw
                 dsk[(write, i, 0)] = (_write_region, (slab, i, 0), tmp, header,
                                       (slice(start, start + rows), slice(0, n)), key)
             start += rows
-        _run_write_graph(write, dsk, words, (len(words.chunks[0]), 1), progress)
+        _run_slab_graph(write, dsk, words, len(words.chunks[0]), progress)
+
+
+def _run_slab_graph(name: str, dsk: dict[tuple, Any], words: Any, slabs: int,
+                    progress: Progress) -> None:
+    """Run the slab graph ``dsk`` (its writes ``(name, i, 0)``) over ``words``' graph.
+
+    Listed by hand: slab ``i`` waits for the write of slab ``i - SLABS_AHEAD``, a dependency
+    between blocks that no blockwise construct states; the measured pipelining of the row-slab
+    layout (docs/perf-notes.md, item 8) rests on it. Not under dask's array query planning.
+    """
+    import dask.array as da
+    from dask.highlevelgraph import HighLevelGraph
+
+    from .io import _run_writes
+
+    if da.array_expr_enabled():
+        raise NotImplementedError(
+            "gram jobs in the rows and upper layouts do not run under dask's array query "
+            "planning yet (array.query-planning); set it off for this job")
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[words])
+    written = da.Array(graph, name, ((1,) * slabs, (1,)), dtype=np.int64,
+                       meta=np.empty((0, 0), np.int64))
+    _run_writes(written, progress)
 
 
 def _slab_bytes(chunk_rows: int, n: int, words_bytes: int, words: int, itemsize: int,

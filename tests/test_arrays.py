@@ -33,7 +33,11 @@ def test_names_follow_the_array(rng, monkeypatch):
     assert dg.asarray(a.copy()).name == dg.asarray(a).name   # small arrays: by their data
     assert dg.asarray(a + 1).name != dg.asarray(a).name
     assert dg.asarray(a, chunks=2).name != dg.asarray(a).name
-    assert dg.asarray(a, name="mine").name == "mine"
+    if da.array_expr_enabled():  # dask names the array: the same name, the same keys
+        assert dg.asarray(a, name="mine").name == dg.asarray(a.copy(), name="mine").name
+        assert dg.asarray(a, name="mine").name != dg.asarray(a, name="yours").name
+    else:
+        assert dg.asarray(a, name="mine").name == "mine"
     # Large arrays are named by the object (hashing gigabytes would read them all): the same
     # object keeps its name; another object, even with equal data, gets another.
     monkeypatch.setattr(arrays, "CONTENT_TOKEN_BYTES", 0)
@@ -69,7 +73,7 @@ def test_array_likes_are_read_chunk_by_chunk_at_compute_time(rng):
     x = dg.asarray(ds, chunks=(10, 6))
     r = dg.multiply(ds, 2.0)
     assert ds.read == 0  # building graphs read nothing
-    np.testing.assert_array_equal(x.blocks[1].compute(), data[10:20])
+    np.testing.assert_array_equal(x[10:20].compute(), data[10:20])
     assert ds.read == 60  # one chunk
     np.testing.assert_array_equal(r.compute(), data * 2.0)
 
@@ -84,11 +88,14 @@ def test_zarr_datasets_are_read_through_dask(rng, tmp_path):
     np.testing.assert_array_equal(r.compute(), data * 3.0)
 
 
-@pytest.mark.parametrize("masked", [
-    np.ma.masked_array([1.0, 2.0, 3.0], mask=[0, 1, 0]),
-    da.ma.masked_equal(da.from_array(np.array([1.0, 2.0, 3.0]), chunks=2), 2.0),
-], ids=["numpy", "dask"])
-def test_masked_arrays_are_refused(masked):
+@pytest.mark.parametrize("kind", ["numpy", "dask"])
+def test_masked_arrays_are_refused(kind):
+    if kind == "numpy":
+        masked = np.ma.masked_array([1.0, 2.0, 3.0], mask=[0, 1, 0])
+    elif da.array_expr_enabled():
+        pytest.skip("dask's array query planning has no masked arrays (dask.array.ma)")
+    else:
+        masked = da.ma.masked_equal(da.from_array(np.array([1.0, 2.0, 3.0]), chunks=2), 2.0)
     with pytest.raises(TypeError, match="masked array: its mask would be lost"):
         dg.multiply(masked, 2.0)
     with pytest.raises(TypeError, match="masked array"):

@@ -106,20 +106,25 @@ def test_one_task_per_block_that_dask_composes_and_culls(rng, graph_form):
     x = da.from_array(a, chunks=(3, 4))
     result = dg.multiply(x, da.from_array(b, chunks=(1, 4)))
     assert result.chunks == x.chunks
-    layer = result.dask.layers[result.name]
-    assert isinstance(layer, Blockwise) == (graph_form == "blockwise")
-    assert len(layer) == result.npartitions == 9
+    if da.array_expr_enabled():  # expressions, not layers: what they compute is checked below
+        assert math.prod(result.numblocks) == 9
+    else:
+        layer = result.dask.layers[result.name]
+        assert isinstance(layer, Blockwise) == (graph_form == "blockwise")
+        assert len(layer) == result.npartitions == 9
     # Dask sums across the row chunks in its own order: equal to rounding.
     assert_same((result[2:5, 1:] + 1).sum(axis=0).compute(), ((a * b)[2:5, 1:] + 1).sum(axis=0),
                 exact=False)
     # A slice computes only the blocks it needs.
-    with dask.config.set({"optimization.fuse.active": False}):
-        (corner,) = dask.optimize(result[:3, :4])
-    ours = [k for k in dict(corner.dask) if isinstance(k, tuple) and k[0] == result.name]
-    assert ours == [(result.name, 0, 0)]
-    assert_same(corner.compute(), (a * b)[:3, :4])
+    if not da.array_expr_enabled():
+        with dask.config.set({"optimization.fuse.active": False}):
+            (corner,) = dask.optimize(result[:3, :4])
+        ours = [k for k in dict(corner.dask) if isinstance(k, tuple) and k[0] == result.name]
+        assert ours == [(result.name, 0, 0)]
+    assert_same(result[:3, :4].compute(), (a * b)[:3, :4])
 
 
+@pytest.mark.skipif(da.array_expr_enabled(), reason="array query planning: no graph layers")
 def test_results_of_many_blocks_stay_lazy_blockwise_layers():
     limit = elementwise_module.LISTED_GRAPH_MAX_BLOCKS
     listed = dg.multiply(da.ones((limit, 2), chunks=(1, 2)), 2.0, device="cpu")
@@ -472,7 +477,10 @@ def test_out_read_only():
 
 def test_unknown_chunk_sizes_are_refused():
     x = da.ones(10, chunks=5)
-    x = x[x > 0]
+    try:
+        x = x[x > 0]
+    except NotImplementedError:
+        pytest.skip("this dask (array query planning) has no boolean indexing")
     with pytest.raises(ValueError, match="compute_chunk_sizes"):
         dg.multiply(x, 2)
 

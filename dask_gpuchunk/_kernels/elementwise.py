@@ -392,6 +392,10 @@ class ElementwiseKernels:
         self._cuda_device: Callable | None = None
         self._direct: dict[tuple, DirectLaunch] = {}
 
+    def __dask_tokenize__(self) -> tuple:
+        # Graph names follow the function (by its token), not this object's compiled state.
+        return ("ElementwiseKernels", self.token, self.nargs, self.rules)
+
     def __reduce__(self) -> tuple:
         # Compiled kernels stay in the process that built them. A worker unpickles every task
         # afresh, so it looks the kernels up by token and compiles each signature only once.
