@@ -466,6 +466,10 @@ def check_block_fits(chunks: tuple[tuple[int, ...], ...], itemsize: int, method:
 
 
 def _gram_graph(words: da.Array, method: str, device: str) -> da.Array:
+    if da.array_expr_enabled():
+        raise NotImplementedError(
+            "gram does not run under dask's array query planning yet (array.query-planning, "
+            "DASK_ARRAY__QUERY_PLANNING): start Python with it off for Gram matrices")
     token = tokenize(words, method, device)
     name, partial, total = f"gram-{token}", f"gram-partial-{token}", f"gram-sum-{token}"
     rows = len(words.chunks[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dask
 import dask.array as da
 import numpy as np
 import pytest
@@ -9,9 +10,12 @@ import pytest
 import dask_gpuchunk as dg
 
 
-def test_chunks_are_views_of_the_source(rng):
+@pytest.mark.parametrize("listed", [True, False], ids=["listed", "from_array"])
+def test_chunks_are_views_of_the_source(rng, listed):
+    # Listed views (the default) or dask's from_array over a reader: never a copy.
     a = rng.random((10, 7))
-    x = dg.asarray(a, chunks=(4, 3))
+    with dask.config.set({"gpuchunk.listed-graphs": listed}):
+        x = dg.asarray(a, chunks=(4, 3))
     assert x.chunks == ((4, 4, 2), (3, 3, 1))
     shared = x.map_blocks(lambda b: np.full(b.shape, np.shares_memory(b, a)), dtype=bool)
     assert shared.all().compute()
