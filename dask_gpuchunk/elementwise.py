@@ -131,6 +131,8 @@ class ElementwiseOp:
         dtype('float32')
         >>> multiply.result_dtype("float32", float)
         dtype('float32')
+        >>> multiply.result_dtype(np.dtype("float32"), np.dtype("int64"))
+        dtype('float64')
         """
         return self._result_dtype(tuple(_argtype_of(d, i) for i, d in enumerate(dtypes)))
 
@@ -228,7 +230,8 @@ def _argtype_of(d: Any, index: int) -> VType:
     """A :class:`VType` for :meth:`ElementwiseOp.result_dtype`'s arguments."""
     if isinstance(d, VType):
         return d
-    if d in (bool, int, float, complex):
+    # A type, not a dtype equal to one (np.dtype("int64") == int holds).
+    if isinstance(d, type) and d in (bool, int, float, complex):
         return weak_type(d(0), index)
     return VType(check_dtype(d, f"argument {index + 1}"))
 

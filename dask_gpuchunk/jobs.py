@@ -98,6 +98,30 @@ def _budgets_where_it_runs() -> list[int]:
     return [r["working_budget"] for r in reports.values() if r["working_budget"] is not None]
 
 
+def _check_gpus_where_it_runs(method: str, device: str) -> None:
+    """Refuse GPU work (``device="gpu"``, a GPU-only Gram method) where it would run without a
+    GPU: the active client's workers (asked now: the submitting process may have none, as a
+    batch job's login node), or this process. :class:`ClusterError` or
+    :class:`~dask_gpuchunk.devices.GPUNotAvailableError`, before anything is written."""
+    from ._kernels.gram import GPU_METHODS
+    from .devices import check_device, distributed_client_active, gpu_available
+
+    if device != "gpu" and method not in GPU_METHODS:
+        return
+    what = "--device gpu" if device == "gpu" else f"method {method}"
+    if not distributed_client_active():
+        if method in GPU_METHODS and not gpu_available():
+            raise GPUNotAvailableError(f"{what} needs a CUDA GPU and none is visible")
+        check_device(device)
+        return
+    from distributed import default_client
+
+    seen = default_client().run(gpu_available)
+    if not any(seen.values()):
+        raise ClusterError(f"{what} needs a GPU, and none of the cluster's {len(seen)} "
+                           "worker(s) sees one")
+
+
 def _slab_after(_previous: Any, a: Any, others: list[Any], method: str, device: str) -> Any:
     """:func:`dask_gpuchunk.gram.gram_slab`, as a task that also waits for ``_previous`` (the
     write of an earlier slab), so that slabs are computed no further ahead of their writer."""
@@ -395,10 +419,16 @@ def multiply_job(
     pinned = device == "gpu"
     x = from_npy(a, chunks=_row_chunks(ha, chunk_size), pinned=pinned)
     y = from_npy(b, chunks=_row_chunks(hb, chunk_size), pinned=pinned)
-    result = multiply(x, y, device=device)
-    moved = ha.nbytes + hb.nbytes + int(np.prod(shape, dtype=np.int64)) * result.dtype.itemsize
+    # The graph is built when the job runs, where its cluster is known (the submitting process
+    # may see no GPU where the workers do); its dtype now, from CPU-side rules.
+    out_dtype = multiply.result_dtype(x.dtype, y.dtype)
+    moved = ha.nbytes + hb.nbytes + int(np.prod(shape, dtype=np.int64)) * out_dtype.itemsize
+    result = None
 
     def run(progress: Progress) -> dict[str, Any]:
+        nonlocal result
+        _check_gpus_where_it_runs("", device)
+        result = multiply(x, y, device=device)
         seconds = _run(
             lambda: to_npy(result, target, overwrite=overwrite, progress=progress),
             lambda: _start_warmup(_warm_multiply, ha.shape, _native_str(ha.dtype), hb.shape,
@@ -411,7 +441,7 @@ def multiply_job(
         "command": "multiply",
         "inputs": [{"path": str(a), "shape": list(ha.shape), "dtype": str(ha.dtype)},
                    {"path": str(b), "shape": list(hb.shape), "dtype": str(hb.dtype)}],
-        "output": {"path": str(target), "shape": list(shape), "dtype": str(result.dtype)},
+        "output": {"path": str(target), "shape": list(shape), "dtype": str(out_dtype)},
         "chunks": int(np.prod(result.numblocks)),
         "device": device,
         "seconds": seconds,
@@ -458,11 +488,16 @@ def gram_job(
     other than 0/1 raise
     :class:`InputError` when found, with nothing written.
     """
-    from .gram import METHODS, bitpack, check_block_fits, check_method, gram
+    from ._kernels.gram import GPU_METHODS
+    from .devices import DEVICES
+    from .gram import METHODS, bitpack, check_block_fits, gram
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
-    check_method(method, device)  # now: the job's graph is built once the cluster is up
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
+    if method in GPU_METHODS and device == "cpu":
+        raise ValueError(f"method={method!r} runs on a GPU only; use --device auto or gpu")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
     if chunk_rows is not None and chunk_rows < 1:
@@ -494,6 +529,7 @@ def gram_job(
     def plan() -> tuple[str, int, Callable[[Progress], None]]:
         # Where the job runs (the cluster is up by now): the devices' budgets decide.
         nonlocal words
+        _check_gpus_where_it_runs(method, device)
         budgets = _budgets_where_it_runs() if device != "cpu" else []
         rows_per_chunk = chunk_rows or CHUNK_ROWS
         if budgets:

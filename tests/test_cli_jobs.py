@@ -156,6 +156,15 @@ def test_jobs_on_a_cluster_joined_through_a_scheduler_file(inputs, scheduler_and
                 "--scheduler-file", str(sched_file))
     assert r.returncode == 0, r.stderr
     np.testing.assert_array_equal(np.load(d / "g.npy"), bits.astype(np.int64) @ bits.T)
+    # GPU work is checked where it runs, once joined (a batch job's submitting host may have
+    # no GPU where its workers do): these workers have none, and say so.
+    for args in (["gram", str(d / "bits.npy"), "-o", str(d / "g-bmma.npy"), "--method", "bmma"],
+                 ["multiply", str(d / "a.npy"), str(d / "b.npy"), "-o", str(d / "c-gpu.npy"),
+                  "--device", "gpu"]):
+        r = run_cli(*args, "--scheduler-file", str(sched_file))
+        assert r.returncode == 5, r.stderr
+        assert "none of the cluster's 2 worker(s) sees one" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and not Path(args[args.index("-o") + 1]).exists()
 
 
 def test_a_job_joining_a_cluster_waits_for_its_workers(inputs, tmp_path):
