@@ -307,7 +307,13 @@ def _inputs_of(x: Any) -> list[tuple[str, FileIdentity]]:
     found: dict[tuple[str, FileIdentity], None] = {}
     if not hasattr(x, "__dask_graph__"):
         return []
-    for value in dict(x.__dask_graph__()).values():
+    graph = x.__dask_graph__()
+    # A reader is a value of a materialized layer (from_array's); the layers not yet listed
+    # (Blockwise) hold tasks only, and listing them here would list them twice.
+    layers = getattr(graph, "layers", None)
+    values = (v for layer in layers.values() if layer.is_materialized() for v in layer.values()
+              ) if layers is not None else dict(graph).values()
+    for value in values:
         value = getattr(value, "value", value)  # a DataNode holds the object as its value
         if isinstance(value, NpyReader):
             found[(value.path, value.pinned_file)] = None
@@ -422,13 +428,13 @@ def no_workers_timeout() -> float:
     return float(os.environ.get("DASK_GPUCHUNK_NO_WORKERS_TIMEOUT", "300"))
 
 
-def _run_writes(written: Any, progress: Callable[[int, int], None] | None) -> None:
-    """Compute every write task of ``written`` (a Dask array of one element per write, or a
-    list of Delayed writes); on a distributed client, report ``progress(done, total)``."""
+def _run_writes(written: da.Array, progress: Callable[[int, int], None] | None) -> None:
+    """Compute every write task of ``written`` (one element per write); on a distributed
+    client, report ``progress(done, total)``."""
     from .devices import distributed_client_active
 
     if not distributed_client_active():
-        total = len(written) if isinstance(written, list) else math.prod(written.numblocks)
+        total = math.prod(written.numblocks)
         dask.compute(written)
         if progress is not None:
             progress(total, total)
@@ -527,15 +533,15 @@ def to_npy(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
         written = x.map_blocks(
             _write_block, dtype=np.int64, meta=np.empty((0,) * x.ndim, np.int64),
             chunks=tuple((1,) * n for n in x.numblocks), token="to-npy", path=tmp,
-            header=header, key=key, chunks_of_x=x.chunks)
+            header=header, key=key)
         _run_writes(written, progress)
     return target
 
 
 def _write_block(block: Any, path: str, header: NpyHeader, key: tuple[int, int, int],
-                 chunks_of_x: tuple[tuple[int, ...], ...], block_id: tuple[int, ...]) -> np.ndarray:
-    """:func:`_write_region` of block ``block_id`` of an array chunked ``chunks_of_x``."""
-    region = tuple(slice(sum(c[:i]), sum(c[:i + 1])) for c, i in zip(chunks_of_x, block_id))
+                 block_info: dict) -> np.ndarray:
+    """:func:`_write_region` of a block where dask says it lies in the array it comes from."""
+    region = tuple(slice(start, stop) for start, stop in block_info[0]["array-location"])
     return _write_region(block, path, header, region, key)
 
 

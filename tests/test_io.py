@@ -221,3 +221,18 @@ def test_a_cluster_that_loses_its_last_worker_fails_the_write_after_the_timeout(
             dg.to_npy(x, tmp_path / "c.npy")
         assert time.monotonic() - t0 < 30
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("blocks", [10, 2000], ids=["listed", "blockwise"])
+def test_to_npy_finds_the_npy_inputs_behind_its_operand(rng, tmp_path, blocks):
+    # What to_npy checks once more before publishing: each .npy read, once, however deep.
+    from dask_gpuchunk.io import _inputs_of
+
+    for name in ("a", "b", "unused"):
+        np.save(tmp_path / f"{name}.npy", random_array(rng, (blocks, 3), "float64"))
+    a = dg.from_npy(tmp_path / "a.npy", chunks=(1, 3))
+    b = dg.from_npy(tmp_path / "b.npy", chunks=(1, 3))
+    x = dg.multiply(dg.multiply(a, b), a)
+    found = sorted(os.path.basename(path) for path, _ in _inputs_of(x))
+    assert found == ["a.npy", "b.npy"]
+    assert _inputs_of(np.ones(3)) == []
