@@ -17,7 +17,7 @@ from __future__ import annotations
 import dask
 import dask.array as da
 
-__all__ = ["listed_graphs"]
+__all__ = ["listed_graphs", "map_blocks_prefix"]
 
 
 def listed_graphs() -> bool:
@@ -31,3 +31,16 @@ def listed_graphs() -> bool:
     False
     """
     return not da.array_expr_enabled() and bool(dask.config.get("gpuchunk.listed-graphs", True))
+
+
+def map_blocks_prefix(prefix: str) -> dict[str, str]:
+    """The keyword that names ``dask.array.map_blocks``' keys ``<prefix>-<token>``: ``token=``
+    for dask's legacy arrays, ``name=`` under array query planning (which deprecates
+    ``token=``, and where ``name=`` is a prefix, not the whole name).
+
+    Examples
+    --------
+    >>> map_blocks_prefix("to-npy") in ({"token": "to-npy"}, {"name": "to-npy"})
+    True
+    """
+    return {"name": prefix} if da.array_expr_enabled() else {"token": prefix}

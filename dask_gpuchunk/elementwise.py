@@ -37,7 +37,7 @@ from ._kernels.numpy_rules import VType, weak_type
 from ._kernels.translate import check_call
 from .arrays import asarray, is_array_like, refuse_masked
 from .backend import is_cupy, run_elementwise
-from .config import listed_graphs
+from .config import listed_graphs, map_blocks_prefix
 from .devices import check_device_for_graph, gpu_available
 
 __all__ = ["ElementwiseOp", "elementwise", "multiply"]
@@ -217,7 +217,7 @@ class ElementwiseOp:
         # One marker element per block: the data goes into out.
         marks = da.map_blocks(
             _block_into, *arrays, dtype=bool, meta=np.empty((0,) * len(shape), dtype=bool),
-            chunks=tuple((1,) * len(c) for c in chunks), token=f"{self.__name__}-into",
+            chunks=tuple((1,) * len(c) for c in chunks), **map_blocks_prefix(f"{self.__name__}-into"),
             kernels=self.kernels, out_dtype=out_dtype, device=device, target=_Target(out),
             result_chunks=chunks,
         )

@@ -5,7 +5,8 @@ row chunks ``(i, j)`` and word chunk ``w`` one task computes the partial block
 ``A[i, w] · A[j, w]ᵀ``; the partials of a block are summed in a tree (``SPLIT_EVERY`` at a
 time). Only blocks on or above the diagonal are computed: block ``(j, i)`` below it is the
 transpose of block ``(i, j)``, and a diagonal block computes its own upper triangle and mirrors
-it. The output's row and column chunks are the input's row chunks, so it can be written to
+it. The graph is dask's ``blockwise`` and ``reduction``, so it runs with and without dask's
+array query planning. The output's row and column chunks are the input's row chunks, so it can be written to
 disk one row slice at a time (``dask.array.store``).
 
 Placement of a block: CuPy chunks on their GPU (CuPy out); NumPy chunks on the GPU where one is
@@ -25,7 +26,6 @@ import dask.array as da
 import numpy as np
 from dask.array.utils import meta_from_array
 from dask.base import tokenize
-from dask.highlevelgraph import HighLevelGraph
 
 from . import backend
 from ._kernels import bitpack as bits
@@ -329,34 +329,67 @@ def gram_slab(a: Any, others: list[Any], method: str = "auto", device: str = "au
     return _run_counts(inputs, shape, method, device, _slab_launcher, on_cpu, scratch)
 
 
-def _sum_blocks(*blocks: Any) -> Any:
-    total = blocks[0] + blocks[1]
-    for block in blocks[2:]:
+def _upper_partial(a: Any, b: Any, rows_a: Any, rows_b: Any, method: str, device: str) -> Any:
+    """The partial block ``popcount(a & b)`` of one word chunk where it is on or above the
+    diagonal (``None`` below it: :func:`_mirrored` takes its transpose from above).
+
+    ``rows_a`` and ``rows_b`` hold the row positions of the two row chunks: a block is computed
+    where its first row is not below its first column, so a pair of blocks is computed once
+    even where slicing has cut the chunks unevenly. ``a`` and ``b`` the same rows: the
+    symmetric ``a · aᵀ``, half the work."""
+    if not (len(rows_a) and len(rows_b)):
+        return _zeros_like_block(a, b)
+    if rows_a[0] > rows_b[0]:
+        return None
+    diagonal = len(rows_a) == len(rows_b) and rows_a[0] == rows_b[0]
+    inputs = [bits.words64(a)] if diagonal else [bits.words64(a), bits.words64(b)]
+    return _run_counts(
+        inputs, (a.shape[0], b.shape[0]), method, device,
+        lambda resolved: _launcher(resolved, diagonal),
+        lambda: backend.run_cpu_kernel(kernels.popcount_cpu, inputs[0],
+                                       None if diagonal else inputs[1]),
+        lambda resolved: block_scratch_bytes(resolved, a.shape[0], b.shape[0],
+                                             inputs[0].shape[1], diagonal))
+
+
+def _zeros_like_block(a: Any, b: Any) -> Any:
+    if backend.is_cupy(a):
+        import cupy
+
+        return cupy.zeros((a.shape[0], b.shape[0]), dtype=np.int32)
+    return np.zeros((a.shape[0], b.shape[0]), dtype=np.int32)
+
+
+def _word_partial(a: Any, b: Any, rows_a: Any, rows_b: Any, method: str, device: str) -> Any:
+    """:func:`_upper_partial` of one of several word chunks, with the contracted axis kept
+    (length 1) as :func:`dask.array.reduction` counts it."""
+    block = _upper_partial(a, b, rows_a, rows_b, method, device)
+    return None if block is None else block[..., None]
+
+
+def _keep(block: Any, axis: Any = None, keepdims: bool = True) -> Any:
+    return block
+
+
+def _sum_partials(partials: list[Any], axis: Any = None, keepdims: bool = False) -> Any:
+    """Sum a list of partial blocks (``None`` below the diagonal stays ``None``)."""
+    partials = [p for p in partials if p is not None]
+    if not partials:
+        return None
+    total = partials[0].copy()
+    for block in partials[1:]:
         total += block
-    return total
+    return total if keepdims else total[..., 0]
 
 
-def _transposed(block: Any) -> Any:
-    if backend.is_cupy(block):
-        return block.T.copy()  # C order
-    return backend.run_cpu_kernel(kernels.transpose_cpu, block)
-
-
-def _add_tree(dsk: dict, parts: list[tuple], final: tuple, prefix: str) -> None:
-    """Sum the task keys ``parts`` into ``final`` by a tree of ``SPLIT_EVERY``-way sums."""
-    level = 0
-    while len(parts) > SPLIT_EVERY:
-        groups = [parts[g:g + SPLIT_EVERY] for g in range(0, len(parts), SPLIT_EVERY)]
-        parts = []
-        for g, group in enumerate(groups):
-            if len(group) == 1:
-                parts.append(group[0])
-                continue
-            key = (prefix, *final[1:], level, g)
-            dsk[key] = (_sum_blocks, *group)
-            parts.append(key)
-        level += 1
-    dsk[final] = (_sum_blocks, *parts)
+def _mirrored(block: Any, above: Any, rows_a: Any, rows_b: Any) -> Any:
+    """Block ``(i, j)`` of the Gram: computed (on or above the diagonal), or the transpose of
+    block ``(j, i)``, ``above``."""
+    if block is not None and (not (len(rows_a) and len(rows_b)) or rows_a[0] <= rows_b[0]):
+        return block
+    if backend.is_cupy(above):
+        return above.T.copy()  # C order
+    return backend.run_cpu_kernel(kernels.transpose_cpu, above)
 
 
 def gram(x: Any, *, packed: bool = False, method: str = "auto", device: str = "auto") -> da.Array:
@@ -466,31 +499,25 @@ def check_block_fits(chunks: tuple[tuple[int, ...], ...], itemsize: int, method:
 
 
 def _gram_graph(words: da.Array, method: str, device: str) -> da.Array:
-    if da.array_expr_enabled():
-        raise NotImplementedError(
-            "gram does not run under dask's array query planning yet (array.query-planning, "
-            "DASK_ARRAY__QUERY_PLANNING): start Python with it off for Gram matrices")
-    token = tokenize(words, method, device)
-    name, partial, total = f"gram-{token}", f"gram-partial-{token}", f"gram-sum-{token}"
-    rows = len(words.chunks[0])
-    word_blocks = len(words.chunks[1])
-    dsk: dict[tuple, Any] = {}
-    for i in range(rows):
-        for j in range(i, rows):
-            other = None if i == j else (words.name, j)
-            parts = []
-            for w in range(word_blocks):
-                key = (partial, i, j, w) if word_blocks > 1 else (name, i, j)
-                b = None if other is None else (*other, w)
-                dsk[key] = (_gram_block, (words.name, i, w), b, method, device)
-                parts.append(key)
-            if word_blocks > 1:
-                _add_tree(dsk, parts, (name, i, j), total)
-        for j in range(i):
-            dsk[(name, i, j)] = (_transposed, (name, j, i))
-    if word_blocks == 0:  # no bits at all: every count is zero
-        return da.zeros((words.shape[0],) * 2, chunks=(words.chunks[0],) * 2, dtype=np.int32,
-                        meta=meta_from_array(words._meta, ndim=2, dtype=np.int32))
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[words])
+    """``C`` from packed words, through dask's own constructors (so that array query planning
+    can rewrite it): one task per block on or above the diagonal and word chunk, the partials
+    of a block summed in a tree (:func:`dask.array.reduction`, ``SPLIT_EVERY`` at a time), and
+    each block below the diagonal the transpose of its mirror. The tasks below the diagonal of
+    the first two steps return ``None`` at once."""
     meta = meta_from_array(words._meta, ndim=2, dtype=np.int32)
-    return da.Array(graph, name, (words.chunks[0], words.chunks[0]), dtype=np.int32, meta=meta)
+    if not words.chunks[1]:  # no bits at all: every count is zero
+        return da.zeros((words.shape[0],) * 2, chunks=(words.chunks[0],) * 2, dtype=np.int32,
+                        meta=meta)
+    rows = da.arange(words.shape[0], chunks=(words.chunks[0],))
+    kwargs = {"method": method, "device": device, "dtype": np.int32}
+    if len(words.chunks[1]) == 1:
+        upper = da.blockwise(_upper_partial, "ij", words, "ik", words, "jk", rows, "i", rows, "j",
+                             concatenate=True, meta=meta, **kwargs)
+    else:
+        partials = da.blockwise(_word_partial, "ijk", words, "ik", words, "jk", rows, "i",
+                                rows, "j", meta=meta_from_array(meta, ndim=3), **kwargs)
+        upper = da.reduction(partials, _keep, _sum_partials, combine=_sum_partials, axis=2,
+                             dtype=np.int32, concatenate=False, split_every=SPLIT_EVERY,
+                             meta=meta)
+    return da.blockwise(_mirrored, "ij", upper, "ij", upper, "ji", rows, "i", rows, "j",
+                        dtype=np.int32, meta=meta)

@@ -35,6 +35,7 @@ from dask.base import tokenize
 
 from .arrays import asarray
 from .backend import is_cupy
+from .config import map_blocks_prefix
 from .files import (
     FileIdentity,
     check_unchanged,
@@ -428,13 +429,14 @@ def no_workers_timeout() -> float:
     return float(os.environ.get("DASK_GPUCHUNK_NO_WORKERS_TIMEOUT", "300"))
 
 
-def _run_writes(written: da.Array, progress: Callable[[int, int], None] | None) -> None:
-    """Compute every write task of ``written`` (one element per write); on a distributed
-    client, report ``progress(done, total)``."""
+def _run_writes(written: da.Array | list[Any],
+                progress: Callable[[int, int], None] | None) -> None:
+    """Compute every write task of ``written``: an array with one element per write, or a list
+    of ``dask.delayed`` writes; on a distributed client, report ``progress(done, total)``."""
     from .devices import distributed_client_active
 
     if not distributed_client_active():
-        total = math.prod(written.numblocks)
+        total = len(written) if isinstance(written, list) else math.prod(written.numblocks)
         dask.compute(written)
         if progress is not None:
             progress(total, total)
@@ -532,7 +534,7 @@ def to_npy(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
                         _inputs_of(x)) as (tmp, header, key):
         written = x.map_blocks(
             _write_block, dtype=np.int64, meta=np.empty((0,) * x.ndim, np.int64),
-            chunks=tuple((1,) * n for n in x.numblocks), token="to-npy", path=tmp,
+            chunks=tuple((1,) * n for n in x.numblocks), **map_blocks_prefix("to-npy"), path=tmp,
             header=header, key=key)
         _run_writes(written, progress)
     return target

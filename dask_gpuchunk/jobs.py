@@ -153,53 +153,43 @@ def _gram_slabs_to_npy(words: Any, target: Path, method: str, device: str, overw
     task puts it in its place, and slab ``i`` starts only once slab ``i - SLABS_AHEAD`` is
     written, so memory is bounded by slabs, not by the output. Never half-written, as
     :func:`dask_gpuchunk.to_npy`."""
-    from dask.base import tokenize
+    from dask import delayed
 
-    from .io import _check_target, _file_in_place, _inputs_of, _write_region
+    from .io import _check_target, _file_in_place, _inputs_of, _run_writes, _write_region
 
     n = words.shape[0]
     _check_target(target, overwrite)
     with _file_in_place(target, np.dtype(np.int32), (n, n), overwrite,
                         _inputs_of(words)) as (tmp, header, key):
-        token = tokenize(words, method, device, tmp, upper)
-        slab, write = f"gram-slab-{token}", f"gram-slab-write-{token}"
-        everything = [(words.name, j, 0) for j in range(len(words.chunks[0]))]
-        dsk: dict[tuple, Any] = {}
+        # Delayed tasks, not blockwise: slab i waits for the write of slab i - SLABS_AHEAD, a
+        # dependency between blocks that no blockwise construct states; the measured
+        # pipelining of the row-slab layout (docs/perf-notes.md, item 8) rests on it.
+        chunks = _row_chunks_delayed(words)
+        writes: list[Any] = []
         start = 0
         for i, rows in enumerate(words.chunks[0]):
-            previous = (write, i - SLABS_AHEAD, 0) if i >= SLABS_AHEAD else None
-            others = everything[i:] if upper else everything
-            dsk[(slab, i, 0)] = (_slab_after, previous, (words.name, i, 0), others, method, device)
+            previous = writes[i - SLABS_AHEAD] if i >= SLABS_AHEAD else None
+            slab = delayed(_slab_after, pure=True)(previous, chunks[i],
+                                                   chunks[i:] if upper else chunks, method, device)
             if upper:
-                dsk[(write, i, 0)] = (_write_upper_strip, (slab, i, 0), tmp, header, start, key)
+                write = delayed(_write_upper_strip, pure=True)(slab, tmp, header, start, key)
             else:
-                dsk[(write, i, 0)] = (_write_region, (slab, i, 0), tmp, header,
-                                      (slice(start, start + rows), slice(0, n)), key)
+                write = delayed(_write_region, pure=True)(
+                    slab, tmp, header, (slice(start, start + rows), slice(0, n)), key)
+            writes.append(write)
             start += rows
-        _run_slab_graph(write, dsk, words, len(words.chunks[0]), progress)
+        _run_writes(writes, progress)
 
 
-def _run_slab_graph(name: str, dsk: dict[tuple, Any], words: Any, slabs: int,
-                    progress: Progress) -> None:
-    """Run the slab graph ``dsk`` (its writes ``(name, i, 0)``) over ``words``' graph.
+def _row_chunks_delayed(words: Any) -> list[Any]:
+    """The chunks of ``words`` (one column chunk) as ``dask.delayed`` objects of one graph
+    (``Array.to_delayed``, which dask's array query planning does not have)."""
+    from dask.delayed import Delayed
 
-    Listed by hand: slab ``i`` waits for the write of slab ``i - SLABS_AHEAD``, a dependency
-    between blocks that no blockwise construct states; the measured pipelining of the row-slab
-    layout (docs/perf-notes.md, item 8) rests on it. Not under dask's array query planning.
-    """
-    import dask.array as da
-    from dask.highlevelgraph import HighLevelGraph
-
-    from .io import _run_writes
-
-    if da.array_expr_enabled():
-        raise NotImplementedError(
-            "gram jobs in the rows and upper layouts do not run under dask's array query "
-            "planning yet (array.query-planning); set it off for this job")
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[words])
-    written = da.Array(graph, name, ((1,) * slabs, (1,)), dtype=np.int64,
-                       meta=np.empty((0, 0), np.int64))
-    _run_writes(written, progress)
+    if hasattr(words, "to_delayed"):
+        return list(words.to_delayed()[:, 0])
+    graph = words.__dask_graph__()
+    return [Delayed(row[0], graph) for row in words.__dask_keys__()]
 
 
 def _slab_bytes(chunk_rows: int, n: int, words_bytes: int, words: int, itemsize: int,

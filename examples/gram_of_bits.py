@@ -3,8 +3,8 @@
 A numba kernel over the whole matrix runs out of device memory, and packing bits by hand is
 messy when the column count is not a multiple of 8. Here the bits are
 packed chunk by chunk (any column count), ``dg.gram`` computes only the blocks on or above the
-diagonal, and ``dask.array.store`` writes C into a ``.npy`` file one block of rows at a time, so
-neither A nor C has to fit in memory (A is generated chunk by chunk too).
+diagonal, and ``dg.to_npy`` writes each block of C into its place in a ``.npy`` file as it is
+computed (from the host or straight from the device), so neither A nor C has to fit in memory (A is generated chunk by chunk too).
 
     python examples/gram_of_bits.py                          # 10,000 x 200,000 bits -> 400 MB .npy
     python examples/gram_of_bits.py --rows 100000 --out /scratch/c.npy   # 100,000 rows: C is 40 GB
@@ -49,14 +49,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.out or Path(tmp) / "gram.npy"
         c = dg.gram(words, packed=True, method=args.method, device=args.device)
-        if hasattr(c._meta, "get"):  # CuPy blocks: bring each to the host before writing it
-            c = c.map_blocks(lambda block: block.get(), meta=np.empty((0, 0), np.int32))
-        out = np.lib.format.open_memmap(path, mode="w+", dtype=np.int32, shape=c.shape)
         t0 = time.perf_counter()
-        da.store(c, out)  # each block of C lands in its region of the file as it is computed
-        out.flush()
+        dg.to_npy(c, path, overwrite=True)  # each block of C lands in its place as it is computed
         t_gram = time.perf_counter() - t0
-        del out
 
         # Check sampled rows of the file: C[r, :] = popcount(A[r] & A) summed over words.
         host_words = np.asarray(words.compute())
