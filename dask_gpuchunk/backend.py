@@ -44,8 +44,19 @@ from ._kernels.launch import (
     StridedArg,
     direct_launch_available,
     fall_back_to_numba,
+    numba_stream,
 )
+from .budget import reserve, run_reserved, working_budget
 from .devices import GPUNotAvailableError, check_device, gpu_available
+from .staging import (
+    copy_to_device,
+    copy_to_host,
+    device_slot,
+    empty_pooled_pinned,
+    h2d_slot,
+    is_pinned,
+    pinned_pool,
+)
 
 __all__ = [
     "cpu_threads",
@@ -269,8 +280,6 @@ def _send(host: np.ndarray, stream: Any) -> Any:
     """A new CuPy array holding the C-contiguous pinned ``host``, copied on ``stream``."""
     import cupy
 
-    from .staging import copy_to_device
-
     dev = cupy.empty(host.shape, dtype=host.dtype)
     copy_to_device(dev, host, stream)
     return dev
@@ -332,16 +341,6 @@ def run_staged(
     device memory; ``what`` names it in the error where it can never fit.
     """
     import cupy
-
-    from .budget import reserve
-    from .staging import (
-        copy_to_host,
-        device_slot,
-        empty_pooled_pinned,
-        h2d_slot,
-        is_pinned,
-        pinned_pool,
-    )
 
     out_dtype = np.dtype(out_dtype)
     if dest is None:
@@ -426,9 +425,6 @@ def run_on_device(
     """
     import cupy
 
-    from .budget import run_reserved
-    from .staging import numba_stream
-
     out_dtype = np.dtype(out_dtype)
     copied = sum(0 if is_cupy(a) or is_scalar(a) else np.asarray(a).nbytes for a in inputs)
     out_bytes = int(np.prod(shape, dtype=np.int64)) * out_dtype.itemsize
@@ -498,4 +494,62 @@ def run_elementwise(
         if not gpu_available():  # a worker without a GPU, where the client had one
             raise GPUNotAvailableError("device='gpu' but this worker sees no CUDA GPU")
         return run_gpu_from_host(kernels, out_dtype, inputs, dest)
-    return placement.run_placed(kernels, out_dtype, inputs, dest)
+    return _run_placed(kernels, out_dtype, inputs, dest)
+
+
+def _tiny(inputs: Sequence[Any]) -> list[Any]:
+    """One-element slices with the inputs' dtypes and dimensionality, to compile kernels."""
+    return [a[(slice(0, 1),) * a.ndim] if np.ndim(a) else a for a in inputs]
+
+
+def _measure(kernels: ElementwiseKernels, out_dtype: np.dtype, inputs: list[Any],
+             dest: np.ndarray | None, key: tuple) -> tuple[dict[str, Any], np.ndarray]:
+    """Run a NumPy chunk both ways, timed (:func:`dask_gpuchunk.placement.estimate`'s inputs):
+    the record of the rule, and the result of the device it picks."""
+    import numba
+
+    shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
+    tiny = _tiny(inputs)
+    run_cpu(kernels, out_dtype, tiny)
+    run_gpu_from_host(kernels, out_dtype, tiny)
+
+    stages: dict[str, float] = {}
+    result = run_gpu_from_host(kernels, out_dtype, inputs, dest, timings=stages)
+    scratch = np.empty(shape, dtype=out_dtype)
+    t0 = time.perf_counter()
+    # Every core on this one chunk: the throughput of all Dask threads sharing the cores.
+    run_cpu(kernels, out_dtype, inputs, scratch, threads=int(numba.config.NUMBA_NUM_THREADS))
+    t_cpu = time.perf_counter() - t0
+    h2d_rate, d2h_rate = placement.pcie_bandwidth()
+    record = placement.estimate(stages, t_cpu, dask_threads(), h2d_rate, d2h_rate,
+                                placement.host_copy_bandwidth())
+    if record["choice"] == "cpu":
+        np.copyto(result, scratch)
+    record = {"function": getattr(kernels.func, "__name__", repr(kernels.func)),
+              "key": key, "chunk_shape": shape, **record}
+    return record, result
+
+
+def _run_placed(kernels: ElementwiseKernels, out_dtype: np.dtype, inputs: Sequence[Any],
+                dest: np.ndarray | None) -> np.ndarray:
+    """Compute a NumPy chunk on the device the rule picks (measuring first if needed)."""
+    inputs = [a if is_python_number(a) else np.asarray(a) for a in inputs]
+    shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
+    device_bytes = (sum(np.asarray(a).nbytes for a in inputs if not is_python_number(a))
+                    + int(np.prod(shape)) * np.dtype(out_dtype).itemsize)
+    if device_bytes > working_budget():  # never fits the GPU here: the CPU computes it
+        return run_cpu(kernels, out_dtype, inputs, dest)
+    pinned = tuple(bool(np.ndim(a) and a.flags.c_contiguous and is_pinned(a)) for a in inputs)
+    dest_pinned = dest is not None and dest.flags.c_contiguous and is_pinned(dest)
+    key = (kernels.token, tuple(type(a).__name__ if is_python_number(a) else a.dtype.str
+                                for a in inputs), np.dtype(out_dtype).str, pinned, dest_pinned)
+    if int(np.prod(shape)) <= 1:  # nothing to measure on: as decided, else the CPU
+        choice, result = placement.decided(key) or "cpu", None
+    else:
+        choice, result = placement.decide(
+            key, lambda: _measure(kernels, np.dtype(out_dtype), inputs, dest, key))
+    if result is not None:
+        return result
+    if choice == "gpu":
+        return run_gpu_from_host(kernels, out_dtype, inputs, dest)
+    return run_cpu(kernels, out_dtype, inputs, dest)

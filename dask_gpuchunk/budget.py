@@ -25,6 +25,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from . import process_memory
+from .devices import gpu_available
+from .staging import per_device
+
 __all__ = [
     "DEFAULT_SPILL_FRACTION",
     "HEADROOM_FRACTION",
@@ -105,7 +109,6 @@ def cap_device_memory(nbytes: int) -> None:
     if nbytes <= 0:
         raise ValueError(f"a device budget must be positive, got {nbytes}")
     os.environ["CUPY_GPU_MEMORY_LIMIT"] = str(int(nbytes))
-    from .devices import gpu_available
 
     if gpu_available():
         import cupy
@@ -235,7 +238,6 @@ _admissions_lock = threading.Lock()
 
 
 def _admission() -> _Admission:
-    from .staging import per_device
 
     return per_device(_admissions, _admissions_lock, _Admission)
 
@@ -359,13 +361,11 @@ def budget_report(dask_worker: Any = None) -> dict[str, Any]:
     :func:`dask_gpuchunk.process_memory.watch`, ``None`` where it cannot be read.
     ``dask_worker``: as for :func:`stored_limit` (``Client.run(budget_report)`` reports each
     worker's)."""
-    from .devices import gpu_available
 
     if not gpu_available():
         return {"capacity": None, "stored_limit": None, "stored_bytes": None, "working_budget": None,
                 "peak_pool": None, "peak_reserved": None, "spilled_on_failure_bytes": None,
                 "retried_alone": None, "peak_process": None}
-    from . import process_memory
 
     peaks = peak_bytes()
     return {"capacity": device_capacity(), "stored_limit": stored_limit(dask_worker) or None,

@@ -8,9 +8,11 @@ device memory passes ``device_memory_limit``, host → disk when its host memory
 and ``dask cuda worker --scheduler-file`` (or ``dask worker``) on its nodes and the job's
 script connects through the same file.
 
-Kernels are compiled inside the workers, at their first chunk, once per process. Workers of
-:func:`local_cluster` import the package when they start (this module is their ``preload``, its
-:func:`dask_setup` the hook); workers started by hand take ``--preload dask_gpuchunk.cluster``.
+Kernels are compiled inside the workers, at their first chunk, once per process. The clients of
+:func:`local_cluster` and :func:`connect` register :class:`dask_gpuchunk.worker.WorkerSetup` (a
+``WorkerPlugin``) with every worker, present and to come: it imports the package and prepares the
+process before any task. ``--preload dask_gpuchunk.cluster`` (this module's :func:`dask_setup`)
+does the same where workers are started by hand for another client.
 """
 
 from __future__ import annotations
@@ -58,22 +60,12 @@ def temporary_security() -> Any:
 
 
 def dask_setup(worker: Any) -> None:
-    """Worker start-up hook (Dask calls it for a ``preload`` module): import what tasks run.
+    """Worker start-up hook of ``--preload dask_gpuchunk.cluster``
+    (:func:`dask_gpuchunk.worker.set_up_worker`), for workers whose clients do not register
+    :class:`dask_gpuchunk.worker.WorkerSetup`."""
+    from .worker import set_up_worker  # distributed: 0.35 s more for every import of the package
 
-    A fresh worker otherwise imports the package, numba and CuPy when it unpickles its first
-    task (~1 s on the H200 machine, every task of a job waiting behind it), and initialises
-    numba's threading layer in its first CPU chunk (:func:`dask_gpuchunk.backend.prepare_process`).
-    In a dask-cuda worker it also makes spilling hold the device budget
-    (:func:`dask_gpuchunk.spilling.hold_budget`); in a worker with a GPU it samples the device
-    memory the driver counts for the process (:func:`dask_gpuchunk.process_memory.watch`).
-    """
-    from . import backend, io, jobs  # noqa: F401 - the package, and what the tasks of jobs call
-
-    backend.prepare_process()
-    from .spilling import hold_budget
-
-    hold_budget(worker)
-    jobs.watch_device_memory(None)
+    set_up_worker(worker)
 
 
 def parse_memory_limit(value: Any, what: str) -> Any:
@@ -227,6 +219,8 @@ def local_cluster(
     """
     from distributed import Client
 
+    from .worker import WorkerSetup
+
     device_memory_limit = (device_memory_limit if device_memory_limit == "default"
                            else parse_memory_limit(device_memory_limit, "device_memory_limit"))
     memory_limit = parse_memory_limit(memory_limit, "memory_limit")
@@ -236,7 +230,7 @@ def local_cluster(
                          f"{threads_per_gpu!r}")
     cores = os.cpu_count() or 1
     kwargs: dict[str, Any] = {"memory_limit": memory_limit if memory_limit is not None else 0,
-                              "preload": [PRELOAD], "host": LOOPBACK}
+                              "host": LOOPBACK}
     if secure and "security" not in cluster_kwargs:
         kwargs["security"] = temporary_security()
     if "dashboard_address" in cluster_kwargs and cluster_kwargs["dashboard_address"] is None:
@@ -281,6 +275,7 @@ def local_cluster(
         cluster = LocalCluster(**kwargs)
     try:
         with Client(cluster) as client:
+            client.register_plugin(WorkerSetup())  # before any task of the caller's
             try:
                 yield client
             finally:
@@ -319,6 +314,8 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
     """
     from distributed import Client
 
+    from .worker import WorkerSetup
+
     if (scheduler_file is None) == (address is None):
         raise ValueError("give exactly one of scheduler_file and address")
     if scheduler_file is not None:
@@ -329,6 +326,11 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
         client = Client(scheduler_file=scheduler_file, timeout=timeout)
     else:
         client = Client(address, timeout=timeout)
+    try:
+        client.register_plugin(WorkerSetup())
+    except BaseException:
+        client.close()
+        raise
     if workers > 0:
         try:
             wait_for_workers(client, workers, worker_timeout, log)

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from itertools import product
 from typing import Any
 
-import dask
 import dask.array as da
 import numpy as np
 from dask.array.core import common_blockdim

@@ -19,7 +19,6 @@ import ctypes.util
 import errno
 import os
 import stat
-from pathlib import Path
 from typing import NamedTuple
 
 __all__ = [

@@ -30,7 +30,8 @@ from dask.base import tokenize
 from . import backend
 from ._kernels import bitpack as bits
 from ._kernels import gram as kernels
-from ._kernels.bmma import BMMA_MIN_CC
+from ._kernels.bmma import BMMA_MIN_CC, TILE, bmma_cuda
+from ._kernels.launch import numba_stream
 from .arrays import asarray
 from .devices import (
     GPUNotAvailableError,
@@ -89,8 +90,6 @@ def _bitpack_block(block: Any, device: str, block_info: dict | None = None) -> A
         origin = tuple(start for start, _ in block_info[0]["array-location"])
     if backend.is_cupy(block):
         import cupy
-
-        from .staging import numba_stream
 
         return bits.bitpack_cuda(block, origin, numba_stream(cupy.cuda.get_current_stream()))
     if device == "gpu":
@@ -199,11 +198,9 @@ def _launcher(method: str, diagonal: bool) -> Any:
     def launch(out: Any, inputs: list[Any], nb_stream: Any) -> None:
         a, b = inputs[0], (None if diagonal else inputs[1])
         if method == "int8":
-            kernels.int8_cuda(a, b, out)
+            kernels.int8_cuda(a, b, out, nb_stream)
         elif method == "bmma":
-            from ._kernels.bmma import bmma_cuda
-
-            bmma_cuda(a, b, out)
+            bmma_cuda(a, b, out, nb_stream)
         else:
             kernels.popcount_cuda(a, b, out, nb_stream)
 
@@ -226,8 +223,6 @@ def block_scratch_bytes(method: str, na: int, nb: int, words: int, diagonal: boo
     if method == "int8":
         return rows * words * 64
     if method == "bmma":
-        from ._kernels.bmma import TILE
-
         per_stage = TILE.kbits // 64
         return rows * (-(-words // per_stage) * per_stage) * 8
     return 0

@@ -48,8 +48,9 @@ from .files import (
     refuse_unless_regular,
 )
 
-__all__ = ["NoWorkersError", "NpyFormatError", "NpyHeader", "from_npy", "no_workers_timeout",
-           "read_header", "to_npy"]
+__all__ = ["NoWorkersError", "NpyFormatError", "NpyHeader", "check_target", "from_npy",
+           "no_workers_timeout", "npy_in_place", "read_header", "run_writes", "to_npy",
+           "write_region"]
 
 
 class NpyFormatError(ValueError):
@@ -324,7 +325,10 @@ def _inputs_of(x: Any) -> list[tuple[str, FileIdentity]]:
 # ---- writing ---------------------------------------------------------------------------------
 
 
-def _check_target(path: Path, overwrite: bool) -> None:
+def check_target(path: Path, overwrite: bool) -> None:
+    """Refuse, before any work, an output ``path`` that cannot be written: a directory, a
+    missing or read-only directory, an existing file without ``overwrite``, or something other
+    than a regular file (``OSError`` subclasses naming the path)."""
     parent = path.parent
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; give a file name for the output")
@@ -366,7 +370,7 @@ def _create_file(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[N
     return NpyHeader(tuple(shape), dtype, False, offset), file_key(st)
 
 
-def _write_region(block: Any, path: str, header: NpyHeader, region: tuple[slice, ...],
+def write_region(block: Any, path: str, header: NpyHeader, region: tuple[slice, ...],
                   key: tuple[int, int, int]) -> np.ndarray:
     """Write one computed chunk into its region of the temporary file, opened only where the
     path still names the file the job created (``key``, :func:`dask_gpuchunk.files.file_key`).
@@ -429,7 +433,7 @@ def no_workers_timeout() -> float:
     return float(os.environ.get("DASK_GPUCHUNK_NO_WORKERS_TIMEOUT", "300"))
 
 
-def _run_writes(written: da.Array | list[Any],
+def run_writes(written: da.Array | list[Any],
                 progress: Callable[[int, int], None] | None) -> None:
     """Compute every write task of ``written``: an array with one element per write, or a list
     of ``dask.delayed`` writes; on a distributed client, report ``progress(done, total)``."""
@@ -528,7 +532,7 @@ def to_npy(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
     dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
     if dtype.hasobject:
         raise TypeError(f"cannot write an array of Python objects ({x.dtype}) to a .npy file")
-    _check_target(target, overwrite)
+    check_target(target, overwrite)
     x = asarray(x)
     with _file_in_place(target, _native(dtype), x.shape, overwrite,
                         _inputs_of(x)) as (tmp, header, key):
@@ -536,15 +540,28 @@ def to_npy(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
             _write_block, dtype=np.int64, meta=np.empty((0,) * x.ndim, np.int64),
             chunks=tuple((1,) * n for n in x.numblocks), **map_blocks_prefix("to-npy"), path=tmp,
             header=header, key=key)
-        _run_writes(written, progress)
+        run_writes(written, progress)
     return target
 
 
 def _write_block(block: Any, path: str, header: NpyHeader, key: tuple[int, int, int],
                  block_info: dict) -> np.ndarray:
-    """:func:`_write_region` of a block where dask says it lies in the array it comes from."""
+    """:func:`write_region` of a block where dask says it lies in the array it comes from."""
     region = tuple(slice(start, stop) for start, stop in block_info[0]["array-location"])
-    return _write_region(block, path, header, region, key)
+    return write_region(block, path, header, region, key)
+
+
+@contextlib.contextmanager
+def npy_in_place(target: Path, dtype: np.dtype, shape: tuple[int, ...], overwrite: bool,
+                 reads: Any = None) -> Iterator[tuple[str, NpyHeader, tuple[int, int, int]]]:
+    """A ``.npy`` file written in pieces and published whole: ``(temporary path, header,
+    key)`` for :func:`write_region`'s tasks, checked (:func:`check_target`) first. When the
+    block ends, the ``.npy`` inputs that the Dask collection ``reads`` reads are checked
+    unchanged and the file is renamed onto ``target``; removed if anything raises (never
+    half-written). :func:`to_npy` writes through it."""
+    check_target(target, overwrite)
+    with _file_in_place(target, dtype, shape, overwrite, _inputs_of(reads)) as placed:
+        yield placed
 
 
 @contextlib.contextmanager

@@ -25,7 +25,18 @@ from ._kernels.bitpack import BitValueError, check_bits_dtype, check_words_dtype
 from ._kernels.elementwise import check_dtype
 from .devices import GPUNotAvailableError
 from .files import FileReplacedError, InputChangedError
-from .io import NoWorkersError, NpyFormatError, NpyHeader, from_npy, read_header, to_npy
+from .io import (
+    NoWorkersError,
+    NpyFormatError,
+    NpyHeader,
+    check_target,
+    from_npy,
+    npy_in_place,
+    read_header,
+    run_writes,
+    to_npy,
+    write_region,
+)
 
 __all__ = [
     "BudgetError",
@@ -134,14 +145,12 @@ def _write_upper_strip(strip: Any, path: str, header: NpyHeader, start: int,
                        key: tuple[int, int, int]) -> np.ndarray:
     """Write the part of a row slab from its diagonal block rightwards (rows ``start`` on,
     columns ``start`` to the end) in its place, and the same strip transposed in its place
-    below the diagonal (columns of the slab's rows), as :func:`dask_gpuchunk.io._write_region`
+    below the diagonal (columns of the slab's rows), as :func:`dask_gpuchunk.io.write_region`
     writes a chunk."""
-    from .io import _write_region
-
     rows, n = strip.shape[0], header.shape[0]
-    done = _write_region(strip, path, header, (slice(start, start + rows), slice(start, n)), key)
+    done = write_region(strip, path, header, (slice(start, start + rows), slice(start, n)), key)
     below = strip[:, rows:].T  # C is symmetric: these are the slab's columns under the diagonal
-    return done + _write_region(below, path, header,
+    return done + write_region(below, path, header,
                                 (slice(start + rows, n), slice(start, start + rows)), key)
 
 
@@ -155,12 +164,8 @@ def _gram_slabs_to_npy(words: Any, target: Path, method: str, device: str, overw
     :func:`dask_gpuchunk.to_npy`."""
     from dask import delayed
 
-    from .io import _check_target, _file_in_place, _inputs_of, _run_writes, _write_region
-
     n = words.shape[0]
-    _check_target(target, overwrite)
-    with _file_in_place(target, np.dtype(np.int32), (n, n), overwrite,
-                        _inputs_of(words)) as (tmp, header, key):
+    with npy_in_place(target, np.dtype(np.int32), (n, n), overwrite, words) as (tmp, header, key):
         # Delayed tasks, not blockwise: slab i waits for the write of slab i - SLABS_AHEAD, a
         # dependency between blocks that no blockwise construct states; the measured
         # pipelining of the row-slab layout (docs/perf-notes.md, item 8) rests on it.
@@ -174,11 +179,11 @@ def _gram_slabs_to_npy(words: Any, target: Path, method: str, device: str, overw
             if upper:
                 write = delayed(_write_upper_strip, pure=True)(slab, tmp, header, start, key)
             else:
-                write = delayed(_write_region, pure=True)(
+                write = delayed(write_region, pure=True)(
                     slab, tmp, header, (slice(start, start + rows), slice(0, n)), key)
             writes.append(write)
             start += rows
-        _run_writes(writes, progress)
+        run_writes(writes, progress)
 
 
 def _row_chunks_delayed(words: Any) -> list[Any]:
@@ -244,7 +249,6 @@ def _header(path: str | os.PathLike, what: str) -> NpyHeader:
 def _check_output(out: str | os.PathLike, inputs: list[str | os.PathLike], overwrite: bool) -> Path:
     """The output's absolute path, checked as :func:`dask_gpuchunk.to_npy` checks it, and not
     one of the inputs; :class:`OutputError` otherwise."""
-    from .io import _check_target
 
     target = Path(os.path.abspath(os.fspath(out)))
     # Resolved, so that a symlinked directory (dirlink/a.npy with dirlink -> .) or a link to
@@ -257,7 +261,7 @@ def _check_output(out: str | os.PathLike, inputs: list[str | os.PathLike], overw
         if same:
             raise OutputError(f"output {out} is also an input ({p}); write to another file")
     try:
-        _check_target(target, overwrite)
+        check_target(target, overwrite)
     except OSError as exc:
         raise OutputError(f"output: {exc}") from None
     return target

@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["decisions", "forget", "host_copy_bandwidth", "pcie_bandwidth", "run_placed"]
+from .staging import copy_to_device, copy_to_host, pinned_pool
+
+__all__ = ["decide", "decided", "decisions", "estimate", "forget", "host_copy_bandwidth", "pcie_bandwidth"]
 
 _decided: dict[tuple, str] = {}
 _records: list[dict[str, Any]] = []
@@ -98,8 +100,6 @@ def pcie_bandwidth() -> tuple[float, float]:
     """Pinned (H2D, D2H) bytes per second to the current GPU (measured once, 64 MB copies)."""
     import cupy
 
-    from .staging import copy_to_device, copy_to_host, pinned_pool
-
     device = cupy.cuda.runtime.getDevice()
     if device in _pcie_bw:
         return _pcie_bw[device]
@@ -124,91 +124,65 @@ def pcie_bandwidth() -> tuple[float, float]:
     return _pcie_bw[device]
 
 
-def _tiny(inputs: Sequence[Any]) -> list[Any]:
-    """One-element slices with the inputs' dtypes and dimensionality, to compile kernels."""
-    return [a[(slice(0, 1),) * a.ndim] if np.ndim(a) else a for a in inputs]
+def estimate(stages: dict[str, float], t_cpu: float, threads: int, h2d_rate: float,
+             d2h_rate: float, host_bandwidth: float) -> dict[str, Any]:
+    """The rule, a pure function: the GPU estimate of a chunk from its staged run's ``stages``
+    (``h2d_bytes``, ``d2h_bytes``, ``staged_bytes``, ``stage_seconds``, ``kernel``), beside the
+    CPU's measured ``t_cpu`` with every core; ``threads`` Dask threads share the staging.
 
+    Examples
+    --------
+    A product of pageable arrays, 8 MB in and 8 MB out: bound by host memory either way.
 
-def _measure(kernels: Any, out_dtype: np.dtype, inputs: list[np.ndarray], dest: np.ndarray | None,
-             key: tuple) -> tuple[str, np.ndarray]:
-    import numba
-
-    from .backend import dask_threads, run_cpu, run_gpu_from_host
-
-    shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
-    tiny = _tiny(inputs)
-    run_cpu(kernels, out_dtype, tiny)
-    run_gpu_from_host(kernels, out_dtype, tiny)
-
-    stages: dict[str, float] = {}
-    result = run_gpu_from_host(kernels, out_dtype, inputs, dest, timings=stages)
-    scratch = np.empty(shape, dtype=out_dtype)
-    t0 = time.perf_counter()
-    # Every core on this one chunk: the throughput of all Dask threads sharing the cores.
-    run_cpu(kernels, out_dtype, inputs, scratch, threads=int(numba.config.NUMBA_NUM_THREADS))
-    t_cpu = time.perf_counter() - t0
-
-    h2d_rate, d2h_rate = pcie_bandwidth()
+    >>> stages = {"h2d_bytes": 16e6, "d2h_bytes": 8e6, "staged_bytes": 24e6,
+    ...           "stage_seconds": 4e-3, "kernel": 1e-4}
+    >>> r = estimate(stages, t_cpu=1.5e-3, threads=16, h2d_rate=25e9, d2h_rate=25e9,
+    ...              host_bandwidth=40e9)
+    >>> r["choice"], round(r["t_gpu_estimate"] * 1e3, 2), round(r["t_host_memory"] * 1e3, 2)
+    ('cpu', 1.8, 1.8)
+    """
     t_stage = 0.0
     if stages["staged_bytes"] and stages["stage_seconds"] > 0:
         one_thread = stages["staged_bytes"] / stages["stage_seconds"]
-        t_stage = stages["staged_bytes"] / (one_thread * dask_threads())
+        t_stage = stages["staged_bytes"] / (one_thread * threads)
     host_traffic = 2 * stages["staged_bytes"] + stages["h2d_bytes"] + stages["d2h_bytes"]
-    t_host = host_traffic / host_copy_bandwidth()
+    t_host = host_traffic / host_bandwidth
     t_h2d = stages["h2d_bytes"] / h2d_rate
     t_d2h = stages["d2h_bytes"] / d2h_rate
     t_gpu = max(t_h2d, t_d2h, stages["kernel"], t_stage, t_host)
-    choice = "gpu" if t_gpu < t_cpu else "cpu"
-    if choice == "cpu":
-        np.copyto(result, scratch)
-    record = {
-        "function": getattr(kernels.func, "__name__", repr(kernels.func)),
-        "key": key,
-        "chunk_shape": shape,
+    return {
         "t_cpu": t_cpu,
         "t_gpu_estimate": t_gpu,
         "t_h2d": t_h2d,
         "t_d2h": t_d2h,
         "t_stage": t_stage,
         "t_host_memory": t_host,
-        "host_bandwidth": host_copy_bandwidth(),
+        "host_bandwidth": host_bandwidth,
         **{f"gpu_{k}": v for k, v in stages.items()},
-        "choice": choice,
+        "choice": "gpu" if t_gpu < t_cpu else "cpu",
     }
-    with _guard:
-        _records.append(record)
-    return choice, result
 
 
-def run_placed(kernels: Any, out_dtype: np.dtype, inputs: Sequence[Any],
-               dest: np.ndarray | None) -> np.ndarray:
-    """Compute a NumPy chunk on the device the rule picks (measuring first if needed)."""
-    from ._kernels.elementwise import is_python_number
-    from .backend import run_cpu, run_gpu_from_host
-    from .staging import is_pinned
+def decided(key: tuple) -> str | None:
+    """The device decided for ``key`` in this process, if any."""
+    return _decided.get(key)
 
-    from .budget import working_budget
 
-    inputs = [a if is_python_number(a) else np.asarray(a) for a in inputs]
-    shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
-    device_bytes = (sum(np.asarray(a).nbytes for a in inputs if not is_python_number(a))
-                    + int(np.prod(shape)) * np.dtype(out_dtype).itemsize)
-    if device_bytes > working_budget():  # never fits the GPU here: the CPU computes it
-        return run_cpu(kernels, out_dtype, inputs, dest)
-    pinned = tuple(bool(np.ndim(a) and a.flags.c_contiguous and is_pinned(a)) for a in inputs)
-    dest_pinned = dest is not None and dest.flags.c_contiguous and is_pinned(dest)
-    key = (kernels.token, tuple(type(a).__name__ if is_python_number(a) else a.dtype.str
-                                for a in inputs), np.dtype(out_dtype).str, pinned, dest_pinned)
+def decide(key: tuple, measure: Callable[[], tuple[dict[str, Any], Any]]) -> tuple[str, Any]:
+    """The device decided for ``key``, with ``None``; or, the first time (one thread per key
+    measures, the others wait for it), ``measure()``'s record's choice and its result, the
+    record kept for :func:`decisions`."""
     choice = _decided.get(key)
-    if choice is None:
+    if choice is not None:
+        return choice, None
+    with _guard:
+        lock = _locks.setdefault(key, threading.Lock())
+    with lock:
+        choice = _decided.get(key)
+        if choice is not None:
+            return choice, None
+        record, result = measure()
         with _guard:
-            lock = _locks.setdefault(key, threading.Lock())
-        with lock:
-            choice = _decided.get(key)
-            if choice is None and int(np.prod(shape)) > 1:
-                choice, result = _measure(kernels, np.dtype(out_dtype), inputs, dest, key)
-                _decided[key] = choice
-                return result
-    if choice == "gpu":
-        return run_gpu_from_host(kernels, out_dtype, inputs, dest)
-    return run_cpu(kernels, out_dtype, inputs, dest)
+            _records.append(record)
+        _decided[key] = record["choice"]
+        return record["choice"], result

@@ -25,11 +25,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ._kernels.launch import numba_stream
+
 __all__ = [
     "PinnedPool",
     "pinned_pool",
     "is_pinned",
-    "numba_stream",
     "device_slot",
     "h2d_slot",
     "copy_to_device",
@@ -208,33 +209,6 @@ def device_slot() -> Iterator[DeviceSlot]:
 def h2d_slot() -> threading.Semaphore:
     """The current device's semaphore for H2D copies in flight (``H2D_IN_FLIGHT``)."""
     return _device_queue().h2d
-
-
-_local = threading.local()
-
-
-def numba_stream(stream: Any) -> Any:
-    """The numba handle of a CuPy stream, for kernel launches (numba ignores ``with stream:``).
-
-    CuPy's null stream (pointer 0) is the legacy default stream and pointer 2 the per-thread
-    default stream; numba has its own objects for both.
-    """
-    from numba import cuda
-
-    handles = getattr(_local, "numba_streams", None)
-    if handles is None:
-        handles = _local.numba_streams = {}
-    ptr = int(stream.ptr)
-    handle = handles.get(ptr)
-    if handle is None:
-        if ptr == 0:
-            handle = cuda.legacy_default_stream()
-        elif ptr == 2:
-            handle = cuda.per_thread_default_stream()
-        else:
-            handle = cuda.external_stream(ptr)
-        handles[ptr] = handle
-    return handle
 
 
 def copy_to_device(dst: Any, src: np.ndarray, stream: Any) -> None:

@@ -128,7 +128,8 @@ def scheduler_and_two_workers(tmp_path):
         time.sleep(0.2)
     worker = [sys.executable, "-m", "distributed.cli.dask_worker"]
     for i in range(2):
-        preload = ["--preload", "dask_gpuchunk.cluster"] if i == 0 else []  # as README's recipe
+        # One with the preload shim, one without: a job's worker plugin sets up both.
+        preload = ["--preload", "dask_gpuchunk.cluster"] if i == 0 else []
         procs.append(_start([*worker, "--scheduler-file", str(sched_file), "--nthreads", "1",
                              "--no-nanny", "--host", "127.0.0.1", "--name", f"w{i}",
                              "--dashboard-address", ":0", "--local-directory", str(tmp_path),
@@ -152,6 +153,11 @@ def test_jobs_on_a_cluster_joined_through_a_scheduler_file(inputs, scheduler_and
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["where"]["workers"] == 2
     np.testing.assert_array_equal(np.load(d / "c.npy"), a * b)
+    from distributed import Client
+
+    with Client(scheduler_file=str(sched_file), timeout=60) as client:
+        plugins = client.run(lambda dask_worker: sorted(dask_worker.plugins))
+    assert all("dask-gpuchunk-setup" in names for names in plugins.values()), plugins
     r = run_cli("gram", str(d / "bits.npy"), "-o", str(d / "g.npy"), "--chunk-rows", "100",
                 "--scheduler-file", str(sched_file))
     assert r.returncode == 0, r.stderr

@@ -42,9 +42,12 @@ def test_local_cluster_worker_processes_compile_their_own_kernels(rng):
     a = rng.random((200, 10))
     with dg.local_cluster(n_workers=2, threads_per_gpu=1, dashboard_address=None) as client:
         assert len(client.scheduler_info()["workers"]) == 2
-        # Before any task: the preload hook imported what the tasks run.
-        imported = client.run(lambda: "dask_gpuchunk.jobs" in sys.modules)
+        # Before any task: the worker plugin imported what the tasks run.
+        imported = client.run(lambda: all(f"dask_gpuchunk.{m}" in sys.modules
+                                          for m in ("backend", "elementwise", "gram", "io")))
         assert list(imported.values()) == [True, True]
+        plugins = client.run(lambda dask_worker: list(dask_worker.plugins))
+        assert all("dask-gpuchunk-setup" in names for names in plugins.values())
         result = dg.multiply(da.from_array(a, chunks=50), a[0])
         np.testing.assert_array_equal(result.compute(), a * a[0])
 

@@ -42,18 +42,3 @@ def test_empty_pinned_and_is_pinned():
     assert a.shape == (10, 3) and a.dtype == np.int16 and is_pinned(a)
     assert is_pinned(a[5:])  # a view inside a pinned allocation
     assert not is_pinned(np.ones(1000))
-
-
-@pytest.mark.gpu
-def test_numba_handles_for_cupy_streams():
-    import cupy
-    from numba import cuda
-
-    from dask_gpuchunk.staging import numba_stream
-
-    # CuPy's null stream is the legacy default stream (numba's handle: CU_STREAM_LEGACY, 1).
-    assert int(numba_stream(cupy.cuda.Stream.null).handle) in (0, 1)
-    s = cupy.cuda.Stream(non_blocking=True)
-    assert int(numba_stream(s).handle) == s.ptr
-    assert numba_stream(s) is numba_stream(s)  # cached
-    assert isinstance(numba_stream(s), type(cuda.external_stream(s.ptr)))

@@ -30,6 +30,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .gram import _mirror_cuda
+from .launch import cupy_stream
+
 __all__ = ["BMMA_MIN_CC", "TILE", "BmmaTile", "bmma_cuda", "bmma_supported"]
 
 #: Compute capability from which ``mma.sync.m16n8k256 .b1.and.popc`` exists.
@@ -293,18 +296,18 @@ def _words32(words: Any, kbits: int) -> Any:
     return words.view(np.uint32).reshape(n, 2 * padded_m)
 
 
-def bmma_cuda(a: Any, b: Any | None, c: Any, tile: BmmaTile = TILE) -> None:
+def bmma_cuda(a: Any, b: Any | None, c: Any, stream: Any = 0, tile: BmmaTile = TILE) -> None:
     """Gram block ``c = popcount(a & b)`` per pair of rows on the 1-bit tensor cores.
 
     ``a``, ``b``: CuPy ``uint64`` words (``b=None``: the symmetric ``a · aᵀ``, upper tiles then
-    mirrored); ``c``: CuPy ``int32`` ``(na, nb)``, C-contiguous. Queued on the current CuPy
-    stream.
+    mirrored); ``c``: CuPy ``int32`` ``(na, nb)``, C-contiguous. Queued on ``stream`` (a numba
+    stream).
     """
-    import cupy
+    with cupy_stream(stream):
+        _bmma(a, b, c, stream, tile)
 
-    from ..staging import numba_stream
-    from .gram import _mirror_cuda
 
+def _bmma(a: Any, b: Any | None, c: Any, stream: Any, tile: BmmaTile) -> None:
     diagonal = b is None
     na = a.shape[0]
     nb = na if diagonal else b.shape[0]
@@ -323,4 +326,4 @@ def bmma_cuda(a: Any, b: Any | None, c: Any, tile: BmmaTile = TILE) -> None:
             np.int32(c.shape[1]), np.int32(1 if diagonal else 0), np.int32(pair_store))
     _kernel(tile)(grid, (tile.threads,), args, shared_mem=tile.shared_bytes)
     if diagonal:
-        _mirror_cuda(c, numba_stream(cupy.cuda.get_current_stream()))
+        _mirror_cuda(c, stream)

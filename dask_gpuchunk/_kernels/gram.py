@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from .bitpack import WORD_BITS, unpack_int8_cuda
+from .launch import cupy_stream
 
 __all__ = [
     "GPU_METHODS",
@@ -417,8 +418,8 @@ def _gemm_int8(x: Any, y: Any, c: Any, rows: slice, cols: slice, stream_ptr: int
     )
 
 
-def int8_cuda(a: Any, b: Any | None, c: Any) -> None:
-    """Gram block through int8 tensor cores, queued on the current CuPy stream.
+def int8_cuda(a: Any, b: Any | None, c: Any, stream: Any = 0) -> None:
+    """Gram block through int8 tensor cores, queued on ``stream`` (a numba stream).
 
     ``a``, ``b``: CuPy ``uint64`` words (``b=None``: ``a · aᵀ``); ``c``: CuPy ``int32``
     ``(na, nb)``. The words are unpacked to int8 on the device (``k = 64 m`` bytes per row,
@@ -429,10 +430,7 @@ def int8_cuda(a: Any, b: Any | None, c: Any) -> None:
     """
     import cupy
 
-    from ..staging import numba_stream
-
-    stream = cupy.cuda.get_current_stream()
-    nb_stream = numba_stream(stream)
+    ptr = cupy_stream(stream).ptr
     diagonal = b is None
     na, m = a.shape
     nb = na if diagonal else b.shape[0]
@@ -442,17 +440,17 @@ def int8_cuda(a: Any, b: Any | None, c: Any) -> None:
         c[...] = 0
         return
     xa = cupy.empty((na, m * WORD_BITS), dtype=np.int8)
-    unpack_int8_cuda(a, xa, nb_stream)
+    unpack_int8_cuda(a, xa, stream)
     if not diagonal:
         xb = cupy.empty((nb, m * WORD_BITS), dtype=np.int8)
-        unpack_int8_cuda(b, xb, nb_stream)
-        _gemm_int8(xa, xb, c, slice(0, na), slice(0, nb), stream.ptr)
+        unpack_int8_cuda(b, xb, stream)
+        _gemm_int8(xa, xb, c, slice(0, na), slice(0, nb), ptr)
         return
     half = (na // 2) // 16 * 16  # keeps every sub-block 16-byte aligned
     if half == 0:
-        _gemm_int8(xa, xa, c, slice(0, na), slice(0, na), stream.ptr)
+        _gemm_int8(xa, xa, c, slice(0, na), slice(0, na), ptr)
         return
-    _gemm_int8(xa, xa, c, slice(0, half), slice(0, half), stream.ptr)
-    _gemm_int8(xa, xa, c, slice(0, half), slice(half, na), stream.ptr)
-    _gemm_int8(xa, xa, c, slice(half, na), slice(half, na), stream.ptr)
-    _mirror_cuda(c, nb_stream)
+    _gemm_int8(xa, xa, c, slice(0, half), slice(0, half), ptr)
+    _gemm_int8(xa, xa, c, slice(0, half), slice(half, na), ptr)
+    _gemm_int8(xa, xa, c, slice(half, na), slice(half, na), ptr)
+    _mirror_cuda(c, stream)

@@ -21,8 +21,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["DIRECT_LAUNCH", "DirectLaunch", "DirectLaunchError", "StridedArg", "current_device",
-           "direct_launch_available", "fall_back_to_numba", "load_lock"]
+__all__ = ["DIRECT_LAUNCH", "DirectLaunch", "DirectLaunchError", "StridedArg", "cupy_stream",
+           "current_device", "direct_launch_available", "fall_back_to_numba", "load_lock",
+           "numba_stream"]
 
 
 class StridedArg(NamedTuple):
@@ -50,6 +51,45 @@ class StridedArg(NamedTuple):
                 return {"C_CONTIGUOUS": False}
             expected *= n
         return {"C_CONTIGUOUS": True}
+
+
+_local = threading.local()
+
+
+def numba_stream(stream: Any) -> Any:
+    """The numba handle of a CuPy stream: the stream every CUDA entry point of the kernels
+    takes (numba ignores CuPy's ``with stream:``).
+
+    CuPy's null stream (pointer 0) is the legacy default stream and pointer 2 the per-thread
+    default stream; numba has its own objects for both. Cached per thread.
+    """
+    from numba import cuda
+
+    handles = getattr(_local, "numba_streams", None)
+    if handles is None:
+        handles = _local.numba_streams = {}
+    ptr = int(stream.ptr)
+    handle = handles.get(ptr)
+    if handle is None:
+        if ptr == 0:
+            handle = cuda.legacy_default_stream()
+        elif ptr == 2:
+            handle = cuda.per_thread_default_stream()
+        else:
+            handle = cuda.external_stream(ptr)
+        handles[ptr] = handle
+    return handle
+
+
+def cupy_stream(stream: Any) -> Any:
+    """The CuPy stream of a kernel's ``stream`` argument (a numba stream, or ``0`` for the
+    legacy default stream), for the CuPy and cuBLAS work of a kernel (``with`` it, or its
+    ``ptr``)."""
+    import cupy
+
+    ptr = stream if isinstance(stream, int) else int(stream.handle)
+    # 0 and CU_STREAM_LEGACY (1, numba's handle of the legacy default stream): CuPy's null one.
+    return cupy.cuda.Stream.null if ptr in (0, 1) else cupy.cuda.ExternalStream(ptr)
 
 
 #: Whether GPU launches go through :class:`DirectLaunch` (``DASK_GPUCHUNK_DIRECT_LAUNCH``,

@@ -107,3 +107,21 @@ def test_chunks_fall_back_to_numba_when_the_direct_launch_is_refused(rng, monkey
     out = run_gpu_on_device(k, np.dtype("i8"), [cupy.asarray(a), np.int64(3), cupy.asarray(c)])
     assert_same(out.get(), a * 3 + c)
 
+
+@pytest.mark.gpu
+def test_numba_handles_for_cupy_streams():
+    import cupy
+    from numba import cuda
+
+    from dask_gpuchunk._kernels.launch import cupy_stream, numba_stream
+
+    # CuPy's null stream is the legacy default stream (numba's handle: CU_STREAM_LEGACY, 1).
+    assert int(numba_stream(cupy.cuda.Stream.null).handle) in (0, 1)
+    s = cupy.cuda.Stream(non_blocking=True)
+    assert int(numba_stream(s).handle) == s.ptr
+    assert numba_stream(s) is numba_stream(s)  # cached
+    assert isinstance(numba_stream(s), type(cuda.external_stream(s.ptr)))
+    # and back: the CuPy stream a kernel's cuBLAS and CuPy work runs on
+    assert cupy_stream(numba_stream(s)).ptr == s.ptr
+    assert cupy_stream(numba_stream(cupy.cuda.Stream.null)) is cupy.cuda.Stream.null
+    assert cupy_stream(0) is cupy.cuda.Stream.null
