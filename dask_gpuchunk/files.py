@@ -19,6 +19,7 @@ import ctypes.util
 import errno
 import os
 import stat
+from pathlib import Path
 from typing import NamedTuple
 
 __all__ = [

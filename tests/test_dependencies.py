@@ -43,7 +43,8 @@ def test_ci_installs_every_lower_bound_exactly():
         assert _release(pins[name]) == _release(bound), (name, bound, pins[name])
 
 
-def test_ci_runs_both_jobs_with_the_readme_test_command():
+def test_ci_runs_every_job_with_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "job newest" in ci and "job oldest .ci/oldest.txt" in ci
-    assert "python -m pytest -q -n auto" in ci
+    assert "install newest" in ci and "install oldest .ci/oldest.txt" in ci
+    assert ci.count("python -m pytest -q -n auto") == 3
+    assert "DASK_ARRAY__QUERY_PLANNING=True python -m pytest -q -n auto" in ci

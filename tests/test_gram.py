@@ -65,35 +65,52 @@ def test_gram_of_bitpack_output_and_numpy_input(rng):
     np.testing.assert_array_equal(dg.gram(a).compute(), reference_gram(a))
 
 
-def test_many_word_chunks_are_tree_summed(rng, monkeypatch):
+@pytest.fixture(params=[True, False], ids=["listed", "blockwise"])
+def graph_kind(request):
+    """Both of gram's graphs: listed by hand, and dask's blockwise (never listed under array
+    query planning)."""
+    if request.param and da.array_expr_enabled():
+        pytest.skip("array query planning: no listed graphs")
+    with dask.config.set({"gpuchunk.listed-graphs": request.param}):
+        yield request.param
+
+
+def test_many_word_chunks_are_tree_summed(rng, monkeypatch, graph_kind):
     sums = []
-    summed = gram_module._sum_partials
+    summed = gram_module._sum_blocks if graph_kind else gram_module._sum_partials
 
-    def counting(partials, *args, **kwargs):
-        sums.append(len(partials))
-        return summed(partials, *args, **kwargs)
+    def counting(*args, **kwargs):
+        parts = args if graph_kind else args[0]
+        sums.append(len(parts))
+        return summed(*args, **kwargs)
 
-    monkeypatch.setattr(gram_module, "_sum_partials", counting)
+    monkeypatch.setattr(gram_module, "_sum_blocks" if graph_kind else "_sum_partials", counting)
     a = random_bits(rng, (33, 64 * 11), 0.5)
     x = da.from_array(a, chunks=(10, 64))  # 11 word chunks: 4 + 4 + 3, then one more sum
     np.testing.assert_array_equal(dg.gram(x).compute(), reference_gram(a))
     assert max(sums) <= gram_module.SPLIT_EVERY
-    assert len(sums) >= 16 * 4  # 4 x 4 blocks, each a tree of at least three sums and their sum
+    # 4 x 4 blocks (listed: the 10 on or above the diagonal), each a tree of three sums and one
+    assert len(sums) == 10 * 4 if graph_kind else len(sums) >= 16 * 4
 
 
 @pytest.mark.parametrize("chunks, word_chunks", [((10, 100), 1), ((10, 40), 2)])
-def test_only_upper_blocks_are_computed(rng, monkeypatch, chunks, word_chunks):
+def test_only_upper_blocks_are_computed(rng, monkeypatch, chunks, word_chunks, graph_kind):
     computed = []
-    partial = gram_module._upper_partial
-
-    def recording(a, b, rows_a, rows_b, *args, **kwargs):
-        block = partial(a, b, rows_a, rows_b, *args, **kwargs)
-        if block is not None:
-            computed.append((int(rows_a[0]) // 10, int(rows_b[0]) // 10))
-        return block
-
-    monkeypatch.setattr(gram_module, "_upper_partial", recording)
+    block_of = gram_module._gram_block
     a = random_bits(rng, (50, 100), 0.5)
+    packed = reference_bitpack(a)
+
+    def row_of(words):  # the row whose words, somewhere, are these (all rows differ)
+        m = words.shape[0]
+        return next(r for r in range(len(packed)) for o in range(packed.shape[1] - m + 1)
+                    if np.array_equal(packed[r, o:o + m], words))
+
+    def recording(x, y, *args, **kwargs):
+        computed.append((row_of(x[0]) // 10, row_of(y[0]) // 10))
+        return block_of(x, y, *args, **kwargs)
+
+    monkeypatch.setattr(gram_module, "_gram_block", recording)
+    assert len({tuple(r) for r in packed}) == 50
     g = dg.gram(da.from_array(a, chunks=chunks))  # 5 row chunks
     np.testing.assert_array_equal(g.compute(), reference_gram(a))
     # bits chunked by 40 are packed in chunks of 64 and 36 bits: two word chunks
