@@ -40,6 +40,7 @@ def graph_form(request, monkeypatch):
 # ---- every dtype, exact against NumPy ------------------------------------------------------
 
 
+@pytest.mark.dtypes
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", DEVICES_HERE)
 def test_multiply_every_dtype_uneven_chunks(rng, dtype, device):
@@ -56,6 +57,7 @@ def test_multiply_every_dtype_uneven_chunks(rng, dtype, device):
 
 # Every pair's values are checked at the kernel level (tests/_kernels/test_numpy_rules.py);
 # here a pair of each kind goes through dg.multiply's whole path.
+@pytest.mark.dtypes
 @pytest.mark.parametrize("x_dtype", DTYPES)
 @pytest.mark.parametrize("y_dtype", ["int8", "uint64", "float32"])
 def test_multiply_mixed_dtypes_follow_numpy_promotion(rng, x_dtype, y_dtype):
@@ -134,6 +136,7 @@ def test_results_of_many_blocks_stay_lazy_blockwise_layers():
     assert_same(lazy[-2:].compute(), np.full((2, 2), 2.0))
 
 
+@pytest.mark.dtypes
 @pytest.mark.parametrize("array_dtype", ["int8", "uint8", "float32", "complex64", "bool"])
 @pytest.mark.parametrize("scalar", [3, 2.5, 1j, True, np.float64(2.5), np.int16(3)])
 def test_scalars_follow_nep50(rng, array_dtype, scalar):
