@@ -216,7 +216,8 @@ class ElementwiseOp:
         # One marker element per block: the data goes into out.
         marks = da.map_blocks(
             _block_into, *arrays, dtype=bool, meta=np.empty((0,) * len(shape), dtype=bool),
-            chunks=tuple((1,) * len(c) for c in chunks), **map_blocks_prefix(f"{self.__name__}-into"),
+            chunks=tuple((1,) * len(c) for c in chunks),
+            **map_blocks_prefix(f"{self.__name__}-into"),
             kernels=self.kernels, out_dtype=out_dtype, device=device, target=_Target(out),
             result_chunks=chunks,
         )

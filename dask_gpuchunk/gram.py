@@ -5,9 +5,10 @@ row chunks ``(i, j)`` and word chunk ``w`` one task computes the partial block
 ``A[i, w] · A[j, w]ᵀ``; the partials of a block are summed in a tree (``SPLIT_EVERY`` at a
 time). Only blocks on or above the diagonal are computed: block ``(j, i)`` below it is the
 transpose of block ``(i, j)``, and a diagonal block computes its own upper triangle and mirrors
-it. The graph is dask's ``blockwise`` and ``reduction``, so it runs with and without dask's
-array query planning. The output's row and column chunks are the input's row chunks, so it can be written to
-disk one row slice at a time (``dask.array.store``).
+it. The graph is listed by hand where small graphs are (``gpuchunk.listed-graphs``), else dask's
+``blockwise`` and ``reduction``, as under dask's array query planning. The output's row and
+column chunks are the input's row chunks, so it can be written to disk one block at a time
+(:func:`dask_gpuchunk.to_npy`).
 
 Placement of a block: CuPy chunks on their GPU (CuPy out); NumPy chunks on the GPU where one is
 visible (``device="auto"``: a block of ``r`` rows does ``r`` AND + POPC per word it moves, and
@@ -366,9 +367,7 @@ def _sum_partials(partials: list[Any], axis: Any = None, keepdims: bool = False)
     partials = [p for p in partials if p is not None]
     if not partials:
         return None
-    total = partials[0].copy()
-    for block in partials[1:]:
-        total += block
+    total = _sum_blocks(*partials) if len(partials) > 1 else partials[0]
     return total if keepdims else total[..., 0]
 
 
@@ -385,12 +384,10 @@ def _transposed(block: Any) -> Any:
     return backend.run_cpu_kernel(kernels.transpose_cpu, block)
 
 
-def _mirrored(block: Any, above: Any, rows_a: Any, rows_b: Any) -> Any:
-    """Block ``(i, j)`` of the Gram: computed (on or above the diagonal), or the transpose of
-    block ``(j, i)``, ``above``."""
-    if block is not None and (not (len(rows_a) and len(rows_b)) or rows_a[0] <= rows_b[0]):
-        return block
-    return _transposed(above)
+def _mirrored(block: Any, above: Any) -> Any:
+    """Block ``(i, j)`` of the Gram: computed (on or above the diagonal), or, where
+    :func:`_upper_partial` left it ``None``, the transpose of block ``(j, i)``, ``above``."""
+    return block if block is not None else _transposed(above)
 
 
 def gram(x: Any, *, packed: bool = False, method: str = "auto", device: str = "auto") -> da.Array:
@@ -523,8 +520,7 @@ def _gram_graph(words: da.Array, method: str, device: str) -> da.Array:
         upper = da.reduction(partials, _keep, _sum_partials, combine=_sum_partials, axis=2,
                              dtype=np.int32, concatenate=False, split_every=SPLIT_EVERY,
                              meta=meta)
-    return da.blockwise(_mirrored, "ij", upper, "ij", upper, "ji", rows, "i", rows, "j",
-                        dtype=np.int32, meta=meta)
+    return da.blockwise(_mirrored, "ij", upper, "ij", upper, "ji", dtype=np.int32, meta=meta)
 
 
 def _add_tree(dsk: dict, parts: list[tuple], final: tuple, prefix: str) -> None:

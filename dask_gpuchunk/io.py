@@ -371,7 +371,7 @@ def _create_file(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[N
 
 
 def write_region(block: Any, path: str, header: NpyHeader, region: tuple[slice, ...],
-                  key: tuple[int, int, int]) -> np.ndarray:
+                 key: tuple[int, int, int]) -> np.ndarray:
     """Write one computed chunk into its region of the temporary file, opened only where the
     path still names the file the job created (``key``, :func:`dask_gpuchunk.files.file_key`).
 
@@ -434,7 +434,7 @@ def no_workers_timeout() -> float:
 
 
 def run_writes(written: da.Array | list[Any],
-                progress: Callable[[int, int], None] | None) -> None:
+               progress: Callable[[int, int], None] | None) -> None:
     """Compute every write task of ``written``: an array with one element per write, or a list
     of ``dask.delayed`` writes; on a distributed client, report ``progress(done, total)``."""
     from .devices import distributed_client_active
@@ -532,10 +532,8 @@ def to_npy(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
     dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
     if dtype.hasobject:
         raise TypeError(f"cannot write an array of Python objects ({x.dtype}) to a .npy file")
-    check_target(target, overwrite)
     x = asarray(x)
-    with _file_in_place(target, _native(dtype), x.shape, overwrite,
-                        _inputs_of(x)) as (tmp, header, key):
+    with npy_in_place(target, _native(dtype), x.shape, overwrite, x) as (tmp, header, key):
         written = x.map_blocks(
             _write_block, dtype=np.int64, meta=np.empty((0,) * x.ndim, np.int64),
             chunks=tuple((1,) * n for n in x.numblocks), **map_blocks_prefix("to-npy"), path=tmp,

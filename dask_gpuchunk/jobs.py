@@ -151,7 +151,7 @@ def _write_upper_strip(strip: Any, path: str, header: NpyHeader, start: int,
     done = write_region(strip, path, header, (slice(start, start + rows), slice(start, n)), key)
     below = strip[:, rows:].T  # C is symmetric: these are the slab's columns under the diagonal
     return done + write_region(below, path, header,
-                                (slice(start + rows, n), slice(start, start + rows)), key)
+                               (slice(start + rows, n), slice(start, start + rows)), key)
 
 
 def _gram_slabs_to_npy(words: Any, target: Path, method: str, device: str, overwrite: bool,
@@ -249,7 +249,6 @@ def _header(path: str | os.PathLike, what: str) -> NpyHeader:
 def _check_output(out: str | os.PathLike, inputs: list[str | os.PathLike], overwrite: bool) -> Path:
     """The output's absolute path, checked as :func:`dask_gpuchunk.to_npy` checks it, and not
     one of the inputs; :class:`OutputError` otherwise."""
-
     target = Path(os.path.abspath(os.fspath(out)))
     # Resolved, so that a symlinked directory (dirlink/a.npy with dirlink -> .) or a link to
     # an input is seen for what it is; the same file under another name (a hard link) too.

@@ -42,7 +42,8 @@ import numpy as np
 
 from .staging import copy_to_device, copy_to_host, pinned_pool
 
-__all__ = ["decide", "decided", "decisions", "estimate", "forget", "host_copy_bandwidth", "pcie_bandwidth"]
+__all__ = ["decide", "decided", "decisions", "estimate", "forget", "host_copy_bandwidth",
+           "pcie_bandwidth"]
 
 _decided: dict[tuple, str] = {}
 _records: list[dict[str, Any]] = []

@@ -4,7 +4,8 @@ A numba kernel over the whole matrix runs out of device memory, and packing bits
 messy when the column count is not a multiple of 8. Here the bits are
 packed chunk by chunk (any column count), ``dg.gram`` computes only the blocks on or above the
 diagonal, and ``dg.to_npy`` writes each block of C into its place in a ``.npy`` file as it is
-computed (from the host or straight from the device), so neither A nor C has to fit in memory (A is generated chunk by chunk too).
+computed (from the host or straight from the device), so neither A nor C has to fit in memory
+(A is generated chunk by chunk too).
 
     python examples/gram_of_bits.py                          # 10,000 x 200,000 bits -> 400 MB .npy
     python examples/gram_of_bits.py --rows 100000 --out /scratch/c.npy   # 100,000 rows: C is 40 GB
