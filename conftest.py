@@ -25,11 +25,13 @@ REAL_GPU = _real_gpu()
 # Kernels cached on disk (dg.multiply's, those of cache=True functions) go to a directory of
 # this session, not the user's ~/.cache: every run of the suite compiles once and is checked.
 _SESSION_CACHE = None
-if "DASK_GPUCHUNK_CACHE_DIR" not in os.environ:
+if "DASK_GPUCHUNK__CACHE_DIR" not in os.environ:
     import tempfile
 
-    _SESSION_CACHE = os.environ["DASK_GPUCHUNK_CACHE_DIR"] = tempfile.mkdtemp(
+    _SESSION_CACHE = os.environ["DASK_GPUCHUNK__CACHE_DIR"] = tempfile.mkdtemp(
         prefix="dask-gpuchunk-test-cache-")
+    if "dask.config" in sys.modules:  # imported early (by a plugin): read the env again
+        sys.modules["dask.config"].refresh()
 if not REAL_GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
     if "numba.core.config" in sys.modules:  # imported early (by a plugin): read the env again

@@ -17,14 +17,15 @@ array([[2., 2., 2.],
 from __future__ import annotations
 
 from .arrays import asarray
-from .cluster import connect, local_cluster
+from ._kernels.source_cache import package_version
+from .cluster import connect, local_cluster, placement_decisions
 from .devices import GPUNotAvailableError, gpu_available, gpu_count
 from .elementwise import ElementwiseOp, elementwise, multiply
 from .gram import bitpack, gram
 from .io import from_npy, to_npy
-from .placement import decisions as placement_decisions
 
-__version__ = "0.1.0"
+#: The installed distribution's version (``importlib.metadata``).
+__version__ = package_version()
 
 __all__ = [
     "ElementwiseOp",

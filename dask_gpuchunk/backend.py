@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from . import placement
+from . import config, placement
 from ._kernels.elementwise import ElementwiseKernels, collapse_dims, is_python_number, is_scalar
 from ._kernels.launch import (
     DirectLaunchError,
@@ -52,7 +52,6 @@ from .staging import (
     copy_to_device,
     copy_to_host,
     device_slot,
-    empty_pooled_pinned,
     h2d_slot,
     is_pinned,
     pinned_pool,
@@ -239,7 +238,7 @@ def run_cpu_kernel(kernel: Callable[..., Any], *args: Any, threads: int | None =
 
 def _launch(kernels: ElementwiseKernels, out: Any, inputs: Sequence[Any], nb_stream: Any) -> None:
     """Queue ``out[...] = f(*inputs)`` on ``nb_stream`` (CuPy arrays, broadcastable to ``out``)."""
-    if direct_launch_available():
+    if direct_launch_available(bool(config.get("direct-launch"))):
         shape, strides = _collapsed_layout(out, inputs)
         by_address = iter(strides[1:])
         try:
@@ -303,11 +302,6 @@ def run_gpu_from_host(
     )
 
 
-#: New results of the GPU path are allocated page-locked (CuPy's pinned pool) when true
-#: (``DASK_GPUCHUNK_PINNED_RESULTS``, default 1): one host copy less per chunk, but the pool
-#: grows to the largest number of results alive at once, each first allocation a
-#: ``cudaHostAlloc``.
-PINNED_RESULTS = os.environ.get("DASK_GPUCHUNK_PINNED_RESULTS", "1") != "0"
 
 
 def run_staged(
@@ -344,10 +338,11 @@ def run_staged(
 
     out_dtype = np.dtype(out_dtype)
     if dest is None:
-        if PINNED_RESULTS and int(np.prod(shape)):
+        # ``gpuchunk.pinned-results``: one host copy less per chunk.
+        if config.get("pinned-results") and int(np.prod(shape)):
             # The result lands in it from the device with no staging copy (and a file writer
             # sends it on from there).
-            dest = empty_pooled_pinned(shape, out_dtype)
+            dest = pinned_pool.lend(shape, out_dtype)
         else:
             dest = np.empty(shape, dtype=out_dtype)
     if dest.size == 0:

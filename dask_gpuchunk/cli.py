@@ -289,6 +289,16 @@ def _cluster_options(func: Callable) -> Callable:
 
 @contextlib.contextmanager
 def _cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
+    import dask
+
+    # A joined cluster that loses its last worker fails the job after the same time.
+    with dask.config.set({"gpuchunk.no-workers-timeout": opts["worker_timeout"]}), \
+            _started_cluster(opts, quiet) as client:
+        yield client
+
+
+@contextlib.contextmanager
+def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
     from .cluster import connect, local_cluster, parse_memory_limit
     from .devices import GPUNotAvailableError
     from .jobs import ClusterError
@@ -298,8 +308,6 @@ def _cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
         raise click.UsageError("give --scheduler-file or --scheduler-address, not both")
     local_only = [f"--{k.replace('_', '-')}" for k in ("gpus", "spill_dir", "threads_per_gpu")
                   if opts[k] is not None] + (["--no-tls"] if opts.get("no_tls") else [])
-    # A joined cluster that loses its last worker fails the job after the same time.
-    os.environ["DASK_GPUCHUNK_NO_WORKERS_TIMEOUT"] = str(opts["worker_timeout"])
     if joined and local_only:
         raise click.UsageError(f"{', '.join(local_only)} configure a local cluster; the joined "
                                "cluster's workers are configured where they are started")

@@ -26,10 +26,12 @@ from typing import Any
 
 from dask.utils import parse_bytes
 
-from .devices import GPUNotAvailableError, gpu_count
+from . import placement
+from .devices import GPUNotAvailableError, distributed_client_active, gpu_count
 
 __all__ = ["LOOPBACK", "PRELOAD", "THREADS_PER_GPU", "connect", "dask_setup", "local_cluster",
-           "parse_memory_limit", "release_memory", "temporary_security", "wait_for_workers"]
+           "parse_memory_limit", "placement_decisions", "release_memory", "temporary_security",
+           "wait_for_workers"]
 
 #: The module a worker imports when it starts (``preload=``; ``--preload`` of ``dask worker``).
 PRELOAD = "dask_gpuchunk.cluster"
@@ -368,3 +370,28 @@ def wait_for_workers(client: Any, workers: int, timeout: float,
                 f"{joined} of {workers} worker(s) joined the cluster within {timeout:g} s (are "
                 "the workers started, with the same scheduler file or address?)")
         time.sleep(0.25)
+
+
+def _decisions_here() -> tuple[int, list[dict[str, Any]]]:
+    return os.getpid(), placement.decisions()
+
+
+def placement_decisions() -> list[dict[str, Any]]:
+    """What ``device="auto"`` measured and chose, one record per function and dtype signature:
+    in this process, and in every worker of the default ``distributed`` client (where the
+    chunks ran), each of those records naming its ``"worker"``.
+
+    Examples
+    --------
+    >>> isinstance(placement_decisions(), list)
+    True
+    """
+    records = placement.decisions()
+    if not distributed_client_active():
+        return records
+    from distributed import default_client
+
+    for worker, (pid, found) in default_client().run(_decisions_here).items():
+        if pid != os.getpid():  # a worker thread of this process recorded into ``records``
+            records += [{**r, "worker": worker} for r in found]
+    return records

@@ -1,23 +1,109 @@
 """The package's settings, read through ``dask.config`` when used: set them per call with
 ``dask.config.set({"gpuchunk.<name>": value})``, or for every process (workers included) with
-``DASK_GPUCHUNK__<NAME>`` environment variables.
+``DASK_GPUCHUNK__<NAME>`` environment variables (``DASK_GPUCHUNK__FILE_WRITES=4``); a
+:func:`dask_gpuchunk.local_cluster` started inside ``dask.config.set`` hands the settings to
+its workers.
 
 ``gpuchunk.listed-graphs`` (default ``True``)
     Build small graphs as plain dicts of tasks (:func:`dask_gpuchunk.asarray`'s chunk views,
     :func:`dask_gpuchunk.elementwise`'s results of up to
-    ``elementwise.LISTED_GRAPH_MAX_BLOCKS`` blocks) instead of through ``dask.array.from_array``
-    and ``blockwise``. Measured on an H200: a device-resident product of two 4 GB CuPy arrays
-    took 4.8 ms listed and 5.4 ms through ``from_array``, beside CuPy's own 2.8 ms. Never under
-    dask's array query planning (``array.query-planning``), whose arrays are expressions, not
-    graphs.
+    ``elementwise.LISTED_GRAPH_MAX_BLOCKS`` blocks, :func:`dask_gpuchunk.gram`'s blocks)
+    instead of through ``dask.array.from_array`` and ``blockwise``. Measured on an H200: a
+    device-resident product of two 4 GB CuPy arrays took 4.8 ms listed and 5.4 ms through
+    ``from_array``, beside CuPy's own 2.8 ms. Never under dask's array query planning
+    (``array.query-planning``), whose arrays are expressions, not graphs.
+``gpuchunk.direct-launch`` (default ``True``)
+    Launch elementwise kernels from the arrays' addresses through ``cuda.core`` (37-62 µs per
+    chunk instead of 146-221 µs through numba's dispatcher); a process where numba-cuda's
+    internals differ goes on through the dispatcher with one warning. ``False``: always the
+    dispatcher.
+``gpuchunk.pinned-results`` (default ``True``)
+    Results of the GPU path land in page-locked memory (the package's pinned pool): one host
+    copy less per chunk. ``False`` allocates them pageable.
+``gpuchunk.pinned-pool-limit`` (default ``"25%"``)
+    Most page-locked host memory the pinned pool keeps: bytes (``"8GiB"``) or a share of the
+    machine's memory. Beyond it, idle buffers are freed first; then host chunks are staged
+    from pageable memory (slower, never wrong).
+``gpuchunk.file-reads`` (default ``0``)
+    Region reads of ``.npy`` files at once per process (0: no limit). A disk that serves one
+    sequential stream faster than many interleaved ones wants a small number.
+``gpuchunk.file-writes`` (default ``1``)
+    Chunk writes at once per process (0: no limit). Measured on the H200 machine's disk, a
+    40 GB Gram output: 16 writers at once drained the page cache at 2 GB/s, one sequential
+    writer at 3 GB/s.
+``gpuchunk.no-workers-timeout`` (default ``300``)
+    Seconds a job waits for a cluster without workers to get one again before giving up (the
+    CLI's ``--worker-timeout``).
+``gpuchunk.cache-dir`` (default ``None``: ``$XDG_CACHE_HOME/dask_gpuchunk``, by default
+``~/.cache/dask_gpuchunk``)
+    Where compiled kernels are kept: generated kernel sources, and numba's compiled code for
+    them and for ``cache=True`` functions.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Any
+
 import dask
 import dask.array as da
 
-__all__ = ["listed_graphs", "map_blocks_prefix"]
+from ._kernels import source_cache
+
+__all__ = ["DEFAULTS", "cache_root", "get", "listed_graphs", "map_blocks_prefix"]
+
+#: Every setting and its default (``gpuchunk.<name>``).
+DEFAULTS: dict[str, Any] = {
+    "listed-graphs": True,
+    "direct-launch": True,
+    "pinned-results": True,
+    "pinned-pool-limit": "25%",
+    "file-reads": 0,
+    "file-writes": 1,
+    "no-workers-timeout": 300,
+    "cache-dir": None,
+}
+
+dask.config.update_defaults({"gpuchunk": dict(DEFAULTS)})
+
+
+def get(name: str) -> Any:
+    """The value of ``gpuchunk.<name>`` now (``dask.config.set`` and ``DASK_GPUCHUNK__*``
+    included).
+
+    Examples
+    --------
+    >>> get("file-writes")
+    1
+    >>> with dask.config.set({"gpuchunk.file-writes": 4}):
+    ...     get("file-writes")
+    4
+    """
+    if name not in DEFAULTS:
+        raise KeyError(f"no setting gpuchunk.{name}; the settings are "
+                       f"{', '.join(sorted(DEFAULTS))}")
+    return dask.config.get(f"gpuchunk.{name}", DEFAULTS[name])
+
+
+def cache_root() -> Path:
+    """The cache directory (``gpuchunk.cache-dir``, else ``$XDG_CACHE_HOME/dask_gpuchunk``).
+
+    Examples
+    --------
+    >>> with dask.config.set({"gpuchunk.cache-dir": "/tmp/k"}):
+    ...     cache_root()
+    PosixPath('/tmp/k')
+    """
+    root = get("cache-dir")
+    if root:
+        return Path(os.path.expanduser(str(root)))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dask_gpuchunk"
+
+
+# The kernels layer imports no dask: it asks this module where its cache is, when it needs it.
+source_cache.set_cache_root(cache_root)
 
 
 def listed_graphs() -> bool:
@@ -30,7 +116,7 @@ def listed_graphs() -> bool:
     ...     listed_graphs()
     False
     """
-    return not da.array_expr_enabled() and bool(dask.config.get("gpuchunk.listed-graphs", True))
+    return not da.array_expr_enabled() and bool(get("listed-graphs"))
 
 
 def map_blocks_prefix(prefix: str) -> dict[str, str]:

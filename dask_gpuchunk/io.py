@@ -35,6 +35,7 @@ from dask.base import tokenize
 
 from .arrays import asarray
 from .backend import is_cupy
+from . import config
 from .config import map_blocks_prefix
 from .files import (
     FileIdentity,
@@ -168,21 +169,32 @@ def _each_run(transfer: Callable[[memoryview, int], int], raw: memoryview, run: 
 
 
 def _host_array(shape: tuple[int, ...], dtype: np.dtype, pinned: bool | None = None) -> np.ndarray:
-    """A new host array; page-locked (from CuPy's pinned pool) if ``pinned``, or, for ``None``,
+    """A new host array; page-locked (lent by the pinned pool) if ``pinned``, or, for ``None``,
     where a GPU is visible, so that the GPU path sends it with no staging copy."""
     from .devices import gpu_available
 
     if pinned or (pinned is None and gpu_available()):
-        from .staging import empty_pooled_pinned
+        from .staging import pinned_pool
 
-        return empty_pooled_pinned(shape, dtype)
+        return pinned_pool.lend(shape, dtype)
     return np.empty(shape, dtype)
 
 
-#: Region reads at once per process (``DASK_GPUCHUNK_FILE_READS``; 0: no limit). A disk that
-#: serves one sequential stream faster than many interleaved ones wants a small number.
-FILE_READS_IN_FLIGHT = int(os.environ.get("DASK_GPUCHUNK_FILE_READS", "0") or 0)
-_read_slots = threading.Semaphore(FILE_READS_IN_FLIGHT) if FILE_READS_IN_FLIGHT > 0 else None
+_slots: dict[tuple[str, int], threading.Semaphore] = {}
+_slots_lock = threading.Lock()
+
+
+def _in_flight(setting: str) -> contextlib.AbstractContextManager:
+    """Hold one of the ``gpuchunk.<setting>`` slots of this process (``file-reads``: region
+    reads at once, ``file-writes``: chunk writes at once; 0: no limit), read when used."""
+    limit = int(config.get(setting) or 0)
+    if limit <= 0:
+        return contextlib.nullcontext()
+    with _slots_lock:
+        slots = _slots.get((setting, limit))
+        if slots is None:
+            slots = _slots[(setting, limit)] = threading.Semaphore(limit)
+    return slots
 
 
 def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...],
@@ -210,7 +222,7 @@ def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...],
     raw = memoryview(out.reshape(-1).view(np.uint8))
     run, offsets = _region_runs(header, region)
     try:
-        with _read_slots or contextlib.nullcontext():
+        with _in_flight("file-reads"):
             if not _each_run(lambda view, offset: os.preadv(fd, [view], offset), raw, run, offsets):
                 raise NpyFormatError(f"{path} ended before its data (truncated?)")
     finally:
@@ -344,11 +356,6 @@ def check_target(path: Path, overwrite: bool) -> None:
     refuse_unless_regular(path)
 
 
-#: Chunk writes at once per process (``DASK_GPUCHUNK_FILE_WRITES``; 0: no limit). Measured on
-#: the H200 machine's disk, a 40 GB Gram output: 16 writers at once drained the page cache to
-#: the disk at 2 GB/s, while NumPy's one sequential writer reached 3 GB/s.
-FILE_WRITES_IN_FLIGHT = int(os.environ.get("DASK_GPUCHUNK_FILE_WRITES", "1") or 0)
-_write_slots = threading.Semaphore(FILE_WRITES_IN_FLIGHT) if FILE_WRITES_IN_FLIGHT > 0 else None
 
 
 def _create_file(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[NpyHeader, tuple[int, int, int]]:
@@ -385,7 +392,7 @@ def write_region(block: Any, path: str, header: NpyHeader, region: tuple[slice, 
         if is_cupy(block):
             _device_to_file(block, fd, header, region)
         else:
-            with _write_slots or contextlib.nullcontext():
+            with _in_flight("file-writes"):
                 _pwrite_region(fd, np.asarray(block, dtype=header.dtype), header, region)
     finally:
         os.close(fd)
@@ -415,7 +422,7 @@ def _device_to_file(block: Any, fd: int, header: NpyHeader, region: tuple[slice,
     with pinned_pool.borrow(block.dtype, block.shape) as buf:
         copy_to_host(buf, block, stream)
         stream.synchronize()
-        with _write_slots or contextlib.nullcontext():
+        with _in_flight("file-writes"):
             _pwrite_region(fd, buf, header, region)
 
 
@@ -429,8 +436,8 @@ class NoWorkersError(TimeoutError):
 
 def no_workers_timeout() -> float:
     """Seconds a job waits for a cluster without workers to get one again before giving up
-    (``DASK_GPUCHUNK_NO_WORKERS_TIMEOUT``, default 300; the CLI's ``--worker-timeout``)."""
-    return float(os.environ.get("DASK_GPUCHUNK_NO_WORKERS_TIMEOUT", "300"))
+    (``gpuchunk.no-workers-timeout``, default 300; the CLI's ``--worker-timeout``)."""
+    return float(config.get("no-workers-timeout"))
 
 
 def run_writes(written: da.Array | list[Any],

@@ -5,8 +5,9 @@ of the link's speed, and serialises the copy with the caller. So a NumPy chunk b
 is first copied into a pinned buffer borrowed from :class:`PinnedPool` and sent from there; a
 chunk already in pinned memory is sent directly. Pinned buffers are expensive to allocate
 (``cudaHostAlloc`` of 200 MB takes tens of milliseconds) and CuPy's own pinned pool rounds every
-request up to a power of two, so the pool here allocates each buffer once, in size classes at most
-1/8 larger than the request, and hands it out again.
+request up to a power of two and never gives memory back, so the one pool here allocates each
+buffer once, in size classes at most 1/8 larger than the request, hands it out again (for a
+copy, or for as long as a chunk lives), and keeps at most ``gpuchunk.pinned-pool-limit``.
 
 Host copies run in every Dask thread at once. The device side of a chunk runs while holding one
 of a few :func:`device_slot` s per device, each with its own non-blocking stream: the chunk's
@@ -18,13 +19,17 @@ of slots. This module needs CuPy; nothing here is imported where no GPU is visib
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
+from dask.utils import parse_bytes
 
+from . import config
 from ._kernels.launch import numba_stream
 
 __all__ = [
@@ -36,8 +41,8 @@ __all__ = [
     "copy_to_device",
     "copy_to_host",
     "empty_pinned",
-    "empty_pooled_pinned",
     "per_device",
+    "pinned_pool_limit",
 ]
 
 T = TypeVar("T")
@@ -51,9 +56,6 @@ GPU_TASKS_PER_DEVICE = 4
 #: two in flight keep the link busy and finish one after the other.
 H2D_IN_FLIGHT = 2
 
-_H2D = 1  # cudaMemcpyHostToDevice
-_D2H = 2  # cudaMemcpyDeviceToHost
-
 
 def _size_class(nbytes: int) -> int:
     """Round up so that at most 1/8 is wasted and similar sizes share buffers."""
@@ -63,63 +65,156 @@ def _size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
-class PinnedPool:
-    """A thread-safe pool of page-locked host buffers, allocated once and reused.
+def _cuda_pinned(size: int) -> tuple[Any, int]:
+    """``size`` bytes of page-locked memory (``cudaHostAlloc``): the owner and its address."""
+    import cupy
+
+    mem = cupy.cuda.PinnedMemory(size)
+    return mem, cupy.cuda.PinnedMemoryPointer(mem, 0).ptr
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def pinned_pool_limit() -> int:
+    """Most bytes the pinned pool keeps (``gpuchunk.pinned-pool-limit``: bytes, or a share of
+    the machine's memory such as ``"25%"``).
 
     Examples
     --------
-    On a machine with a GPU::
+    >>> import dask
+    >>> with dask.config.set({"gpuchunk.pinned-pool-limit": "2 GiB"}):
+    ...     pinned_pool_limit()
+    2147483648
+    """
+    value = config.get("pinned-pool-limit")
+    if isinstance(value, str) and value.strip().endswith("%"):
+        return int(float(value.strip()[:-1]) / 100 * _host_memory())
+    return int(parse_bytes(value) if isinstance(value, str) else value)
 
-        pool = PinnedPool()
-        with pool.borrow(np.float64, (1000, 500)) as buf:   # a pinned NumPy array
-            buf[...] = chunk
+
+class _Loan:
+    """Gives a lent buffer back to its pool when the last array over it is gone."""
+
+    __slots__ = ("pool", "size", "mem")
+
+    def __init__(self, pool: PinnedPool, size: int, mem: Any) -> None:
+        self.pool, self.size, self.mem = pool, size, mem
+
+    def __del__(self) -> None:
+        self.pool._give(self.size, self.mem)
+
+
+class PinnedPool:
+    """The process's page-locked host buffers, allocated once in size classes and reused, at
+    most ``limit()`` bytes of them (:func:`pinned_pool_limit`).
+
+    :meth:`borrow` lends a buffer for a ``with`` block (staging copies); :meth:`lend` for as
+    long as the array lives (chunks whose lifetime Dask decides: results of the GPU path, file
+    regions read for it). Where a new buffer would pass the limit, idle buffers are freed
+    first; if that is not enough, the array is pageable: slower to copy, never wrong.
+
+    Examples
+    --------
+    ``allocate(size)`` makes the memory (``cudaHostAlloc`` by default); here, plain bytes:
+
+    >>> import ctypes
+    >>> def allocate(size):
+    ...     raw = ctypes.create_string_buffer(size)
+    ...     return raw, ctypes.addressof(raw)
+    >>> pool = PinnedPool(allocate, limit=lambda: 1 << 20)
+    >>> with pool.borrow(np.float64, (100, 5)) as buf:
+    ...     buf.shape, pool.allocated_bytes
+    ((100, 5), 65536)
     """
 
-    def __init__(self) -> None:
-        self._free: dict[int, list[Any]] = {}
-        self._lock = threading.Lock()
+    def __init__(self, allocate: Callable[[int], tuple[Any, int]] = _cuda_pinned,
+                 limit: Callable[[], int] = pinned_pool_limit) -> None:
+        self._allocate = allocate
+        self._limit = limit
+        self._free: dict[int, list[tuple[Any, int]]] = {}
+        # Re-entrant: a loan's __del__ may give a buffer back from inside a locked block of
+        # the same thread (when the garbage collector runs there).
+        self._lock = threading.RLock()
         self.allocated_bytes = 0
 
-    def _take(self, nbytes: int) -> tuple[int, Any]:
-        import cupy
-
+    def _take(self, nbytes: int) -> tuple[int, tuple[Any, int] | None]:
         size = _size_class(nbytes)
         with self._lock:
             free = self._free.get(size)
             if free:
                 return size, free.pop()
-        mem = cupy.cuda.PinnedMemory(size)
-        with self._lock:
-            self.allocated_bytes += size
-        return size, mem
+            over = self.allocated_bytes + size - self._limit()
+            if over > 0:
+                self._trim(over)
+                if self.allocated_bytes + size > self._limit():
+                    return size, None
+            self.allocated_bytes += size  # reserved before the slow allocation
+        try:
+            return size, self._allocate(size)
+        except BaseException:
+            with self._lock:
+                self.allocated_bytes -= size
+            raise
 
-    def _give(self, size: int, mem: Any) -> None:
+    def _trim(self, nbytes: int) -> None:
+        """Free idle buffers, largest first, until ``nbytes`` are freed or none is idle."""
+        for size in sorted(self._free, reverse=True):
+            buffers = self._free[size]
+            while buffers and nbytes > 0:
+                buffers.pop()
+                self.allocated_bytes -= size
+                nbytes -= size
+        self._free = {size: b for size, b in self._free.items() if b}
+
+    def _give(self, size: int, mem: tuple[Any, int]) -> None:
         with self._lock:
             self._free.setdefault(size, []).append(mem)
 
+    @staticmethod
+    def _array(address: int, size: int, dtype: np.dtype, shape: tuple[int, ...],
+               owner: Any) -> np.ndarray:
+        raw = (ctypes.c_ubyte * size).from_address(address)
+        raw.owner = owner  # kept alive by every array over ``raw``
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
+
     @contextlib.contextmanager
     def borrow(self, dtype: Any, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
-        """A C-contiguous pinned NumPy array of ``shape`` and ``dtype``, returned on exit.
+        """A C-contiguous page-locked NumPy array of ``shape`` and ``dtype``, returned on exit
+        (pageable where the pool is at its limit).
 
         The caller must make sure every asynchronous copy touching it has completed (synchronise
         its stream) before the ``with`` block ends.
         """
-        import cupy
-
         dtype = np.dtype(dtype)
+        shape = tuple(shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         size, mem = self._take(max(nbytes, 1))
+        if mem is None:
+            yield np.empty(shape, dtype)
+            return
         try:
-            yield np.ndarray(shape, dtype=dtype, buffer=cupy.cuda.PinnedMemoryPointer(mem, 0))
+            yield self._array(mem[1], size, dtype, shape, mem[0])
         finally:
             self._give(size, mem)
 
+    def lend(self, shape: Any, dtype: Any = np.float64) -> np.ndarray:
+        """A new page-locked NumPy array whose buffer comes back to the pool when the array and
+        every view of it are gone (pageable where the pool is at its limit)."""
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        size, mem = self._take(max(nbytes, 1))
+        if mem is None:
+            return np.empty(shape, dtype)
+        return self._array(mem[1], size, dtype, shape, _Loan(self, size, mem))
+
     def clear(self) -> None:
-        """Free every idle buffer (buffers on loan are kept by their borrowers)."""
+        """Free every idle buffer (buffers on loan come back later, and are kept)."""
         with self._lock:
-            for size, buffers in self._free.items():
-                self.allocated_bytes -= size * len(buffers)
-            self._free.clear()
+            self._trim(self.allocated_bytes)
 
 
 #: The process-wide pool used by chunk execution.
@@ -212,29 +307,14 @@ def h2d_slot() -> threading.Semaphore:
 
 
 def copy_to_device(dst: Any, src: np.ndarray, stream: Any) -> None:
-    """Enqueue a copy of a C-contiguous host array into a C-contiguous CuPy array of equal size."""
-    import cupy
-
+    """Enqueue a copy of a C-contiguous host array into a C-contiguous CuPy array of its shape
+    and dtype on ``stream`` (asynchronous from pinned memory)."""
     if src.nbytes:
-        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, _H2D, stream.ptr)
+        dst.set(src, stream=stream)
 
 
 def copy_to_host(dst: np.ndarray, src: Any, stream: Any) -> None:
-    """Enqueue a copy of a C-contiguous CuPy array into a C-contiguous host array of equal size."""
-    import cupy
-
+    """Enqueue a copy of a C-contiguous CuPy array into a C-contiguous host array of its shape
+    and dtype on ``stream`` (asynchronous into pinned memory)."""
     if dst.nbytes:
-        cupy.cuda.runtime.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes, _D2H, stream.ptr)
-
-
-
-def empty_pooled_pinned(shape: Any, dtype: Any = np.float64) -> np.ndarray:
-    """A new page-locked NumPy array from CuPy's pinned pool, back in the pool when it is gone.
-
-    For chunks whose lifetime Dask decides (files read for the GPU, results of the GPU path):
-    allocated from the pool's cached blocks after the first ones (which ``cudaHostAlloc``), at
-    the price of the pool's rounding up to a power of two.
-    """
-    import cupyx
-
-    return cupyx.empty_pinned(shape, dtype=dtype)
+        src.get(stream=stream, out=dst, blocking=False)

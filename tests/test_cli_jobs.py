@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import dask
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -488,17 +489,18 @@ def test_a_cluster_left_without_workers_ends_the_job_with_exit_5(inputs, monkeyp
     from dask_gpuchunk.io import NoWorkersError
 
     d, *_ = inputs
+    seen = []
 
     def deserted(*args, **kwargs):
+        seen.append(dask.config.get("gpuchunk.no-workers-timeout"))
         raise NoWorkersError("the cluster has had no workers for 2 s (the last one left or "
                              "died) with 3 of 5 chunks to go; nothing was written")
 
     monkeypatch.setattr(jobs, "to_npy", deserted)
-    monkeypatch.setenv("DASK_GPUCHUNK_NO_WORKERS_TIMEOUT", "300")  # restored after the test
     monkeypatch.chdir(d)
     result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy",
                                        "--worker-timeout", "2"])
     assert result.exit_code == 5, result.output
     message = result.stderr.strip()
     assert "no workers for 2 s" in message and "\n" not in message, message
-    assert os.environ.get("DASK_GPUCHUNK_NO_WORKERS_TIMEOUT") == "2.0"
+    assert seen == [2.0] and dask.config.get("gpuchunk.no-workers-timeout") == 300

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import dask.array as da
@@ -50,6 +51,17 @@ def test_local_cluster_worker_processes_compile_their_own_kernels(rng):
         assert all("dask-gpuchunk-setup" in names for names in plugins.values())
         result = dg.multiply(da.from_array(a, chunks=50), a[0])
         np.testing.assert_array_equal(result.compute(), a * a[0])
+        # What device="auto" decided is gathered from the workers, each record naming its own.
+        client.run(_record_a_decision)
+        found = [r for r in dg.placement_decisions() if r.get("function") == "planted"]
+        assert sorted(r["worker"] for r in found) == sorted(client.scheduler_info()["workers"])
+
+
+def _record_a_decision() -> None:
+    from dask_gpuchunk import placement
+
+    placement.decide(("planted", os.getpid()),
+                     lambda: ({"function": "planted", "choice": "cpu"}, None))
 
 
 def test_local_cluster_threads():
@@ -100,6 +112,9 @@ def test_local_cuda_cluster_runs_operators_on_worker_gpus(rng, tmp_path, capfd):
         dg.to_npy(dg.multiply(x, x, device="gpu"), tmp_path / "c.npy")
         g = dg.gram(dg.from_npy(tmp_path / "bits.npy", chunks=(256, 3000)), device="gpu")
         dg.to_npy(g, tmp_path / "g.npy")
+        dg.to_npy(dg.multiply(x, 2.0), tmp_path / "d.npy")  # device="auto": measured there
+        assert any("worker" in r for r in dg.placement_decisions())
+    np.testing.assert_array_equal(np.load(tmp_path / "d.npy"), a * 2.0)
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), a * a)
     np.testing.assert_array_equal(np.load(tmp_path / "g.npy"), bits.astype(np.int64) @ bits.T)
     # The workers' preload left the CUDA context to dask-cuda (which warns about an earlier one).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import dask
 import dask.array as da
 import numpy as np
 import pytest
@@ -211,10 +212,10 @@ def test_a_cluster_that_loses_its_last_worker_fails_the_write_after_the_timeout(
 
     from dask_gpuchunk.io import NoWorkersError
 
-    monkeypatch.setenv("DASK_GPUCHUNK_NO_WORKERS_TIMEOUT", "1")
     x = da.ones((40, 8), chunks=(2, 8)).map_blocks(_slow, dtype=float)
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
-                      dashboard_address=None) as cluster, Client(cluster):
+                      dashboard_address=None) as cluster, Client(cluster), \
+            dask.config.set({"gpuchunk.no-workers-timeout": 1}):
         threading.Timer(1.0, lambda: cluster.scale(0)).start()  # the only worker leaves
         t0 = time.monotonic()
         with pytest.raises(NoWorkersError, match="no workers for 1 s"):

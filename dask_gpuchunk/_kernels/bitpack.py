@@ -15,10 +15,11 @@ order. No dask here.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
+
+from .compiled import compiled_once
 
 __all__ = [
     "WORD_BITS",
@@ -153,35 +154,29 @@ def _load_cuda() -> None:
         cuda = numba_cuda
 
 
-_compiled: dict[str, Any] = {}
-_lock = threading.Lock()
-
-
+@compiled_once
 def _cpu_pack_kernel() -> Any:
-    with _lock:
-        if "cpu" not in _compiled:
-            import numba
+    import numba
 
-            @numba.njit(parallel=True, cache=False)
-            def pack(x, out, bad_col):  # pragma: no cover - compiled
-                n, k = x.shape
-                m = out.shape[1]
-                for i in numba.prange(n):
-                    bad_col[i] = -1
-                    for w in range(m):
-                        acc = np.uint64(0)
-                        start = w * 64
-                        stop = min(start + 64, k)
-                        for c in range(start, stop):
-                            v = x[i, c]
-                            if v == 1:
-                                acc |= np.uint64(1) << np.uint64(c - start)
-                            elif v != 0 and bad_col[i] < 0:
-                                bad_col[i] = c
-                        out[i, w] = acc
+    @numba.njit(parallel=True, cache=False)
+    def pack(x, out, bad_col):  # pragma: no cover - compiled
+        n, k = x.shape
+        m = out.shape[1]
+        for i in numba.prange(n):
+            bad_col[i] = -1
+            for w in range(m):
+                acc = np.uint64(0)
+                start = w * 64
+                stop = min(start + 64, k)
+                for c in range(start, stop):
+                    v = x[i, c]
+                    if v == 1:
+                        acc |= np.uint64(1) << np.uint64(c - start)
+                    elif v != 0 and bad_col[i] < 0:
+                        bad_col[i] = c
+                out[i, w] = acc
 
-            _compiled["cpu"] = pack
-    return _compiled["cpu"]
+    return pack
 
 
 def _raise_bad(x: Any, row: int, col: int, origin: tuple[int, int]) -> None:
@@ -225,36 +220,34 @@ def bitpack_cpu(x: np.ndarray, origin: tuple[int, int] = (0, 0)) -> np.ndarray:
     return out
 
 
+@compiled_once
 def _cuda_pack_kernel() -> Any:
-    with _lock:
-        if "cuda" not in _compiled:
-            from numba import uint64
+    from numba import uint64
 
-            _load_cuda()
-            @cuda.jit
-            def pack(x, out, first_bad):  # pragma: no cover - compiled
-                # One thread per word: reads its 64 columns (a warp reads 32 * 64 consecutive
-                # elements, whole cache lines) and keeps the first bad position seen anywhere.
-                n, k = x.shape
-                m = out.shape[1]
-                start_t = cuda.grid(1)
-                stride = cuda.gridsize(1)
-                for t in range(start_t, n * m, stride):
-                    i = t // m
-                    w = t - i * m
-                    start = w * 64
-                    stop = min(start + 64, k)
-                    acc = uint64(0)
-                    for c in range(start, stop):
-                        v = x[i, c]
-                        if v == 1:
-                            acc |= uint64(1) << uint64(c - start)
-                        elif v != 0:
-                            cuda.atomic.min(first_bad, 0, i * k + c)
-                    out[i, w] = acc
+    _load_cuda()
+    @cuda.jit
+    def pack(x, out, first_bad):  # pragma: no cover - compiled
+        # One thread per word: reads its 64 columns (a warp reads 32 * 64 consecutive
+        # elements, whole cache lines) and keeps the first bad position seen anywhere.
+        n, k = x.shape
+        m = out.shape[1]
+        start_t = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        for t in range(start_t, n * m, stride):
+            i = t // m
+            w = t - i * m
+            start = w * 64
+            stop = min(start + 64, k)
+            acc = uint64(0)
+            for c in range(start, stop):
+                v = x[i, c]
+                if v == 1:
+                    acc |= uint64(1) << uint64(c - start)
+                elif v != 0:
+                    cuda.atomic.min(first_bad, 0, i * k + c)
+            out[i, w] = acc
 
-            _compiled["cuda"] = pack
-    return _compiled["cuda"]
+    return pack
 
 
 def bitpack_cuda(x: Any, origin: tuple[int, int] = (0, 0), stream: Any = 0) -> Any:
@@ -300,30 +293,28 @@ _BIT_OF_BYTE = 0x8040201008040201
 _HIGH7 = 0x7F7F7F7F7F7F7F7F
 
 
+@compiled_once
 def _cuda_unpack_kernel() -> Any:
-    with _lock:
-        if "unpack" not in _compiled:
-            from numba import uint64
+    from numba import uint64
 
-            _load_cuda()
-            @cuda.jit
-            def unpack(words, out8):  # pragma: no cover - compiled
-                # out8 is the int8 output viewed as uint64: each thread writes 8 bytes, one per
-                # bit of one byte of a word (byte b of the result = bit b), so a warp's stores
-                # are 256 consecutive bytes. Replicating the byte into all 8 bytes, masking bit
-                # b in byte b and normalising each byte to 0/1 needs no loop and no carries.
-                n, m8 = out8.shape
-                start_t = cuda.grid(1)
-                stride = cuda.gridsize(1)
-                for t in range(start_t, n * m8, stride):
-                    i = t // m8
-                    q = t - i * m8
-                    byte = (words[i, q >> 3] >> uint64((q & 7) * 8)) & uint64(0xFF)
-                    spread = (byte * uint64(_SPREAD)) & uint64(_BIT_OF_BYTE)
-                    out8[i, q] = ((spread + uint64(_HIGH7)) >> uint64(7)) & uint64(_SPREAD)
+    _load_cuda()
+    @cuda.jit
+    def unpack(words, out8):  # pragma: no cover - compiled
+        # out8 is the int8 output viewed as uint64: each thread writes 8 bytes, one per
+        # bit of one byte of a word (byte b of the result = bit b), so a warp's stores
+        # are 256 consecutive bytes. Replicating the byte into all 8 bytes, masking bit
+        # b in byte b and normalising each byte to 0/1 needs no loop and no carries.
+        n, m8 = out8.shape
+        start_t = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        for t in range(start_t, n * m8, stride):
+            i = t // m8
+            q = t - i * m8
+            byte = (words[i, q >> 3] >> uint64((q & 7) * 8)) & uint64(0xFF)
+            spread = (byte * uint64(_SPREAD)) & uint64(_BIT_OF_BYTE)
+            out8[i, q] = ((spread + uint64(_HIGH7)) >> uint64(7)) & uint64(_SPREAD)
 
-            _compiled["unpack"] = unpack
-    return _compiled["unpack"]
+    return unpack
 
 
 def unpack_int8_cuda(words: Any, out: Any, stream: Any = 0) -> None:

@@ -25,11 +25,11 @@ lower triangle. No dask here.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from .compiled import compiled_once
 from .gram import _mirror_cuda
 from .launch import cupy_stream
 
@@ -238,10 +238,6 @@ gram_bmma(const unsigned* __restrict__ a, const unsigned* __restrict__ b, int* _
 }
 """
 
-_kernels: dict[tuple[int, BmmaTile], Any] = {}
-_lock = threading.Lock()
-
-
 def bmma_supported() -> bool:
     """Whether the current CUDA device has 1-bit MMA (compute capability 8.0 or later)."""
     import cupy
@@ -264,21 +260,23 @@ def _kernel(tile: BmmaTile) -> Any:
     """The compiled kernel for the current device and tile (NVRTC at first use, then cached)."""
     import cupy
 
-    device = cupy.cuda.runtime.getDevice()
-    key = (device, tile)
-    with _lock:
-        if key not in _kernels:
-            _check_tile(tile)
-            props = cupy.cuda.runtime.getDeviceProperties(device)
-            arch = f"sm_{props['major']}{props['minor']}"
-            defines = "".join(f"#define {name.upper()} {value}\n"
-                              for name, value in tile._asdict().items())
-            module = cupy.RawModule(code=defines + _SOURCE,
-                                    options=("-std=c++17", f"--gpu-architecture={arch}"))
-            kernel = module.get_function("gram_bmma")
-            kernel.max_dynamic_shared_size_bytes = tile.shared_bytes
-            _kernels[key] = kernel
-    return _kernels[key]
+    return _compiled_kernel(cupy.cuda.runtime.getDevice(), tile)
+
+
+@compiled_once
+def _compiled_kernel(device: int, tile: BmmaTile) -> Any:
+    import cupy
+
+    _check_tile(tile)
+    props = cupy.cuda.runtime.getDeviceProperties(device)
+    arch = f"sm_{props['major']}{props['minor']}"
+    defines = "".join(f"#define {name.upper()} {value}\n"
+                      for name, value in tile._asdict().items())
+    module = cupy.RawModule(code=defines + _SOURCE,
+                            options=("-std=c++17", f"--gpu-architecture={arch}"))
+    kernel = module.get_function("gram_bmma")
+    kernel.max_dynamic_shared_size_bytes = tile.shared_bytes
+    return kernel
 
 
 def _words32(words: Any, kbits: int) -> Any:

@@ -27,7 +27,7 @@ import numpy as np
 
 from .launch import DirectLaunch, StridedArg, current_device, load_lock
 from .numpy_rules import VType, weak_type
-from .source_cache import cached_njit, function_stamp, load_kernel
+from .source_cache import cached_njit, function_stamp, load_kernel, numba_cache_here
 from .translate import Translation, translate
 
 __all__ = [
@@ -129,7 +129,7 @@ def numba_result_dtype(func: Callable, dtypes: Sequence[np.dtype],
     import numba
     from numba.np.numpy_support import as_dtype
 
-    dispatcher = cached_njit(func) if cache else numba.njit(func)
+    dispatcher = cached_njit(func) if cache else numba.njit(func)  # cached_njit: in the cache dir
     args = tuple(numba.from_dtype(dt) for dt in dtypes)
     try:
         dispatcher.compile(args)
@@ -459,7 +459,7 @@ class ElementwiseKernels:
         kernel = self._cpu.get(key)
         if kernel is not None:
             return kernel
-        with self._lock:
+        with self._lock, numba_cache_here():
             kernel = self._cpu.get(key)
             if kernel is None:
                 import numba
@@ -497,7 +497,7 @@ class ElementwiseKernels:
         kernel = self._cuda.get(key)
         if kernel is not None:
             return kernel
-        with self._lock:
+        with self._lock, numba_cache_here():
             kernel = self._cuda.get(key)
             if kernel is None:
                 import numba

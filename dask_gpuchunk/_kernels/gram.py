@@ -24,11 +24,11 @@ No dask here.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 
+from .compiled import compiled_once
 from .bitpack import WORD_BITS, unpack_int8_cuda
 from .launch import cupy_stream
 
@@ -78,10 +78,6 @@ def _load_cuda() -> None:
         cuda = numba_cuda
 
 
-_compiled: dict[Any, Any] = {}
-_lock = threading.Lock()
-
-
 def _popcount64() -> Any:
     """A numba intrinsic for LLVM's ``ctpop`` on 64-bit words (one POPCNT instruction)."""
     from numba import types
@@ -101,67 +97,65 @@ def _popcount64() -> Any:
 CPU_ROWS = 4
 
 
+@compiled_once
 def _cpu_kernels() -> tuple[Any, Any]:
-    with _lock:
-        if "cpu" not in _compiled:
-            import numba
+    import numba
 
-            popc = _popcount64()
+    popc = _popcount64()
 
-            @numba.njit(parallel=True)
-            def gram_cpu(a, b, c, upper):  # pragma: no cover - compiled
-                na, m = a.shape
-                nb = b.shape[0]
-                groups = (na + 3) // 4
-                for g in numba.prange(groups):
-                    i0 = g * 4
-                    first = i0 if upper else 0
-                    if i0 + 4 <= na:
-                        for j in range(first, nb):
-                            s0 = np.uint64(0)
-                            s1 = np.uint64(0)
-                            s2 = np.uint64(0)
-                            s3 = np.uint64(0)
-                            for w in range(m):
-                                bw = b[j, w]
-                                s0 += popc(a[i0, w] & bw)
-                                s1 += popc(a[i0 + 1, w] & bw)
-                                s2 += popc(a[i0 + 2, w] & bw)
-                                s3 += popc(a[i0 + 3, w] & bw)
-                            c[i0, j] = s0
-                            c[i0 + 1, j] = s1
-                            c[i0 + 2, j] = s2
-                            c[i0 + 3, j] = s3
-                    else:
-                        for i in range(i0, na):
-                            for j in range(first, nb):
-                                s = np.uint64(0)
-                                for w in range(m):
-                                    s += popc(a[i, w] & b[j, w])
-                                c[i, j] = s
+    @numba.njit(parallel=True)
+    def gram_cpu(a, b, c, upper):  # pragma: no cover - compiled
+        na, m = a.shape
+        nb = b.shape[0]
+        groups = (na + 3) // 4
+        for g in numba.prange(groups):
+            i0 = g * 4
+            first = i0 if upper else 0
+            if i0 + 4 <= na:
+                for j in range(first, nb):
+                    s0 = np.uint64(0)
+                    s1 = np.uint64(0)
+                    s2 = np.uint64(0)
+                    s3 = np.uint64(0)
+                    for w in range(m):
+                        bw = b[j, w]
+                        s0 += popc(a[i0, w] & bw)
+                        s1 += popc(a[i0 + 1, w] & bw)
+                        s2 += popc(a[i0 + 2, w] & bw)
+                        s3 += popc(a[i0 + 3, w] & bw)
+                    c[i0, j] = s0
+                    c[i0 + 1, j] = s1
+                    c[i0 + 2, j] = s2
+                    c[i0 + 3, j] = s3
+            else:
+                for i in range(i0, na):
+                    for j in range(first, nb):
+                        s = np.uint64(0)
+                        for w in range(m):
+                            s += popc(a[i, w] & b[j, w])
+                        c[i, j] = s
 
-            @numba.njit(parallel=True)
-            def mirror(c):  # pragma: no cover - compiled
-                n = c.shape[0]
-                for i in numba.prange(n):
-                    for j in range(i):
-                        c[i, j] = c[j, i]
+    @numba.njit(parallel=True)
+    def mirror(c):  # pragma: no cover - compiled
+        n = c.shape[0]
+        for i in numba.prange(n):
+            for j in range(i):
+                c[i, j] = c[j, i]
 
-            @numba.njit(parallel=True)
-            def transpose(a, out):  # pragma: no cover - compiled
-                # 64 x 64 tiles: reads and writes both stay within a few cache lines per row.
-                n, m = a.shape
-                for ti in numba.prange((n + 63) // 64):
-                    i0 = ti * 64
-                    i1 = min(i0 + 64, n)
-                    for j0 in range(0, m, 64):
-                        j1 = min(j0 + 64, m)
-                        for i in range(i0, i1):
-                            for j in range(j0, j1):
-                                out[j, i] = a[i, j]
+    @numba.njit(parallel=True)
+    def transpose(a, out):  # pragma: no cover - compiled
+        # 64 x 64 tiles: reads and writes both stay within a few cache lines per row.
+        n, m = a.shape
+        for ti in numba.prange((n + 63) // 64):
+            i0 = ti * 64
+            i1 = min(i0 + 64, n)
+            for j0 in range(0, m, 64):
+                j1 = min(j0 + 64, m)
+                for i in range(i0, i1):
+                    for j in range(j0, j1):
+                        out[j, i] = a[i, j]
 
-            _compiled["cpu"] = (gram_cpu, mirror, transpose)
-    return _compiled["cpu"]
+    return (gram_cpu, mirror, transpose)
 
 
 def transpose_cpu(block: np.ndarray) -> np.ndarray:
@@ -300,32 +294,27 @@ def _popcount_cuda_source(tile: TileShape) -> str:
     return "\n".join(lines) + "\n"
 
 
+@compiled_once
 def _cuda_popcount_kernel(tile: TileShape) -> Any:
-    key = ("popcount", tuple(tile))
-    with _lock:
-        if key not in _compiled:
-            from numba import cuda, int32, uint64
+    from numba import cuda, int32, uint64
 
-            namespace = {"cuda": cuda, "uint64": uint64, "int32": int32}
-            code = compile(_popcount_cuda_source(tile), "<dask_gpuchunk popcount kernel>", "exec")
-            exec(code, namespace)  # noqa: S102 - source generated above from integers only
-            _compiled[key] = cuda.jit(namespace["kernel"])
-    return _compiled[key]
+    namespace = {"cuda": cuda, "uint64": uint64, "int32": int32}
+    code = compile(_popcount_cuda_source(tile), "<dask_gpuchunk popcount kernel>", "exec")
+    exec(code, namespace)  # noqa: S102 - source generated above from integers only
+    return cuda.jit(namespace["kernel"])
 
 
+@compiled_once
 def _cuda_mirror_kernel() -> Any:
-    with _lock:
-        if "mirror" not in _compiled:
-            _load_cuda()
+    _load_cuda()
 
-            @cuda.jit
-            def mirror(c):  # pragma: no cover - compiled
-                j, i = cuda.grid(2)  # x along columns: the writes of a warp are contiguous
-                if i < c.shape[0] and j < i:
-                    c[i, j] = c[j, i]
+    @cuda.jit
+    def mirror(c):  # pragma: no cover - compiled
+        j, i = cuda.grid(2)  # x along columns: the writes of a warp are contiguous
+        if i < c.shape[0] and j < i:
+            c[i, j] = c[j, i]
 
-            _compiled["mirror"] = mirror
-    return _compiled["mirror"]
+    return mirror
 
 
 def _simulated() -> bool:
@@ -380,12 +369,6 @@ def popcount_cuda(a: Any, b: Any | None, c: Any, stream: Any = 0, tile: TileShap
 
 # ---- CUDA: int8 tensor cores through cuBLAS ------------------------------------------------
 
-_CUBLAS_OP_N = 0
-_CUBLAS_OP_T = 1
-_CUDA_R_8I = 3
-_CUDA_R_32I = 10
-_CUBLAS_COMPUTE_32I = 72
-_CUBLAS_GEMM_DEFAULT = -1
 _ONE = np.ones(1, dtype=np.int32)
 _ZERO = np.zeros(1, dtype=np.int32)
 
@@ -398,6 +381,7 @@ def _gemm_int8(x: Any, y: Any, c: Any, rows: slice, cols: slice, stream_ptr: int
     layout the integer tensor-core kernels take).
     """
     import cupy
+    from cupy_backends.cuda.api import runtime
     from cupy_backends.cuda.libs import cublas
 
     r0, r1 = rows.start, rows.stop
@@ -407,14 +391,14 @@ def _gemm_int8(x: Any, y: Any, c: Any, rows: slice, cols: slice, stream_ptr: int
     handle = cupy.cuda.device.get_cublas_handle()
     cublas.setStream(handle, stream_ptr)
     cublas.gemmEx(
-        handle, _CUBLAS_OP_T, _CUBLAS_OP_N,
+        handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N,
         c1 - c0, r1 - r0, k,
         _ONE.ctypes.data,
-        y.data.ptr + c0 * k, _CUDA_R_8I, k,
-        x.data.ptr + r0 * k, _CUDA_R_8I, k,
+        y.data.ptr + c0 * k, runtime.CUDA_R_8I, k,
+        x.data.ptr + r0 * k, runtime.CUDA_R_8I, k,
         _ZERO.ctypes.data,
-        c.data.ptr + (r0 * ldc + c0) * 4, _CUDA_R_32I, ldc,
-        _CUBLAS_COMPUTE_32I, _CUBLAS_GEMM_DEFAULT,
+        c.data.ptr + (r0 * ldc + c0) * 4, runtime.CUDA_R_32I, ldc,
+        cublas.CUBLAS_COMPUTE_32I, cublas.CUBLAS_GEMM_DEFAULT,
     )
 
 

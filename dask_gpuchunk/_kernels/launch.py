@@ -14,14 +14,13 @@ when it is made, and a process where it differs goes on through numba's dispatch
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["DIRECT_LAUNCH", "DirectLaunch", "DirectLaunchError", "StridedArg", "cupy_stream",
+__all__ = ["DirectLaunch", "DirectLaunchError", "StridedArg", "cupy_stream",
            "current_device", "direct_launch_available", "fall_back_to_numba", "load_lock",
            "numba_stream"]
 
@@ -92,15 +91,15 @@ def cupy_stream(stream: Any) -> Any:
     return cupy.cuda.Stream.null if ptr in (0, 1) else cupy.cuda.ExternalStream(ptr)
 
 
-#: Whether GPU launches go through :class:`DirectLaunch` (``DASK_GPUCHUNK_DIRECT_LAUNCH``,
-#: default 1); 0 sends every launch through numba's dispatcher, as under the simulator.
-DIRECT_LAUNCH = os.environ.get("DASK_GPUCHUNK_DIRECT_LAUNCH", "1") != "0"
+#: False once :func:`fall_back_to_numba` found that this process cannot launch directly.
+_direct_works = [True]
 
 
-def direct_launch_available() -> bool:
-    """Whether :class:`DirectLaunch` can run here: a real GPU (not numba's simulator),
-    ``DIRECT_LAUNCH`` on, and numba-cuda launching through ``cuda.core``."""
-    if not DIRECT_LAUNCH:
+def direct_launch_available(wanted: bool = True) -> bool:
+    """Whether :class:`DirectLaunch` can run here: ``wanted`` (the package's
+    ``gpuchunk.direct-launch``), a real GPU (not numba's simulator), no earlier failure in this
+    process (:func:`fall_back_to_numba`), and numba-cuda launching through ``cuda.core``."""
+    if not (wanted and _direct_works[0]):
         return False
     from numba.cuda import config as cuda_config
 
@@ -128,17 +127,17 @@ class DirectLaunchError(RuntimeError):
 
 def fall_back_to_numba(reason: BaseException) -> None:
     """Turn the direct launch off for this process, with one warning that says why."""
-    global DIRECT_LAUNCH
     import warnings
 
     with _fallback_lock:
-        if not DIRECT_LAUNCH:
+        if not _direct_works[0]:
             return
-        DIRECT_LAUNCH = False
+        _direct_works[0] = False
     warnings.warn(
         f"dask_gpuchunk: kernels are launched through numba's dispatcher from now on in this "
         f"process (~0.1 ms more per chunk), because the direct launch cannot be used with this "
-        f"numba-cuda: {reason}. DASK_GPUCHUNK_DIRECT_LAUNCH=0 skips the attempt.",
+        f"numba-cuda: {reason}. The setting gpuchunk.direct-launch=False "
+        f"(DASK_GPUCHUNK__DIRECT_LAUNCH=False) skips the attempt.",
         RuntimeWarning, stacklevel=3,
     )
 

@@ -5,26 +5,57 @@ keyed on that file's size and modification time. Kernels generated as text have 
 writes each one once into :func:`cache_dir`, under a name that hashes its text and what it
 calls, and imports it from there. A later process (each worker of each job) then loads the
 compiled code instead of compiling it again: 1.4 s for a product's CPU kernel and 0.3-0.7 s for
-its CUDA kernel on the H200 machine. No dask here.
+its CUDA kernel on the H200 machine. numba's compiled code for every function compiled with
+``cache=True`` here (:func:`numba_cache_here`) is kept under the same directory, not beside
+the function's source (an installed package's ``__pycache__``). No dask here: the package's
+settings tell this module where the directory is (:func:`set_cache_root`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.metadata
 import importlib.util
 import marshal
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cache_dir", "cached_njit", "function_stamp", "load_kernel"]
+__all__ = ["cache_dir", "cached_njit", "function_stamp", "load_kernel", "numba_cache_here",
+           "package_version", "set_cache_root"]
+
+
+def package_version() -> str:
+    """The installed distribution's version; ``"unknown"`` for a source tree never installed."""
+    try:
+        return importlib.metadata.version("dask-gpuchunk")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
 
 #: Part of every file's key (the generated sources may change between versions).
-_PACKAGE_VERSION = "0.1.0"
+_PACKAGE_VERSION = package_version()
 _lock = threading.Lock()
+#: Held while numba's ``CACHE_DIR`` is changed (:func:`numba_cache_here`), compilations included.
+_numba_config_lock = threading.RLock()
+
+
+def _default_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dask_gpuchunk"
+
+
+_root: list[Callable[[], Path]] = [_default_root]
+
+
+def set_cache_root(root: Callable[[], Path]) -> None:
+    """Where the cache is, asked each time it is used: ``root()`` names the package's cache
+    directory (:func:`dask_gpuchunk.config.cache_root`, which reads ``gpuchunk.cache-dir``)."""
+    _root[0] = root
 
 
 def load_kernel(source: str, namespace: dict[str, Any], file_key: str) -> Callable | None:
@@ -60,16 +91,9 @@ _kernel_modules: dict[str, Any] = {}
 
 
 def cache_dir() -> Path | None:
-    """Where kernels compiled with ``cache=True`` are kept; ``None`` where it cannot be written.
-
-    ``DASK_GPUCHUNK_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/dask_gpuchunk`` (by default
-    ``~/.cache/dask_gpuchunk``). Holds the generated kernel sources and, in ``__pycache__``,
-    numba's compiled code for them.
-    """
-    root = os.environ.get("DASK_GPUCHUNK_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "dask_gpuchunk")
-    path = Path(root) / "kernels"
+    """Where generated kernel sources are kept (``kernels`` in the package's cache directory,
+    :func:`set_cache_root`); ``None`` where it cannot be written."""
+    path = _root[0]() / "kernels"
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError:
@@ -125,15 +149,53 @@ def function_stamp(func: Callable) -> str | None:
             f"{getattr(func, '__qualname__', '')}:{code.co_firstlineno}:{digest}")
 
 
+def _numba_configs() -> list[Any]:
+    """numba's configuration modules whose ``CACHE_DIR`` its caches read (numba's own, and
+    numba-cuda's where it has one)."""
+    from numba.core import config
+
+    found = [config]
+    with contextlib.suppress(ImportError):
+        from numba.cuda.core import config as cuda_config
+
+        if cuda_config is not config and hasattr(cuda_config, "CACHE_DIR"):
+            found.append(cuda_config)
+    return found
+
+
+@contextlib.contextmanager
+def numba_cache_here() -> Iterator[None]:
+    """Functions given ``cache=True`` inside this block keep numba's compiled code under
+    ``numba`` in the package's cache directory (numba picks the place when the dispatcher is
+    made, from ``NUMBA_CACHE_DIR``'s setting, set here for the block and put back after);
+    where that directory cannot be written, or the user set ``NUMBA_CACHE_DIR``, numba's own
+    choice stands."""
+    configs = _numba_configs()
+    here = cache_dir()
+    if here is None or configs[0].CACHE_DIR:
+        yield
+        return
+    with _numba_config_lock:
+        before = [c.CACHE_DIR for c in configs]
+        for c in configs:
+            c.CACHE_DIR = str(here.parent / "numba")
+        try:
+            yield
+        finally:
+            for c, value in zip(configs, before):
+                c.CACHE_DIR = value
+
+
 def cached_njit(func: Callable, **options: Any) -> Any:
-    """``numba.njit(func, cache=True, **options)``; where numba finds nowhere to keep the
-    compiled code (the function's directory read-only and no writable home directory: "cannot
-    cache function"), it keeps it in a temporary directory for this process instead, with one
+    """``numba.njit(func, cache=True, **options)``, its compiled code kept where
+    :func:`numba_cache_here` says; where numba finds nowhere to keep it ("cannot cache
+    function"), it keeps it in a temporary directory for this process instead, with one
     warning, rather than failing."""
     import numba
 
     try:
-        return numba.njit(func, cache=True, **options)
+        with numba_cache_here():
+            return numba.njit(func, cache=True, **options)
     except RuntimeError as exc:
         if "cannot cache" not in str(exc):
             raise
@@ -147,7 +209,7 @@ def _temporary_numba_cache(why: str) -> None:
 
     from numba.core import config
 
-    with _lock:
+    with _numba_config_lock:
         if _temporary_cache:
             return
         _temporary_cache.append(tempfile.mkdtemp(prefix="dask-gpuchunk-numba-"))

@@ -59,17 +59,17 @@ def test_direct_launch_matches_numba_dispatch(rng, dtype):
 
 
 def test_falling_back_to_numba_warns_once_and_turns_the_direct_launch_off(monkeypatch):
-    monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(launch, "_direct_works", [True])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         launch.fall_back_to_numba(launch.DirectLaunchError("a changed layout"))
         launch.fall_back_to_numba(launch.DirectLaunchError("again, from another thread"))
     expected = ("dask_gpuchunk: kernels are launched through numba's dispatcher from now on in "
                 "this process (~0.1 ms more per chunk), because the direct launch cannot be used "
-                "with this numba-cuda: a changed layout. DASK_GPUCHUNK_DIRECT_LAUNCH=0 skips the "
-                "attempt.")
+                "with this numba-cuda: a changed layout. The setting gpuchunk.direct-launch=False "
+                "(DASK_GPUCHUNK__DIRECT_LAUNCH=False) skips the attempt.")
     assert [str(w.message) for w in caught if w.category is RuntimeWarning] == [expected]
-    assert not launch.DIRECT_LAUNCH and not direct_launch_available()
+    assert not launch._direct_works[0] and not direct_launch_available()
 
 
 def _swapped_words(a: StridedArg) -> list[int]:
@@ -94,7 +94,7 @@ def test_chunks_fall_back_to_numba_when_the_direct_launch_is_refused(rng, monkey
 
     from dask_gpuchunk.backend import run_gpu_on_device
 
-    monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(launch, "_direct_works", [True])
     monkeypatch.setattr(launch, "_array_words", _swapped_words)
     k = ElementwiseKernels(fma3, 3)  # no launcher made yet
     # Integers: exact (the GPU fuses a float a * b + c into one rounding).
@@ -102,7 +102,7 @@ def test_chunks_fall_back_to_numba_when_the_direct_launch_is_refused(rng, monkey
     with pytest.warns(RuntimeWarning, match="numba's dispatcher from now on"):
         out = run_gpu_on_device(k, np.dtype("i8"), [cupy.asarray(a), cupy.asarray(b),
                                                     cupy.asarray(c)])
-    assert not launch.DIRECT_LAUNCH
+    assert not launch._direct_works[0]
     assert_same(out.get(), a * b + c)
     out = run_gpu_on_device(k, np.dtype("i8"), [cupy.asarray(a), np.int64(3), cupy.asarray(c)])
     assert_same(out.get(), a * 3 + c)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import dask
 import numpy as np
 import pytest
 from helpers import assert_same
@@ -20,11 +21,11 @@ def mul(a, b):
     return a * b
 
 
-def test_cache_dir_is_the_environment_s_and_writable(tmp_path, monkeypatch):
-    monkeypatch.setenv("DASK_GPUCHUNK_CACHE_DIR", str(tmp_path / "c"))
-    assert cache_dir() == tmp_path / "c" / "kernels" and cache_dir().is_dir()
-    monkeypatch.setenv("DASK_GPUCHUNK_CACHE_DIR", "/proc/no-such-place")
-    assert cache_dir() is None  # kernels are then compiled, not cached
+def test_cache_dir_is_the_setting_s_and_writable(tmp_path):
+    with dask.config.set({"gpuchunk.cache-dir": str(tmp_path / "c")}):
+        assert cache_dir() == tmp_path / "c" / "kernels" and cache_dir().is_dir()
+    with dask.config.set({"gpuchunk.cache-dir": "/proc/no-such-place"}):
+        assert cache_dir() is None  # kernels are then compiled, not cached
 
 
 _CACHE_SCRIPT = """
@@ -52,10 +53,13 @@ def _run_cached(tmp_path, device, body):
     source = f"def f(a, b):\n    return {body}\n"
     if not (moddir / "userfunc.py").exists() or (moddir / "userfunc.py").read_text() != source:
         (moddir / "userfunc.py").write_text(source)
-    env = {**os.environ, "DASK_GPUCHUNK_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "DASK_GPUCHUNK__CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("NUMBA_CACHE_DIR", None)
     done = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT.format(moddir=str(moddir), device=device)],
                           capture_output=True, text=True, env=env, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
+    # numba's compiled code is kept in the package's cache directory, none beside the source.
+    assert not list(moddir.rglob("*.nbi")) and list((tmp_path / "cache").rglob("*.nbi"))
     return int(done.stdout.split("hits")[-1])
 
 
@@ -76,8 +80,12 @@ def test_cuda_cache_loads_in_a_later_process_and_follows_the_source(tmp_path):
     _cache_round_trip(tmp_path, "gpu")
 
 
-def test_functions_without_a_file_are_not_cached(tmp_path, monkeypatch):
-    monkeypatch.setenv("DASK_GPUCHUNK_CACHE_DIR", str(tmp_path))
+def test_functions_without_a_file_are_not_cached(tmp_path):
+    with dask.config.set({"gpuchunk.cache-dir": str(tmp_path)}):
+        _functions_without_a_file_are_not_cached(tmp_path)
+
+
+def _functions_without_a_file_are_not_cached(tmp_path):
     namespace: dict = {}
     exec("def g(a, b):\n    return a - b\n", namespace)  # noqa: S102 - a function with no file
     assert function_stamp(namespace["g"]) is None
@@ -111,6 +119,8 @@ def test_nowhere_to_cache_falls_back_to_a_temporary_directory_with_one_warning(m
     monkeypatch.setattr(Dispatcher, "enable_caching", no_locator)
     monkeypatch.setattr(config, "CACHE_DIR", "")
     monkeypatch.setattr(source_cache, "_temporary_cache", [])
+    # No writable cache directory of the package's either.
+    monkeypatch.setitem(dask.config.config, "gpuchunk", {"cache-dir": "/proc/no-such-place"})
     with pytest.warns(UserWarning, match="cannot cache function.*NUMBA_CACHE_DIR"):
         first = source_cache.cached_njit(_scaled)
     assert first(7) == 21
