@@ -1,14 +1,18 @@
 """Chunk execution: run one chunk of an operation on the right device.
 
-Every operator's chunks go through here: elementwise functions through
-:func:`run_elementwise`; other operations (the Gram blocks) give their own ``launch`` to
-:func:`run_on_device` (device inputs) or :func:`run_staged` (host inputs). Three paths, chosen per chunk by where its data lives and the ``device=`` argument:
+Every operator's chunks go through here. :func:`chunk_site` is the one rule for where a chunk
+runs (its inputs' kind × ``device=`` × whether the operation measures its placement), with one
+error text per failure; :func:`run_chunk` runs an operation's :class:`ChunkWork` there (Gram
+blocks, bitpack, transposes, file writes), and :func:`run_elementwise` does the same for
+elementwise functions, whose host chunks the measured rule of :mod:`dask_gpuchunk.placement`
+places. Kernels take the stream they are queued on as an argument (a numba stream). Three
+paths:
 
-``gpu-device``
+``device`` (``gpu-device``)
     Any input is a CuPy array: every input goes to (or stays on) the device, the kernel is
     queued on the thread's current CuPy stream like any CuPy operation, and the result is a
     CuPy array. No host round trip, no wait.
-``gpu-host``
+``staged`` (``gpu-host``)
     NumPy inputs on the GPU: each input is copied into a pinned staging buffer (unless it is
     already pinned and contiguous, then it is sent directly), H2D on this thread's stream, the
     kernel, D2H into the destination (directly if it is pinned and contiguous, else through a
@@ -20,8 +24,10 @@ Every operator's chunks go through here: elementwise functions through
     directly, in the Dask thread that computes the chunk, with a share of the cores
     (:func:`cpu_threads`).
 
-``device="auto"`` sends CuPy chunks to the GPU, and NumPy chunks where the measured rule of
-:mod:`dask_gpuchunk.placement` says they run faster. Concurrency comes from Dask's own threads:
+``device="auto"`` sends CuPy chunks to their GPU; NumPy chunks of elementwise functions where
+the measured rule of :mod:`dask_gpuchunk.placement` says they run faster (``placed``), those of
+other operations to a GPU where one is visible, unless the operation keeps them on the host
+(bitpack, transposes, file writes). Concurrency comes from Dask's own threads:
 several chunks in flight on their own streams overlap copies in both directions and kernels.
 """
 
@@ -33,7 +39,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -47,7 +53,7 @@ from ._kernels.launch import (
     numba_stream,
 )
 from .budget import reserve, run_reserved, working_budget
-from .devices import GPUNotAvailableError, check_device, gpu_available
+from .devices import GPUNotAvailableError, check_device_name, gpu_available
 from .staging import (
     copy_to_device,
     copy_to_host,
@@ -58,11 +64,16 @@ from .staging import (
 )
 
 __all__ = [
+    "SITES",
+    "ChunkWork",
+    "DeviceLaunch",
+    "chunk_site",
     "cpu_threads",
     "dask_threads",
     "is_cupy",
     "prepare_process",
     "run_cpu",
+    "run_chunk",
     "run_cpu_kernel",
     "run_elementwise",
     "run_gpu_from_host",
@@ -437,6 +448,128 @@ def run_on_device(
 
 # ---- dispatch ------------------------------------------------------------------------------
 
+#: Where a chunk runs (:func:`chunk_site`).
+SITES = ("device", "staged", "placed", "cpu")
+
+_CUPY_ON_CPU = ("device='cpu' was given CuPy chunks; use device='gpu' or 'auto', or move the data "
+                "to the host first (x.map_blocks(cupy.asnumpy))")
+_NO_GPU_HERE = "device='gpu' but this worker sees no CUDA GPU"
+
+
+def chunk_site(device: str, on_device: bool, gpu_here: bool, *, placed: bool = False,
+               stage: bool = True, gpu_only: str | None = None) -> str:
+    """Where one chunk of an operation runs: the package's one rule, for every operator.
+
+    Parameters
+    ----------
+    device
+        The operation's ``device=``: ``"auto"``, ``"gpu"`` or ``"cpu"``.
+    on_device
+        Whether any input of the chunk is a CuPy array.
+    gpu_here
+        Whether this process sees a GPU.
+    placed
+        Whether the operation measures where its NumPy chunks run faster
+        (:mod:`dask_gpuchunk.placement`); otherwise ``"auto"`` sends them to a GPU where there
+        is one.
+    stage
+        Whether NumPy chunks may be copied to a GPU at all (not for work cheaper where the data
+        is: a transpose, a file write).
+    gpu_only
+        Why the operation cannot run on the CPU (the error's text), or ``None``.
+
+    Returns
+    -------
+    str
+        ``"device"`` (CuPy inputs, on their GPU), ``"staged"`` (NumPy inputs through pinned
+        staging to the GPU), ``"placed"`` (NumPy inputs where the measured rule says) or
+        ``"cpu"``.
+
+    Examples
+    --------
+    >>> chunk_site("auto", on_device=False, gpu_here=True)
+    'staged'
+    >>> chunk_site("auto", on_device=False, gpu_here=True, placed=True)
+    'placed'
+    >>> chunk_site("gpu", on_device=True, gpu_here=True)
+    'device'
+    >>> chunk_site("auto", on_device=False, gpu_here=False)
+    'cpu'
+    >>> chunk_site("cpu", on_device=True, gpu_here=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: device='cpu' was given CuPy chunks; use device='gpu' or 'auto', or move the data to the host first (x.map_blocks(cupy.asnumpy))
+    """
+    check_device_name(device)
+    if on_device:
+        if device == "cpu":
+            raise ValueError(_CUPY_ON_CPU)
+        return "device"
+    if device == "gpu" and stage:
+        if not gpu_here:  # a worker without a GPU, where the client had one
+            raise GPUNotAvailableError(_NO_GPU_HERE)
+        return "staged"
+    if device == "auto" and stage and gpu_here:
+        return "placed" if placed else "staged"
+    if gpu_only is not None:
+        raise ValueError(gpu_only)
+    return "cpu"
+
+
+class DeviceLaunch(NamedTuple):
+    """An operation's GPU work for one chunk: ``launch(out, inputs, nb_stream)`` fills a new
+    ``out`` of ``shape`` and ``dtype`` (as :func:`run_staged`), allocating ``scratch_bytes``
+    of device memory beside it."""
+
+    launch: Callable[[Any, list[Any], Any], None]
+    shape: tuple[int, ...]
+    dtype: Any
+    scratch_bytes: int = 0
+
+
+class ChunkWork(NamedTuple):
+    """What an operation does to one chunk, wherever :func:`chunk_site` sends it.
+
+    ``on_cpu()`` computes it from host inputs; ``on_gpu()`` makes its :class:`DeviceLaunch`
+    (for device inputs, and host inputs staged to a GPU); ``on_device()``, where given, does
+    the whole work for device inputs instead (work that makes no new device array, as writing
+    a chunk to a file). ``what`` names the chunk in errors; ``gpu_only`` and ``stage`` are
+    :func:`chunk_site`'s.
+    """
+
+    what: str
+    on_cpu: Callable[[], Any]
+    on_gpu: Callable[[], DeviceLaunch] | None = None
+    on_device: Callable[[], Any] | None = None
+    gpu_only: str | None = None
+    stage: bool = True
+
+
+def run_chunk(work: ChunkWork, inputs: Sequence[Any], device: str = "auto") -> Any:
+    """Run one chunk of an operation where :func:`chunk_site` says: NumPy result from NumPy
+    inputs (on the CPU or through staging), CuPy result on the current stream from CuPy ones.
+
+    Examples
+    --------
+    >>> work = ChunkWork("a chunk", on_cpu=lambda: np.zeros(2), stage=False)
+    >>> run_chunk(work, [np.ones(2)])
+    array([0., 0.])
+    """
+    on_device = any(is_cupy(a) for a in inputs)
+    gpu_here = on_device or (work.stage and device != "cpu" and gpu_available())
+    site = chunk_site(device, on_device, gpu_here, stage=work.stage and work.on_gpu is not None,
+                      gpu_only=work.gpu_only)
+    if site == "cpu":
+        return work.on_cpu()
+    if site == "device" and work.on_device is not None:
+        return work.on_device()
+    gpu = work.on_gpu()
+    if site == "device":
+        return run_on_device(gpu.launch, gpu.shape, gpu.dtype, inputs,
+                             scratch_bytes=gpu.scratch_bytes, what=work.what)
+    return run_staged(gpu.launch, gpu.shape, gpu.dtype, inputs,
+                      scratch_bytes=gpu.scratch_bytes, what=work.what)
+
 
 def run_elementwise(
     kernels: ElementwiseKernels,
@@ -445,7 +578,8 @@ def run_elementwise(
     device: str = "auto",
     dest: np.ndarray | None = None,
 ) -> Any:
-    """Compute one chunk of ``kernels.func`` over broadcastable ``inputs`` on the right device.
+    """Compute one chunk of ``kernels.func`` over broadcastable ``inputs`` on the right device
+    (:func:`chunk_site`, the measured rule deciding for NumPy chunks under ``"auto"``).
 
     Parameters
     ----------
@@ -473,21 +607,16 @@ def run_elementwise(
     array([0., 2., 4.])
     """
     out_dtype = np.dtype(out_dtype)
-    check_device(device)
-    if any(is_cupy(a) for a in inputs):
-        if device == "cpu":
-            raise ValueError(
-                "device='cpu' was given a CuPy chunk; use device='gpu' or 'auto', or move the "
-                "data to the host first (x.map_blocks(cupy.asnumpy))"
-            )
+    on_device = any(is_cupy(a) for a in inputs)
+    site = chunk_site(device, on_device, on_device or (device != "cpu" and gpu_available()),
+                      placed=True)
+    if site == "device":
         if dest is not None:
             raise ValueError("dest= takes host output only; CuPy chunks give CuPy results")
         return run_gpu_on_device(kernels, out_dtype, inputs)
-    if device == "cpu" or (device == "auto" and not gpu_available()):
+    if site == "cpu":
         return run_cpu(kernels, out_dtype, inputs, dest)
-    if device == "gpu":
-        if not gpu_available():  # a worker without a GPU, where the client had one
-            raise GPUNotAvailableError("device='gpu' but this worker sees no CUDA GPU")
+    if site == "staged":
         return run_gpu_from_host(kernels, out_dtype, inputs, dest)
     return _run_placed(kernels, out_dtype, inputs, dest)
 

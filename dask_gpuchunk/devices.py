@@ -11,6 +11,7 @@ from typing import Literal
 
 __all__ = [
     "DEVICES",
+    "check_device_name",
     "Device",
     "GPUNotAvailableError",
     "gpu_count",
@@ -59,6 +60,21 @@ def gpu_available() -> bool:
     return gpu_count() > 0
 
 
+def check_device_name(device: str) -> str:
+    """``device`` if it is ``"auto"``, ``"gpu"`` or ``"cpu"``, else ``ValueError``.
+
+    Examples
+    --------
+    >>> check_device_name("tpu")
+    Traceback (most recent call last):
+    ...
+    ValueError: device must be one of 'auto', 'gpu', 'cpu'; got 'tpu'
+    """
+    if not isinstance(device, str) or device not in DEVICES:
+        raise ValueError(f"device must be one of 'auto', 'gpu', 'cpu'; got {device!r}")
+    return device
+
+
 def check_device(device: str) -> str:
     """Validate a ``device=`` argument and return it.
 
@@ -73,8 +89,7 @@ def check_device(device: str) -> str:
     ...
     ValueError: device must be one of 'auto', 'gpu', 'cpu'; got 'tpu'
     """
-    if not isinstance(device, str) or device not in DEVICES:
-        raise ValueError(f"device must be one of 'auto', 'gpu', 'cpu'; got {device!r}")
+    check_device_name(device)
     if device == "gpu" and not gpu_available():
         reason = _probe_gpus()[1]
         raise GPUNotAvailableError(

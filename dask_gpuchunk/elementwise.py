@@ -438,7 +438,7 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
         A name for the operation's tasks (default: the function's name).
     cache
         Keep the compiled kernels on disk (as numba's ``cache=True``; in
-        ``DASK_GPUCHUNK_CACHE_DIR``, by default ``~/.cache/dask_gpuchunk``), so that later
+        ``gpuchunk.cache-dir``, by default ``~/.cache/dask_gpuchunk``), so that later
         processes (each worker of each job) load them instead of compiling: about 2 s per
         worker for a product on the H200 machine. Only for a function defined in a file; the
         cache follows that file and the function's code, not other files the function calls.

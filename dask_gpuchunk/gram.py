@@ -33,7 +33,6 @@ from . import backend
 from ._kernels import bitpack as bits
 from ._kernels import gram as kernels
 from ._kernels.bmma import BMMA_MIN_CC, TILE, bmma_cuda
-from ._kernels.launch import numba_stream
 from .arrays import asarray
 from .config import listed_graphs
 from .devices import (
@@ -50,17 +49,6 @@ __all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "block_bytes", "block_scratch_by
 METHODS = kernels.METHODS
 #: Partial blocks summed per task of the tree over word chunks (as ``split_every`` in dask).
 SPLIT_EVERY = 4
-
-
-def _device_for_host_chunk(device: str) -> str:
-    """``"gpu"`` or ``"cpu"`` for a NumPy chunk on this worker."""
-    if device == "cpu":
-        return "cpu"
-    if device == "gpu":
-        if not gpu_available():  # a worker without a GPU, where the client had one
-            raise GPUNotAvailableError("device='gpu' but this worker sees no CUDA GPU")
-        return "gpu"
-    return "gpu" if gpu_available() else "cpu"
 
 
 # ---- bitpack ---------------------------------------------------------------------------------
@@ -91,19 +79,20 @@ def _bitpack_block(block: Any, device: str, block_info: dict | None = None) -> A
     origin = (0, 0)
     if block_info and 0 in block_info:
         origin = tuple(start for start, _ in block_info[0]["array-location"])
-    if backend.is_cupy(block):
-        import cupy
+    shape = (block.shape[0], -(-block.shape[1] // bits.WORD_BITS))
 
-        return bits.bitpack_cuda(block, origin, numba_stream(cupy.cuda.get_current_stream()))
-    if device == "gpu":
-        _device_for_host_chunk(device)
+    def launch(out: Any, inputs: list[Any], nb_stream: Any) -> None:
+        bits.bitpack_cuda(inputs[0], origin, nb_stream, out=out)
 
-        def launch(out: Any, inputs: list[Any], nb_stream: Any) -> None:
-            out[...] = bits.bitpack_cuda(inputs[0], origin, nb_stream)
-
-        shape = (block.shape[0], -(-block.shape[1] // bits.WORD_BITS))
-        return backend.run_staged(launch, shape, np.uint64, [np.ascontiguousarray(block)])
-    return backend.run_cpu_kernel(bits.bitpack_cpu, block, origin)
+    work = backend.ChunkWork(
+        f"a bitpack chunk of {block.shape[0]} x {block.shape[1]}",
+        on_cpu=lambda: backend.run_cpu_kernel(bits.bitpack_cpu, block, origin),
+        on_gpu=lambda: backend.DeviceLaunch(launch, shape, np.uint64),
+        # "auto" packs NumPy chunks on the CPU: it reads every byte once, faster than PCIe
+        # would move it.
+        stage=device == "gpu")
+    inputs = [block if backend.is_cupy(block) else np.ascontiguousarray(block)]
+    return backend.run_chunk(work, inputs, device)
 
 
 def bitpack(x: Any, *, device: str = "auto") -> da.Array:
@@ -234,27 +223,20 @@ def block_scratch_bytes(method: str, na: int, nb: int, words: int, diagonal: boo
 def _run_counts(inputs: list[Any], shape: tuple[int, int], method: str, device: str,
                 gpu_launch: Callable[[str], Any], on_cpu: Callable[[], Any],
                 scratch: Callable[[str], int] = lambda method: 0) -> Any:
-    """Counts of packed ``inputs`` (``uint64`` words) where they are: CuPy chunks on their GPU,
-    NumPy chunks on a GPU or the CPU (:func:`_device_for_host_chunk`). ``gpu_launch(method)``
+    """Counts of packed ``inputs`` (``uint64`` words) where :func:`dask_gpuchunk.backend.chunk_site`
+    says: CuPy chunks on their GPU, NumPy chunks on a GPU or the CPU. ``gpu_launch(method)``
     makes the ``launch`` for the resolved method, which allocates ``scratch(method)`` bytes on
     the device; ``on_cpu()`` computes on the CPU."""
-    what = f"a Gram block of {shape[0]} x {shape[1]} rows"
-    if any(backend.is_cupy(v) for v in inputs):
-        if device == "cpu":
-            raise ValueError(
-                "device='cpu' was given CuPy chunks; use device='gpu' or 'auto', or move the "
-                "data to the host first (x.map_blocks(cupy.asnumpy))"
-            )
+
+    def on_gpu() -> backend.DeviceLaunch:
         resolved = resolve_method(method, on_gpu=True)
-        return backend.run_on_device(gpu_launch(resolved), shape, np.int32, inputs,
-                                     scratch_bytes=scratch(resolved), what=what)
-    if _device_for_host_chunk(device) == "gpu":
-        resolved = resolve_method(method, on_gpu=True)
-        return backend.run_staged(gpu_launch(resolved), shape, np.int32, inputs,
-                                  scratch_bytes=scratch(resolved), what=what)
-    if method in kernels.GPU_METHODS:
-        raise ValueError(f"method={method!r} runs on a GPU only; use method='popcount' or 'auto' here")
-    return on_cpu()
+        return backend.DeviceLaunch(gpu_launch(resolved), shape, np.int32, scratch(resolved))
+
+    gpu_only = (f"method={method!r} runs on a GPU only; use method='popcount' or 'auto' here"
+                if method in kernels.GPU_METHODS else None)
+    work = backend.ChunkWork(f"a Gram block of {shape[0]} x {shape[1]} rows", on_cpu, on_gpu,
+                             gpu_only=gpu_only)
+    return backend.run_chunk(work, inputs, device)
 
 
 def _slab_launcher(method: str) -> Any:
@@ -379,9 +361,11 @@ def _sum_blocks(*blocks: Any) -> Any:
 
 
 def _transposed(block: Any) -> Any:
-    if backend.is_cupy(block):
-        return block.T.copy()  # C order
-    return backend.run_cpu_kernel(kernels.transpose_cpu, block)
+    """``block.T`` in C order, where the block is (a host block is not worth a GPU's time)."""
+    return backend.run_chunk(backend.ChunkWork(
+        "a transposed block",
+        on_cpu=lambda: backend.run_cpu_kernel(kernels.transpose_cpu, block),
+        on_device=lambda: block.T.copy(), stage=False), [block])
 
 
 def _mirrored(block: Any, above: Any) -> Any:

@@ -34,7 +34,7 @@ from dask.array.core import normalize_chunks
 from dask.base import tokenize
 
 from .arrays import asarray
-from .backend import is_cupy
+from .backend import ChunkWork, run_chunk
 from . import config
 from .config import map_blocks_prefix
 from .files import (
@@ -388,12 +388,15 @@ def write_region(block: Any, path: str, header: NpyHeader, region: tuple[slice, 
     if header.nbytes == 0 or block.size == 0:
         return done
     fd = open_same(path, key)
+
+    def from_host() -> None:
+        with _in_flight("file-writes"):
+            _pwrite_region(fd, np.asarray(block, dtype=header.dtype), header, region)
+
     try:
-        if is_cupy(block):
-            _device_to_file(block, fd, header, region)
-        else:
-            with _in_flight("file-writes"):
-                _pwrite_region(fd, np.asarray(block, dtype=header.dtype), header, region)
+        run_chunk(ChunkWork("a chunk written to a file", on_cpu=from_host,
+                            on_device=lambda: _device_to_file(block, fd, header, region),
+                            stage=False), [block])
     finally:
         os.close(fd)
     done[...] = block.size * header.dtype.itemsize

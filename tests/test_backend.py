@@ -10,7 +10,7 @@ from helpers import assert_same
 
 from dask_gpuchunk._kernels.elementwise import ElementwiseKernels
 from dask_gpuchunk.backend import _collapsed_layout, is_cupy, run_cpu, run_elementwise
-from dask_gpuchunk.devices import gpu_available
+from dask_gpuchunk.devices import GPUNotAvailableError, gpu_available
 
 
 def mul(a, b):
@@ -189,3 +189,38 @@ def test_device_path_is_asynchronous_like_cupy(rng):
     assert bool(cupy.all(out == a * 2.0))
     with pytest.raises(ValueError, match="device='cpu'"):
         run_elementwise(KERNELS, np.float64, [a, a], device="cpu")
+
+
+@pytest.mark.parametrize("device, on_device, gpu_here, placed, stage, expected", [
+    ("auto", True, True, False, True, "device"),
+    ("gpu", True, True, False, True, "device"),
+    ("auto", False, True, False, True, "staged"),
+    ("auto", False, True, True, True, "placed"),
+    ("auto", False, False, True, True, "cpu"),
+    ("gpu", False, True, True, True, "staged"),  # device="gpu" is never measured
+    ("cpu", False, True, True, True, "cpu"),
+    ("auto", False, True, False, False, "cpu"),  # kept on the host
+    ("gpu", False, True, False, False, "cpu"),
+    ("auto", True, True, False, False, "device"),  # device chunks stay where they are
+])
+def test_chunk_site_is_one_rule_for_every_operator(device, on_device, gpu_here, placed, stage,
+                                                   expected):
+    from dask_gpuchunk.backend import chunk_site
+
+    assert chunk_site(device, on_device, gpu_here, placed=placed, stage=stage) == expected
+
+
+def test_chunk_site_errors():
+    from dask_gpuchunk.backend import chunk_site
+
+    with pytest.raises(ValueError, match="device='cpu' was given CuPy chunks"):
+        chunk_site("cpu", True, True)
+    with pytest.raises(GPUNotAvailableError, match="this worker sees no CUDA GPU"):
+        chunk_site("gpu", False, False)
+    with pytest.raises(ValueError, match="GPU only"):
+        chunk_site("auto", False, False, gpu_only="method='bmma' runs on a GPU only")
+    with pytest.raises(ValueError, match="GPU only"):
+        chunk_site("cpu", False, True, gpu_only="method='bmma' runs on a GPU only")
+    assert chunk_site("auto", False, True, gpu_only="x") == "staged"
+    with pytest.raises(ValueError, match="device must be one of"):
+        chunk_site("tpu", False, True)

@@ -68,7 +68,7 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-#: DASK_GPUCHUNK_FILE_READS for the multiply job (--reads tries several after the comparison).
+#: DASK_GPUCHUNK__FILE_READS for the multiply job (--reads tries several after the comparison).
 READS_VARIANTS: list[int] = []
 
 
@@ -133,7 +133,7 @@ def multiply_figures(work: Path, result: dict) -> None:
     for reads in READS_VARIANTS:  # region reads in flight per worker (0: no limit)
         drop_caches()
         variants[reads] = cli("multiply", str(a_path), str(b_path), "-o", str(c_path),
-                              "--overwrite", env={"DASK_GPUCHUNK_FILE_READS": str(reads)})["seconds"]
+                              "--overwrite", env={"DASK_GPUCHUNK__FILE_READS": str(reads)})["seconds"]
         print(f"multiply, {reads} reads in flight: {variants[reads]:.2f} s", flush=True)
     result["multiply"] = {
         "runs": runs, "order": ORDER, "sample_exact": exact, "median_s": med, "pcie": pcie,
@@ -302,7 +302,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="profile the tasks of the first gram job")
     parser.add_argument("--reads", nargs="*", type=int, default=None,
-                        help="DASK_GPUCHUNK_FILE_READS values to try for multiply")
+                        help="DASK_GPUCHUNK__FILE_READS values to try for multiply")
     args = parser.parse_args()
     if args.gpus:
         CLI_EXTRA.extend(["--gpus", args.gpus])

@@ -250,10 +250,12 @@ def _cuda_pack_kernel() -> Any:
     return pack
 
 
-def bitpack_cuda(x: Any, origin: tuple[int, int] = (0, 0), stream: Any = 0) -> Any:
+def bitpack_cuda(x: Any, origin: tuple[int, int] = (0, 0), stream: Any = 0,
+                 out: Any = None) -> Any:
     """Pack a 2-D device chunk (CuPy or numba device array) of 0/1 data on the GPU.
 
-    Returns a new device array of the same kind. Checking the values needs one 8-byte read back
+    Returns a new device array of the same kind (or ``out``, a CuPy ``uint64`` array of the
+    words' shape, filled). Checking the values needs one 8-byte read back
     of the first bad position, which waits for the kernel. Raises :class:`BitValueError`.
     """
     from numba import cuda
@@ -265,7 +267,8 @@ def bitpack_cuda(x: Any, origin: tuple[int, int] = (0, 0), stream: Any = 0) -> A
         if x.dtype == np.bool_:
             x = x.view(np.uint8)
         n, k = x.shape
-        out = cupy.empty((n, -(-k // WORD_BITS)), dtype=np.uint64)
+        if out is None:
+            out = cupy.empty((n, -(-k // WORD_BITS)), dtype=np.uint64)
         first_bad = cupy.full(1, n * k, dtype=np.int64)
         args = [cuda.as_cuda_array(a, sync=False) for a in (x, out, first_bad)]
     else:
