@@ -179,6 +179,49 @@ def _cpu_pack_kernel() -> Any:
     return pack
 
 
+#: Multiplying 8 bytes of 0/1 (one uint64, byte j the bit of column j) by this gathers them in
+#: its top byte, bit j = byte j: every product term lands on its own bit, so nothing carries.
+_GATHER = 0x0102040810204080
+_LOW_BITS = 0x0101010101010101
+
+
+@compiled_once
+def _cpu_pack_bytes_kernel() -> Any:
+    import numba
+
+    @numba.njit(parallel=True, cache=False)
+    def pack(x, out, bad_row):  # pragma: no cover - compiled
+        # One-byte data, 8 columns per multiply: 9.3 GB/s on 2 cores, where the loop over
+        # single bytes with a branch per value (pack_any) made 0.4 GB/s and np.packbits
+        # 4.8 GB/s on one core (it holds the GIL, and checks nothing).
+        n, k = x.shape
+        m = out.shape[1]
+        full = k // 8
+        gather = np.uint64(_GATHER)
+        for i in numba.prange(n):
+            seen = np.uint64(0)
+            for w in range(m):
+                acc = np.uint64(0)
+                for g in range(8):
+                    b = w * 8 + g
+                    if b < full:
+                        c = b * 8
+                        v = np.uint64(0)
+                        for j in range(8):
+                            v |= np.uint64(x[i, c + j]) << np.uint64(8 * j)
+                        seen |= v
+                        acc |= ((v * gather) >> np.uint64(56)) << np.uint64(8 * g)
+                    elif b == full:
+                        for c in range(b * 8, k):
+                            v = np.uint64(x[i, c])
+                            seen |= v
+                            acc |= (v & np.uint64(1)) << np.uint64(c - w * 64)
+                out[i, w] = acc
+            bad_row[i] = (seen & ~np.uint64(_LOW_BITS)) != 0
+
+    return pack
+
+
 def _raise_bad(x: Any, row: int, col: int, origin: tuple[int, int]) -> None:
     value = x[row, col]
     value = value.item() if hasattr(value, "item") else value
@@ -211,6 +254,15 @@ def bitpack_cpu(x: np.ndarray, origin: tuple[int, int] = (0, 0)) -> np.ndarray:
     n, k = x.shape
     out = np.empty((n, -(-k // WORD_BITS)), dtype=np.uint64)
     if out.size == 0:
+        return out
+    if x.dtype.itemsize == 1 and x.dtype.kind in "iu":
+        raw = x.view(np.uint8)
+        bad_row = np.empty(n, dtype=np.bool_)
+        _cpu_pack_bytes_kernel()(raw, out, bad_row)
+        rows = np.flatnonzero(bad_row)
+        if rows.size:
+            col = int(np.flatnonzero(raw[rows[0]] > 1)[0])
+            _raise_bad(x, int(rows[0]), col, origin)
         return out
     bad_col = np.empty(n, dtype=np.int64)
     _cpu_pack_kernel()(x, out, bad_col)

@@ -51,12 +51,16 @@ def test_bitpack_cpu_matches_reference(rng, shape, dtype):
 def test_bitpack_cpu_non_contiguous_and_big_endian(rng):
     x = random_bits(rng, (9, 150), 0.5, np.int16)
     np.testing.assert_array_equal(bitpack_cpu(x[::2, 3:]), reference_bitpack(x[::2, 3:]))
+    b = random_bits(rng, (9, 150), 0.5, np.uint8)
+    np.testing.assert_array_equal(bitpack_cpu(b[::2, 3::2]), reference_bitpack(b[::2, 3::2]))
     np.testing.assert_array_equal(bitpack_cpu(x.astype(">i2")), reference_bitpack(x))
 
 
-@pytest.mark.parametrize("bad", [2, -1, 255])
-def test_bitpack_cpu_names_bad_value_and_place(rng, bad):
-    x = random_bits(rng, (5, 70), 0.5, np.int16)
+@pytest.mark.parametrize("dtype, bad", [(np.int16, 2), (np.int16, -1), (np.int16, 255),
+                                        (np.int8, -1), (np.uint8, 2), (np.uint8, 128)])
+def test_bitpack_cpu_names_bad_value_and_place(rng, dtype, bad):
+    # One-byte data goes through the 8-columns-per-multiply kernel, wider data through the other.
+    x = random_bits(rng, (5, 70), 0.5, dtype)
     x[3, 66] = bad
     x[4, 1] = bad
     with pytest.raises(BitValueError, match=rf"found {bad} at row 103, column 66\b"):
