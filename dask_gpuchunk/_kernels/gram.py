@@ -369,13 +369,9 @@ def popcount_cuda(a: Any, b: Any | None, c: Any, stream: Any = 0, tile: TileShap
 
 # ---- CUDA: int8 tensor cores through cuBLAS ------------------------------------------------
 
-# CuPy names cuBLAS's operations (cublas.CUBLAS_OP_N, _T) but not these: its runtime module has
-# no CUDA_R_32I (checked on the H200 machine's CuPy), so they are named here, from cuBLAS's
-# and CUDA's headers.
-_CUDA_R_8I = 3  # cudaDataType
+# CuPy's runtime module names CUDA_R_8I but not CUDA_R_32I (checked on the H200 machine's
+# CuPy): that one is named here, from CUDA's library_types.h.
 _CUDA_R_32I = 10
-_CUBLAS_COMPUTE_32I = 72  # cublasComputeType_t
-_CUBLAS_GEMM_DEFAULT = -1  # cublasGemmAlgo_t
 _ONE = np.ones(1, dtype=np.int32)
 _ZERO = np.zeros(1, dtype=np.int32)
 
@@ -388,6 +384,7 @@ def _gemm_int8(x: Any, y: Any, c: Any, rows: slice, cols: slice, stream_ptr: int
     layout the integer tensor-core kernels take).
     """
     import cupy
+    from cupy_backends.cuda.api import runtime
     from cupy_backends.cuda.libs import cublas
 
     r0, r1 = rows.start, rows.stop
@@ -400,11 +397,11 @@ def _gemm_int8(x: Any, y: Any, c: Any, rows: slice, cols: slice, stream_ptr: int
         handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N,
         c1 - c0, r1 - r0, k,
         _ONE.ctypes.data,
-        y.data.ptr + c0 * k, _CUDA_R_8I, k,
-        x.data.ptr + r0 * k, _CUDA_R_8I, k,
+        y.data.ptr + c0 * k, runtime.CUDA_R_8I, k,
+        x.data.ptr + r0 * k, runtime.CUDA_R_8I, k,
         _ZERO.ctypes.data,
         c.data.ptr + (r0 * ldc + c0) * 4, _CUDA_R_32I, ldc,
-        _CUBLAS_COMPUTE_32I, _CUBLAS_GEMM_DEFAULT,
+        cublas.CUBLAS_COMPUTE_32I, cublas.CUBLAS_GEMM_DEFAULT,
     )
 
 
