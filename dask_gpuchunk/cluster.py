@@ -27,7 +27,9 @@ from typing import Any
 from dask.utils import parse_bytes
 
 from . import placement
-from .devices import GPUNotAvailableError, distributed_client_active, gpu_count
+from .budget import pool_limit_from_env, spill_limit
+from .devices import GPUNotAvailableError, distributed_client_active, gpu_available, gpu_count
+from .staging import pinned_pool
 
 __all__ = ["LOOPBACK", "PRELOAD", "THREADS_PER_GPU", "connect", "dask_setup", "local_cluster",
            "parse_memory_limit", "placement_decisions", "release_memory", "temporary_security",
@@ -115,13 +117,11 @@ def release_memory() -> None:
     import gc
 
     gc.collect()
-    from .devices import gpu_available
 
     if not gpu_available():
         return
     import cupy
 
-    from .staging import pinned_pool
 
     cupy.cuda.runtime.deviceSynchronize()
     pinned_pool.clear()
@@ -137,7 +137,6 @@ def _workers_spill_limit(device_memory_limit: Any) -> Any:
         return device_memory_limit
     import cupy
 
-    from .budget import pool_limit_from_env, spill_limit
 
     total = int(cupy.cuda.runtime.memGetInfo()[1])
     capacity = min(total, pool_limit_from_env(total) or total)

@@ -36,6 +36,7 @@ from ._kernels.numpy_rules import VType, weak_type
 from ._kernels.translate import check_call
 from .arrays import asarray, is_array_like, refuse_masked
 from .backend import is_cupy, run_elementwise
+from .budget import check_fits
 from .config import listed_graphs, map_blocks_prefix
 from .devices import check_device_for_graph, gpu_available
 
@@ -361,8 +362,6 @@ def _check_chunk_fits(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...
     """Refuse, before any work, a result chunk that cannot fit this process's device budget
     (:mod:`dask_gpuchunk.budget`) with its inputs: its output, and host inputs copied to the
     device (device inputs are already there)."""
-    from .budget import check_fits
-
     nbytes = _largest_block_bytes(chunks, out_dtype)
     if not on_device:
         nbytes += sum(_largest_block_bytes(a.chunks, a.dtype) for a in arrays

@@ -34,6 +34,7 @@ from ._kernels import bitpack as bits
 from ._kernels import gram as kernels
 from ._kernels.bmma import BMMA_MIN_CC, TILE, bmma_cuda
 from .arrays import asarray
+from .budget import check_fits
 from .config import listed_graphs
 from .devices import (
     GPUNotAvailableError,
@@ -470,8 +471,6 @@ def check_block_fits(chunks: tuple[tuple[int, ...], ...], itemsize: int, method:
                      budget: int | None = None) -> None:
     """Refuse, before any work, Gram blocks that cannot fit the device budget (this process's,
     or ``budget``): :class:`dask_gpuchunk.budget.DeviceBudgetError` naming the bytes."""
-    from .budget import check_fits
-
     rows = max(chunks[0], default=0)
     words64 = -(-max(chunks[1], default=0) * itemsize // 8)
     resolved = method if method != "auto" else resolve_method("auto", on_gpu=True)

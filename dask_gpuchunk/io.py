@@ -37,6 +37,7 @@ from .arrays import asarray
 from .backend import ChunkWork, run_chunk
 from . import config
 from .config import map_blocks_prefix
+from .devices import distributed_client_active, gpu_available
 from .files import (
     FileIdentity,
     check_unchanged,
@@ -48,6 +49,7 @@ from .files import (
     publish,
     refuse_unless_regular,
 )
+from .staging import copy_to_host, pinned_pool
 
 __all__ = ["NoWorkersError", "NpyFormatError", "NpyHeader", "check_target", "from_npy",
            "no_workers_timeout", "npy_in_place", "read_header", "run_writes", "to_npy",
@@ -171,11 +173,7 @@ def _each_run(transfer: Callable[[memoryview, int], int], raw: memoryview, run: 
 def _host_array(shape: tuple[int, ...], dtype: np.dtype, pinned: bool | None = None) -> np.ndarray:
     """A new host array; page-locked (lent by the pinned pool) if ``pinned``, or, for ``None``,
     where a GPU is visible, so that the GPU path sends it with no staging copy."""
-    from .devices import gpu_available
-
     if pinned or (pinned is None and gpu_available()):
-        from .staging import pinned_pool
-
         return pinned_pool.lend(shape, dtype)
     return np.empty(shape, dtype)
 
@@ -418,7 +416,6 @@ def _device_to_file(block: Any, fd: int, header: NpyHeader, region: tuple[slice,
     """D2H into a pinned buffer, then written to the file from there: no other host copy."""
     import cupy
 
-    from .staging import copy_to_host, pinned_pool
 
     block = cupy.ascontiguousarray(block.astype(header.dtype, copy=False))
     stream = cupy.cuda.get_current_stream()
@@ -447,8 +444,6 @@ def run_writes(written: da.Array | list[Any],
                progress: Callable[[int, int], None] | None) -> None:
     """Compute every write task of ``written``: an array with one element per write, or a list
     of ``dask.delayed`` writes; on a distributed client, report ``progress(done, total)``."""
-    from .devices import distributed_client_active
-
     if not distributed_client_active():
         total = len(written) if isinstance(written, list) else math.prod(written.numblocks)
         dask.compute(written)

@@ -21,10 +21,32 @@ from typing import Any
 import numpy as np
 from dask.utils import format_bytes, parse_bytes
 
+from . import process_memory
 from ._kernels.bitpack import BitValueError, check_bits_dtype, check_words_dtype
 from ._kernels.elementwise import check_dtype
-from .devices import GPUNotAvailableError
+from ._kernels.gram import GPU_METHODS
+from .arrays import asarray
+from .budget import DeviceBudgetError, budget_report
+from .devices import (
+    DEVICES,
+    GPUNotAvailableError,
+    check_device,
+    distributed_client_active,
+    gpu_available,
+    gpu_count,
+)
+from .elementwise import multiply
 from .files import FileReplacedError, InputChangedError
+from .gram import (
+    METHODS,
+    bitpack,
+    block_bytes,
+    block_scratch_bytes,
+    check_block_fits,
+    gram,
+    gram_slab,
+    resolve_method,
+)
 from .io import (
     NoWorkersError,
     NpyFormatError,
@@ -74,15 +96,10 @@ SLABS_AHEAD = 2
 def _device_report(dask_worker: Any = None) -> dict[str, Any]:
     """:func:`dask_gpuchunk.budget.budget_report` of this process (``Client.run`` runs it in
     each worker, passing the worker)."""
-    from .budget import budget_report
-
     return budget_report(dask_worker)
 
 
 def _watch_if_gpu() -> bool:
-    from . import process_memory
-    from .devices import gpu_available
-
     return gpu_available() and process_memory.watch()
 
 
@@ -99,8 +116,6 @@ def watch_device_memory(client: Any | None) -> None:
 def _budgets_where_it_runs() -> list[int]:
     """The working device budgets of the workers of the active client that have a GPU (or of
     this process), in bytes; empty where none has one."""
-    from .devices import distributed_client_active, gpu_available
-
     if not distributed_client_active():
         return [_device_report()["working_budget"]] if gpu_available() else []
     from distributed import default_client
@@ -114,9 +129,6 @@ def _check_gpus_where_it_runs(method: str, device: str) -> None:
     GPU: the active client's workers (asked now: the submitting process may have none, as a
     batch job's login node), or this process. :class:`ClusterError` or
     :class:`~dask_gpuchunk.devices.GPUNotAvailableError`, before anything is written."""
-    from ._kernels.gram import GPU_METHODS
-    from .devices import check_device, distributed_client_active, gpu_available
-
     if device != "gpu" and method not in GPU_METHODS:
         return
     what = "--device gpu" if device == "gpu" else f"method {method}"
@@ -136,8 +148,6 @@ def _check_gpus_where_it_runs(method: str, device: str) -> None:
 def _slab_after(_previous: Any, a: Any, others: list[Any], method: str, device: str) -> Any:
     """:func:`dask_gpuchunk.gram.gram_slab`, as a task that also waits for ``_previous`` (the
     write of an earlier slab), so that slabs are computed no further ahead of their writer."""
-    from .gram import gram_slab
-
     return gram_slab(a, others, method, device)
 
 
@@ -201,8 +211,6 @@ def _slab_bytes(chunk_rows: int, n: int, words_bytes: int, words: int, itemsize:
                 method: str) -> int:
     """Device bytes of one whole-width row slab task (layout ``rows``): every word, the slab,
     one scratch block and its method's scratch."""
-    from .gram import block_scratch_bytes, resolve_method
-
     words64 = -(-words * itemsize // 8)
     resolved = method if method != "auto" else resolve_method("auto", on_gpu=True)
     return (words_bytes + chunk_rows * n * 4 + chunk_rows * chunk_rows * 4
@@ -300,9 +308,6 @@ def _row_chunks(header: NpyHeader, chunk_size: str | int) -> tuple[Any, ...]:
 def _warm_multiply(a_shape: tuple[int, ...], a_dtype: str, b_shape: tuple[int, ...],
                    b_dtype: str, device: str) -> None:
     """Compile the kernels a multiply job will use, on tiny arrays broadcast like its inputs."""
-    from .devices import gpu_available
-    from .elementwise import multiply
-
     def small(shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.ones(tuple(min(n, 2) for n in shape), dtype=dtype)
 
@@ -317,9 +322,6 @@ def _warm_gram(words_dtype: str, method: str, device: str, layout: str) -> None:
     for ``blocks`` (a mirror, a transpose), for ``rows`` and ``upper`` one slab, and nothing
     else (numba compiles under one lock per process, so a kernel compiled but not needed can
     still hold up the first slab: 2.4 s of it on the H200 machine)."""
-    from .arrays import asarray
-    from .gram import gram, gram_slab
-
     words = np.ones((96, 16), dtype=words_dtype)
     if layout in ("rows", "upper"):
         gram_slab(words[:48], [words[:48], words[48:]], method, device)
@@ -335,8 +337,6 @@ def _start_warmup(fn: Callable[..., None], *args: Any) -> list[Any]:
     are then in the worker's process when its first computing task needs them. Returns the
     futures (to keep them alive); nothing where no distributed client is active.
     """
-    from .devices import distributed_client_active
-
     if not distributed_client_active():
         return []
     from distributed import default_client
@@ -394,8 +394,6 @@ def multiply_job(
     Raises :class:`InputError` or :class:`OutputError` where the files do not fit; the result
     is written through :func:`dask_gpuchunk.to_npy` (never half-written).
     """
-    from .elementwise import multiply
-
     ha, hb = _header(a, "input A"), _header(b, "input B")
     for h, what in ((ha, "input A"), (hb, "input B")):
         try:
@@ -481,10 +479,6 @@ def gram_job(
     other than 0/1 raise
     :class:`InputError` when found, with nothing written.
     """
-    from ._kernels.gram import GPU_METHODS
-    from .devices import DEVICES
-    from .gram import METHODS, bitpack, check_block_fits, gram
-
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
     if device not in DEVICES:
@@ -526,9 +520,6 @@ def gram_job(
         budgets = _budgets_where_it_runs() if device != "cpu" else []
         rows_per_chunk = chunk_rows or CHUNK_ROWS
         if budgets:
-            from .budget import DeviceBudgetError
-            from .gram import block_bytes, resolve_method
-
             resolved = method if method != "auto" else resolve_method("auto", on_gpu=True)
             words64 = -(-words.shape[1] * words.dtype.itemsize // 8)
             if chunk_rows is None:
@@ -607,8 +598,6 @@ def gram_job(
 
 def where_it_ran(client: Any | None) -> dict[str, Any]:
     """Workers, threads and GPUs of the cluster behind ``client`` (or this process)."""
-    from .devices import gpu_count
-
     if client is None:
         return {"cluster": "local threads", "workers": 1, "gpus": gpu_count(),
                 "device_memory": [_device_report()] if gpu_count() else []}

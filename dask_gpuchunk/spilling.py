@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import budget
+from .devices import gpu_available
 
 __all__ = ["hold_budget", "unspill_through_pool"]
 
@@ -57,8 +58,6 @@ def hold_budget(worker: Any) -> bool:
     results to the host, bring spilled CuPy arrays back through CuPy's pool, and tell the
     budget that stored results yield (:data:`dask_gpuchunk.budget.stored_results_yield`).
     Returns whether it did (``False``: no GPU, or no dask-cuda device buffer)."""
-    from .devices import gpu_available
-
     stored = budget.stored_results_lru(worker)
     if not gpu_available() or stored is None:
         return False
