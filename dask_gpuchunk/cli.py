@@ -31,6 +31,13 @@ from typing import Any
 
 import click
 
+from . import __version__, jobs
+from .budget import DeviceBudgetError, cap_device_memory
+from .cluster import connect, local_cluster, parse_memory_limit
+from .devices import GPUNotAvailableError, _probe_gpus, gpu_available
+from .gram import _compute_capability, resolve_method
+from .jobs import ClusterError, JobError, gram_job, multiply_job, watch_device_memory, where_it_ran
+
 __all__ = ["main", "environment"]
 
 
@@ -54,9 +61,6 @@ def environment() -> dict[str, Any]:
     >>> sorted(env["paths"])
     ['auto', 'cpu', 'gpu-device', 'gpu-host', 'gram']
     """
-    from . import __version__
-    from .devices import _probe_gpus
-
     versions = {"dask_gpuchunk": __version__, "python": platform.python_version()}
     for name in ("numpy", "numba", "numba_cuda", "dask", "distributed", "cupy", "dask_cuda", "click"):
         versions[name] = _version(name)
@@ -90,8 +94,6 @@ def environment() -> dict[str, Any]:
                  "(dask_gpuchunk.placement)") if count else "every chunk on the CPU (no GPU visible)",
     }
     if count:
-        from .gram import _compute_capability, resolve_method
-
         auto = resolve_method("auto", on_gpu=True)
         cc = "%d.%d" % _compute_capability()
         fallback = {"bmma": "",
@@ -169,7 +171,6 @@ def bench_elementwise(rows: int, cols: int, chunk_mb: float, rk4_rows: int, repe
     from .bench.elementwise import host_memory_needed, rows_that_fit, run
     from .bench.limits import available_host_memory
     from .bench.report import format_table, save
-    from .devices import gpu_available
 
     gpu = gpu_available()
     need, have = host_memory_needed(rows, cols, rk4_rows, gpu), available_host_memory()
@@ -192,7 +193,6 @@ def _apply_device_budget(value: str | None) -> None:
         return
     from dask.utils import parse_bytes
 
-    from .budget import cap_device_memory
 
     try:
         nbytes = parse_bytes(value)
@@ -299,10 +299,6 @@ def _cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
-    from .cluster import connect, local_cluster, parse_memory_limit
-    from .devices import GPUNotAvailableError
-    from .jobs import ClusterError
-
     joined = opts["scheduler_file"] or opts["scheduler_address"]
     if opts["scheduler_file"] and opts["scheduler_address"]:
         raise click.UsageError("give --scheduler-file or --scheduler-address, not both")
@@ -369,10 +365,6 @@ def _progress(enabled: bool) -> Callable[[int, int], None] | None:
 def _run_job(as_json: bool, opts: dict[str, Any], prepare: Callable[[], Callable]) -> None:
     """Check the job (``prepare()``, before any cluster starts), run it on the cluster the
     options describe, report; map errors to exit codes with one line on stderr."""
-    from .budget import DeviceBudgetError
-    from .devices import GPUNotAvailableError
-    from .jobs import ClusterError, JobError, watch_device_memory, where_it_ran
-
     logging.getLogger("distributed").setLevel(logging.CRITICAL)
     try:
         job = prepare()
@@ -446,7 +438,6 @@ def multiply(a: str, b: str, output: str, chunk_size: str, overwrite: bool, devi
     """C = A * B (NumPy broadcasting) from two .npy files into OUTPUT, chunk by chunk."""
     from dask.utils import parse_bytes
 
-    from .jobs import multiply_job
 
     try:
         if parse_bytes(chunk_size) <= 0:
@@ -478,8 +469,6 @@ def multiply(a: str, b: str, output: str, chunk_size: str, overwrite: bool, devi
 def gram_command(bits: str, output: str, packed: bool, method: str, chunk_rows: int,
                  layout: str, overwrite: bool, device: str, as_json: bool, **opts: Any) -> None:
     """G = A · Aᵀ (exact, int32) of the 0/1 matrix in BITS, written to OUTPUT."""
-    from .jobs import gram_job
-
     _run_job(as_json, opts, lambda: gram_job(
         bits, output, packed=packed, method=method, device=device, chunk_rows=chunk_rows,
         layout=layout, overwrite=overwrite))
@@ -500,8 +489,6 @@ def demo(rows: int, cols: int, bit_rows: int, bits: int, workdir: str | None, de
          as_json: bool, **opts: Any) -> None:
     """The main job on an embedded default: synthetic inputs, multiply and gram through .npy
     files on a cluster, sampled results checked against NumPy, figures printed."""
-    from . import jobs
-
     log = (lambda s: None) if as_json else (lambda s: click.echo(s, err=True))
     _run_job(as_json, opts, lambda: lambda progress: jobs.demo(
         rows=rows, cols=cols, bit_rows=bit_rows, bits=bits, workdir=workdir, device=device,
