@@ -57,6 +57,17 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(20261122)
 
 
+@pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+def xp(request: pytest.FixtureRequest):
+    """The array module a test's chunks live in: NumPy everywhere, CuPy where a GPU is (one
+    test for both instead of twins)."""
+    if request.param == "numpy":
+        return np
+    import cupy
+
+    return cupy
+
+
 @pytest.fixture
 def device_cap(monkeypatch: pytest.MonkeyPatch):
     """``device_cap(nbytes)``: run the rest of the test as on a GPU of ``nbytes``: CuPy's pool
