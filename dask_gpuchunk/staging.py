@@ -103,7 +103,8 @@ class _Loan:
         self.pool, self.size, self.mem = pool, size, mem
 
     def __del__(self) -> None:
-        self.pool._give(self.size, self.mem)
+        with contextlib.suppress(Exception):  # at interpreter exit the pool may be gone first
+            self.pool._give(self.size, self.mem)
 
 
 class PinnedPool:
