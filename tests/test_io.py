@@ -8,6 +8,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
+from dask.array.utils import assert_eq
 from helpers import DTYPES, random_array
 
 import dask_gpuchunk as dg
@@ -35,7 +36,7 @@ def test_round_trip_shapes(rng, tmp_path, shape, chunks):
     a = random_array(rng, shape, "float32")
     np.save(tmp_path / "a.npy", a)
     x = dg.from_npy(tmp_path / "a.npy", chunks=chunks)
-    np.testing.assert_array_equal(x.compute(), a)
+    assert_eq(x, a)
     dg.to_npy(x * 2, tmp_path / "c.npy")
     out = np.load(tmp_path / "c.npy")
     assert out.shape == a.shape
@@ -158,12 +159,9 @@ def test_to_npy_on_a_distributed_cluster_reports_progress(rng, tmp_path):
     assert files(tmp_path) == ["a.npy", "c.npy"]
 
 
-@pytest.mark.gpu
-def test_to_npy_of_cupy_chunks(rng, tmp_path):
-    import cupy
-
+def test_to_npy_of_device_or_host_chunks(xp, rng, tmp_path):
     a = random_array(rng, (300, 40), "float32")
-    x = dg.asarray(cupy.asarray(a), chunks=(64, 40))
+    x = dg.asarray(xp.asarray(a), chunks=(64, 40))
     dg.to_npy(dg.multiply(x, 3.0), tmp_path / "c.npy")
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), a * np.float32(3.0))
 
