@@ -97,8 +97,9 @@ def _layout_of(rng, tmp_path, monkeypatch, budget_bytes):
 
     _packed_bits(rng, tmp_path, (1000, 2048))
     monkeypatch.setattr(jobs, "_budgets_where_it_runs", lambda: [budget_bytes])
-    monkeypatch.setattr(gram_module, "resolve_method",
-                        lambda method, on_gpu: "int8" if on_gpu else "popcount")
+    int8_on_gpus = lambda method, on_gpu: "int8" if on_gpu else "popcount"  # noqa: E731
+    monkeypatch.setattr(gram_module, "resolve_method", int8_on_gpus)
+    monkeypatch.setattr(jobs, "resolve_method", int8_on_gpus)  # jobs' own name for it
     captured = {}
     monkeypatch.setattr(jobs, "_gram_slabs_to_npy",
                         lambda *a, upper, **k: captured.setdefault("upper" if upper else "rows", 1))
