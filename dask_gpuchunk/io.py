@@ -443,41 +443,54 @@ def no_workers_timeout() -> float:
 def run_writes(written: da.Array | list[Any],
                progress: Callable[[int, int], None] | None) -> None:
     """Compute every write task of ``written``: an array with one element per write, or a list
-    of ``dask.delayed`` writes; on a distributed client, report ``progress(done, total)``."""
+    of ``dask.delayed`` writes; on a distributed client, report ``progress(done, total)`` as
+    each write finishes (``distributed.as_completed``), and give up with
+    :class:`NoWorkersError` once the cluster has had no workers for
+    :func:`no_workers_timeout` seconds."""
     if not distributed_client_active():
         total = len(written) if isinstance(written, list) else math.prod(written.numblocks)
         dask.compute(written)
         if progress is not None:
             progress(total, total)
         return
-    from distributed import default_client, futures_of, wait
+    from distributed import as_completed, default_client, futures_of
 
     client = default_client()
     futures = futures_of(client.persist(written))
+    total, done = len(futures), 0
+    completed = as_completed(futures)
+    deserted = threading.Event()
+    finished = threading.Event()
+
+    def watch() -> None:
+        # as_completed waits without a timeout: this thread ends the wait (by emptying it)
+        # when the cluster stays without workers.
+        alone_since: float | None = None
+        while not finished.wait(1.0):
+            if client.scheduler_info().get("workers"):
+                alone_since = None
+                continue
+            alone_since = alone_since or time.monotonic()
+            if time.monotonic() - alone_since > no_workers_timeout():
+                deserted.set()
+                completed.clear()
+                return
+
+    watchdog = threading.Thread(target=watch, name="dask-gpuchunk-no-workers", daemon=True)
     try:
-        total = len(futures)
-        alone_since: float | None = None  # when the cluster was last seen without workers
-        checked = 0.0
-        while True:
-            done = sum(f.done() for f in futures)
+        watchdog.start()
+        if progress is not None:
+            progress(0, total)
+        for future in completed:
+            if future.status == "error":
+                break
+            done += 1
             if progress is not None:
                 progress(done, total)
-            if done == total or any(f.status == "error" for f in futures):
-                break
-            with contextlib.suppress(TimeoutError):
-                wait(futures, timeout=0.25)
-            now = time.monotonic()
-            if now - checked >= 1.0:
-                checked = now
-                if client.scheduler_info().get("workers"):
-                    alone_since = None
-                else:
-                    alone_since = alone_since or now
-                    if now - alone_since > no_workers_timeout():
-                        raise NoWorkersError(
-                            f"the cluster has had no workers for {no_workers_timeout():g} s (the "
-                            f"last one left or died) with {total - done} of {total} chunks to "
-                            "go; nothing was written")
+        if deserted.is_set():
+            raise NoWorkersError(
+                f"the cluster has had no workers for {no_workers_timeout():g} s (the last one "
+                f"left or died) with {total - done} of {total} chunks to go; nothing was written")
         client.gather(futures)  # raises what a failed chunk raised
     except BaseException:
         # Released, not cancelled: Client.cancel trips an assertion in distributed's scheduler
@@ -488,6 +501,8 @@ def run_writes(written: da.Array | list[Any],
         for future in futures:
             future.release()
         raise
+    finally:
+        finished.set()
 
 
 def to_npy(x: Any, path: str | os.PathLike, *, overwrite: bool = False,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dask.array.core import normalize_chunks
 from dask.utils import format_bytes, parse_bytes
 
 from . import process_memory
@@ -302,7 +303,11 @@ def _row_chunks(header: NpyHeader, chunk_size: str | int) -> tuple[Any, ...]:
         raise ValueError(f"--chunk-size {chunk_size} cuts {shape[0]:,} rows into "
                          f"{-(-shape[0] // rows):,} chunks, more than {MAX_CHUNKS:,}; use at "
                          f"least {format_bytes(least)}")
-    return (rows, *shape[1:])
+    if not int(np.prod(shape[1:], dtype=np.int64)):  # rows of no bytes: dask's rule divides by 0
+        return (rows, *shape[1:])
+    # dask's rule for chunks of at most nbytes along the first axis (its rows are ``rows``)
+    return normalize_chunks(("auto", *(-1,) * (len(shape) - 1)), shape, limit=nbytes,
+                            dtype=header.dtype)
 
 
 def _warm_multiply(a_shape: tuple[int, ...], a_dtype: str, b_shape: tuple[int, ...],

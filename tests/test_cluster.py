@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+import dask
 import dask.array as da
 import numpy as np
 import pytest
@@ -41,8 +42,11 @@ def test_local_cluster_runs_operators(rng, tmp_path):
 
 def test_local_cluster_worker_processes_compile_their_own_kernels(rng):
     a = rng.random((200, 10))
-    with dg.local_cluster(n_workers=2, threads_per_gpu=1, dashboard_address=None) as client:
+    with dask.config.set({"gpuchunk.file-writes": 7}), \
+            dg.local_cluster(n_workers=2, threads_per_gpu=1, dashboard_address=None) as client:
         assert len(client.scheduler_info()["workers"]) == 2
+        # The package's settings where the cluster was started reach its worker processes.
+        assert list(client.run(_file_writes).values()) == [7, 7]
         # Before any task: the worker plugin imported what the tasks run.
         imported = client.run(lambda: all(f"dask_gpuchunk.{m}" in sys.modules
                                           for m in ("backend", "elementwise", "gram", "io")))
@@ -55,6 +59,12 @@ def test_local_cluster_worker_processes_compile_their_own_kernels(rng):
         client.run(_record_a_decision)
         found = [r for r in dg.placement_decisions() if r.get("function") == "planted"]
         assert sorted(r["worker"] for r in found) == sorted(client.scheduler_info()["workers"])
+
+
+def _file_writes() -> int:
+    from dask_gpuchunk import config
+
+    return config.get("file-writes")
 
 
 def _record_a_decision() -> None:
