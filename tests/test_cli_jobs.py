@@ -49,14 +49,9 @@ def test_multiply_and_gram_on_a_local_cluster(inputs):
     assert summary["where"]["workers"] == 1 and summary["seconds"] > 0
     np.testing.assert_array_equal(np.load(d / "c.npy"), a * b)
 
-    r = run_cli("gram", str(d / "bits.npy"), "-o", str(d / "g.npy"), "--chunk-rows", "128")
-    assert r.returncode == 0, r.stderr
-    assert "gram:" in r.stdout and "bit-MAC/s" in r.stdout
-    expected = bits.astype(np.int64) @ bits.T
-    np.testing.assert_array_equal(np.load(d / "g.npy"), expected)
-
     # The CPU's default layout (each slab's strip from the diagonal, also written transposed)
     # and dask's blocks give the same file.
+    expected = bits.astype(np.int64) @ bits.T
     for layout, chosen in (("auto", "upper"), ("blocks", "blocks")):
         r = run_cli("gram", str(d / "bits.npy"), "-o", str(d / f"g-{layout}.npy"),
                     "--chunk-rows", "128", "--layout", layout, "--json")
@@ -65,8 +60,15 @@ def test_multiply_and_gram_on_a_local_cluster(inputs):
         assert summary["layout"] == chosen
         np.testing.assert_array_equal(np.load(d / f"g-{layout}.npy"), expected)
 
-    r = run_cli("gram", str(d / "packed.npy"), "-o", str(d / "g2.npy"), "--packed", "--json")
+
+def test_gram_of_packed_words_and_in_row_slabs(inputs):
+    # Apart from the test above, so that pytest-xdist runs the two side by side: each CLI run
+    # starts a process and its cluster.
+    d, _, _, bits = inputs
+    expected = bits.astype(np.int64) @ bits.T
+    r = run_cli("gram", str(d / "packed.npy"), "-o", str(d / "g2.npy"), "--packed")
     assert r.returncode == 0, r.stderr
+    assert "gram:" in r.stdout and "bit-MAC/s" in r.stdout
     np.testing.assert_array_equal(np.load(d / "g2.npy"), expected)
 
     r = run_cli("gram", str(d / "bits.npy"), "-o", str(d / "g3.npy"), "--chunk-rows", "70",
