@@ -516,6 +516,15 @@ def chunk_site(device: str, on_device: bool, gpu_here: bool, *, placed: bool = F
     return "cpu"
 
 
+def _site_of(inputs: Sequence[Any], device: str, **rule: Any) -> str:
+    """:func:`chunk_site` for these inputs in this process (asking for a GPU only where the
+    answer matters)."""
+    on_device = any(is_cupy(a) for a in inputs)
+    stage = rule.get("stage", True)
+    gpu_here = on_device or (stage and device != "cpu" and gpu_available())
+    return chunk_site(device, on_device, gpu_here, **rule)
+
+
 class DeviceLaunch(NamedTuple):
     """An operation's GPU work for one chunk: ``launch(out, inputs, nb_stream)`` fills a new
     ``out`` of ``shape`` and ``dtype`` (as :func:`run_staged`), allocating ``scratch_bytes``
@@ -555,10 +564,8 @@ def run_chunk(work: ChunkWork, inputs: Sequence[Any], device: str = "auto") -> A
     >>> run_chunk(work, [np.ones(2)])
     array([0., 0.])
     """
-    on_device = any(is_cupy(a) for a in inputs)
-    gpu_here = on_device or (work.stage and device != "cpu" and gpu_available())
-    site = chunk_site(device, on_device, gpu_here, stage=work.stage and work.on_gpu is not None,
-                      gpu_only=work.gpu_only)
+    site = _site_of(inputs, device, stage=work.stage and work.on_gpu is not None,
+                    gpu_only=work.gpu_only)
     if site == "cpu":
         return work.on_cpu()
     if site == "device" and work.on_device is not None:
@@ -607,9 +614,7 @@ def run_elementwise(
     array([0., 2., 4.])
     """
     out_dtype = np.dtype(out_dtype)
-    on_device = any(is_cupy(a) for a in inputs)
-    site = chunk_site(device, on_device, on_device or (device != "cpu" and gpu_available()),
-                      placed=True)
+    site = _site_of(inputs, device, placed=True)
     if site == "device":
         if dest is not None:
             raise ValueError("dest= takes host output only; CuPy chunks give CuPy results")

@@ -33,9 +33,9 @@ import numpy as np
 from dask.array.core import normalize_chunks
 from dask.base import tokenize
 
+from . import config
 from .arrays import asarray
 from .backend import ChunkWork, run_chunk
-from . import config
 from .config import map_blocks_prefix
 from .devices import distributed_client_active, gpu_available
 from .files import (

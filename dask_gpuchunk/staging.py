@@ -65,6 +65,13 @@ def _size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+def _layout(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype, int]:
+    """``shape`` as a tuple (an int is one dimension), the dtype, and the bytes they take."""
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    return shape, dtype, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
 def _cuda_pinned(size: int) -> tuple[Any, int]:
     """``size`` bytes of page-locked memory (``cudaHostAlloc``): the owner and its address."""
     import cupy
@@ -189,9 +196,7 @@ class PinnedPool:
         The caller must make sure every asynchronous copy touching it has completed (synchronise
         its stream) before the ``with`` block ends.
         """
-        dtype = np.dtype(dtype)
-        shape = tuple(shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        shape, dtype, nbytes = _layout(shape, dtype)
         size, mem = self._take(max(nbytes, 1))
         if mem is None:
             yield np.empty(shape, dtype)
@@ -204,9 +209,7 @@ class PinnedPool:
     def lend(self, shape: Any, dtype: Any = np.float64) -> np.ndarray:
         """A new page-locked NumPy array whose buffer comes back to the pool when the array and
         every view of it are gone (pageable where the pool is at its limit)."""
-        dtype = np.dtype(dtype)
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        shape, dtype, nbytes = _layout(shape, dtype)
         size, mem = self._take(max(nbytes, 1))
         if mem is None:
             return np.empty(shape, dtype)
@@ -240,9 +243,7 @@ def empty_pinned(shape: Any, dtype: Any = np.float64) -> np.ndarray:
     """
     import cupy
 
-    dtype = np.dtype(dtype)
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    shape, dtype, nbytes = _layout(shape, dtype)
     mem = cupy.cuda.PinnedMemory(max(nbytes, 1))
     ptr = cupy.cuda.PinnedMemoryPointer(mem, 0)
     return np.ndarray(shape, dtype=dtype, buffer=ptr)
