@@ -44,7 +44,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import config, placement
-from ._kernels.elementwise import ElementwiseKernels, collapse_dims, is_python_number, is_scalar
+from ._kernels.elementwise import (
+    ElementwiseKernels,
+    ElementwisePlan,
+    collapse_dims,
+    is_python_number,
+    is_scalar,
+    partial_count,
+)
 from ._kernels.launch import (
     DirectLaunchError,
     StridedArg,
@@ -102,15 +109,17 @@ def _host_inputs(inputs: Sequence[Any]) -> list[Any]:
     return _scalars_by_value([a if is_python_number(a) else np.asarray(a) for a in inputs])
 
 
-def _collapsed_layout(out: Any, inputs: Sequence[Any]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
-    """The collapsed shape, and the byte strides of ``out`` then of each array input in it.
+def _collapsed_layout(outs: Sequence[Any],
+                      inputs: Sequence[Any]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """The collapsed shape, and the byte strides of each of ``outs`` (one shape) then of each
+    array input in it.
 
-    Array inputs are broadcast to ``out``'s shape (stride 0 along the dimensions they are
+    Array inputs are broadcast to the outputs' shape (stride 0 along the dimensions they are
     broadcast in), then all are collapsed alike (:func:`collapse_dims`). Scalars (NumPy
     scalars, Python numbers) are skipped.
     """
-    shape = out.shape
-    strides = [out.strides]
+    shape = outs[0].shape
+    strides = [o.strides for o in outs]
     for a in inputs:
         if is_scalar(a):
             continue
@@ -122,20 +131,56 @@ def _collapsed_layout(out: Any, inputs: Sequence[Any]) -> tuple[tuple[int, ...],
     return collapse_dims(shape, strides)
 
 
-def _collapsed_views(xp: Any, out: Any, inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
-    """``out`` and array ``inputs`` as views of :func:`_collapsed_layout`'s shape and strides.
+def _collapsed_views(xp: Any, outs: Sequence[Any],
+                     inputs: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """``outs`` and array ``inputs`` as views of :func:`_collapsed_layout`'s shape and strides.
 
     Scalars (NumPy scalars, Python numbers) pass through unchanged.
     """
-    new_shape, new_strides = _collapsed_layout(out, inputs)
+    new_shape, new_strides = _collapsed_layout(outs, inputs)
     as_strided = xp.lib.stride_tricks.as_strided
     extra = {"writeable": False} if xp is np else {}
     result = list(inputs)
     arrays = [i for i, a in enumerate(inputs) if not is_scalar(a)]
-    for i, st in zip(arrays, new_strides[1:]):
+    for i, st in zip(arrays, new_strides[len(outs):]):
         result[i] = as_strided(inputs[i], new_shape, st, **extra)
-    out_v = as_strided(out, new_shape, new_strides[0], **({"writeable": True} if xp is np else {}))
+    writeable = {"writeable": True} if xp is np else {}
+    out_v = [as_strided(o, new_shape, st, **writeable) for o, st in zip(outs, new_strides)]
     return out_v, result
+
+
+def _as_plan(out_dtype: Any) -> tuple[ElementwisePlan, bool]:
+    """A chunk function's ``out_dtype``: a dtype (one output, returned as an array) or an
+    :class:`ElementwisePlan` (returned as ``(outputs, reductions)``)."""
+    if isinstance(out_dtype, ElementwisePlan):
+        return out_dtype, False
+    return ElementwisePlan.single(out_dtype), True
+
+
+def _chunk_reductions(xp: Any, plan: ElementwisePlan, partials: Sequence[Any]) -> tuple[Any, ...]:
+    """Each reduction of one chunk from its kernel's partials: a 0-d array of the partial
+    dtype (a chunk of no elements gives the reduction's start value)."""
+    found = []
+    for (k, op), part, dtype in zip(plan.reductions, partials, plan.partial_dtypes()):
+        if part.size == 0:
+            value = xp.zeros((), dtype) if op in ("sum", "mean") else xp.asarray(
+                _empty_start(op, dtype))
+        elif op in ("sum", "mean"):
+            value = part.sum()
+        else:
+            value = part.min() if op == "min" else part.max()
+        found.append(value)
+    return tuple(found)
+
+
+def _empty_start(op: str, dtype: np.dtype) -> Any:
+    """What a min / max of no elements starts from (combined with the other chunks')."""
+    if dtype.kind == "b":
+        return np.bool_(op == "min")
+    if dtype.kind == "f":
+        return dtype.type(np.inf if op == "min" else -np.inf)
+    info = np.iinfo(dtype)
+    return dtype.type(info.max if op == "min" else info.min)
 
 
 # ---- CPU -----------------------------------------------------------------------------------
@@ -208,24 +253,36 @@ def prepare_process() -> None:
 
 def run_cpu(
     kernels: ElementwiseKernels,
-    out_dtype: np.dtype,
+    out_dtype: Any,
     inputs: Sequence[np.ndarray],
-    dest: np.ndarray | None = None,
+    dest: Any = None,
     threads: int | None = None,
-) -> np.ndarray:
+) -> Any:
     """Compute one NumPy chunk with the CPU twin, into ``dest`` if given.
 
-    ``threads``: numba threads for this kernel (default :func:`cpu_threads`).
+    ``out_dtype``: the result's dtype, or an :class:`ElementwisePlan` (then ``dest`` is a
+    tuple of outputs or ``None``, and the result ``(outputs, reductions)``: each reduction a
+    0-d array of its partial dtype). ``threads``: numba threads for this kernel (default
+    :func:`cpu_threads`).
     """
+    plan, single = _as_plan(out_dtype)
     inputs = _host_inputs(inputs)
     shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
-    if dest is None:
-        dest = np.empty(shape, dtype=out_dtype)
-    if dest.size == 0:
-        return dest
-    out_v, in_v = _collapsed_views(np, dest, inputs)
-    run_cpu_kernel(kernels.cpu, out_v, *in_v, threads=threads)
-    return dest
+    dests = (dest,) if single and dest is not None else dest
+    if dests is None:
+        dests = tuple(np.empty(shape, dtype=dt) for dt in plan.out_dtypes)
+    n = int(np.prod(shape))
+    partials = [np.empty(partial_count(n, "cpu"), dt) for dt in plan.partial_dtypes()]
+    if n:
+        out_v, in_v = _collapsed_views(np, dests, inputs)
+        if single:
+            run_cpu_kernel(kernels.cpu, out_v[0], *in_v, threads=threads)
+        else:
+            run_cpu_kernel(functools.partial(kernels.cpu_pass, plan, out_v, partials), *in_v,
+                           threads=threads)
+    if single:
+        return dests[0]
+    return tuple(dests), _chunk_reductions(np, plan, partials)
 
 
 def run_cpu_kernel(kernel: Callable[..., Any], *args: Any, threads: int | None = None) -> Any:
@@ -249,12 +306,22 @@ def run_cpu_kernel(kernel: Callable[..., Any], *args: Any, threads: int | None =
 
 def _launch(kernels: ElementwiseKernels, out: Any, inputs: Sequence[Any], nb_stream: Any) -> None:
     """Queue ``out[...] = f(*inputs)`` on ``nb_stream`` (CuPy arrays, broadcastable to ``out``)."""
+    _launch_pass(kernels, None, [out], [], inputs, nb_stream)
+
+
+def _launch_pass(kernels: ElementwiseKernels, plan: ElementwisePlan | None, outs: Sequence[Any],
+                 partials: Sequence[Any], inputs: Sequence[Any], nb_stream: Any) -> None:
+    """Queue one pass of ``plan`` (``None``: one output) on ``nb_stream``: CuPy ``outs`` of one
+    shape, each reduction's CuPy ``partials`` (:func:`partial_count`), CuPy inputs
+    broadcastable to the outputs."""
     if direct_launch_available(bool(config.get("direct-launch"))):
-        shape, strides = _collapsed_layout(out, inputs)
-        by_address = iter(strides[1:])
+        shape, strides = _collapsed_layout(outs, inputs)
+        by_address = iter(strides[len(outs):])
         try:
-            kernels.cuda_strided(
-                StridedArg(out.data.ptr, shape, strides[0], out.dtype),
+            kernels.cuda_strided_pass(
+                plan,
+                [StridedArg(o.data.ptr, shape, st, o.dtype) for o, st in zip(outs, strides)],
+                [StridedArg(p.data.ptr, p.shape, p.strides, p.dtype) for p in partials],
                 *(a if is_scalar(a) else StridedArg(a.data.ptr, shape, next(by_address), a.dtype)
                   for a in inputs),
                 stream=nb_stream,
@@ -264,26 +331,54 @@ def _launch(kernels: ElementwiseKernels, out: Any, inputs: Sequence[Any], nb_str
             fall_back_to_numba(exc)
     from numba import cuda
 
-    out_v, in_v = _collapsed_views(__import__("cupy"), out, inputs)
-    kernels.cuda(
-        cuda.as_cuda_array(out_v, sync=False),
+    out_v, in_v = _collapsed_views(__import__("cupy"), outs, inputs)
+    kernels.cuda_pass(
+        plan,
+        [cuda.as_cuda_array(o, sync=False) for o in out_v],
+        [cuda.as_cuda_array(p, sync=False) for p in partials],
         *(v if is_scalar(v) else cuda.as_cuda_array(v, sync=False) for v in in_v),
         stream=nb_stream,
     )
 
 
+def _pass_launch(kernels: ElementwiseKernels, plan: ElementwisePlan) -> Callable[..., Any]:
+    """A launch for :func:`run_on_device` / :func:`run_staged` of several outputs: queues the
+    pass into ``outs`` and returns each reduction of the chunk, a 0-d CuPy array."""
+    import cupy
+
+    def launch(outs: list[Any], inputs: list[Any], nb_stream: Any) -> tuple[Any, ...]:
+        n = outs[0].size
+        partials = [cupy.empty(partial_count(n, "cuda"), dt) for dt in plan.partial_dtypes()]
+        if n:
+            _launch_pass(kernels, plan, outs, partials, inputs, nb_stream)
+        return _chunk_reductions(cupy, plan, partials)
+
+    return launch
+
+
+def _partials_bytes(plan: ElementwisePlan, shape: tuple[int, ...]) -> int:
+    count = partial_count(int(np.prod(shape)), "cuda") if plan.reductions else 0
+    return sum(count * dt.itemsize for dt in plan.partial_dtypes())
+
+
 def run_gpu_on_device(
-    kernels: ElementwiseKernels, out_dtype: np.dtype, inputs: Sequence[Any]
+    kernels: ElementwiseKernels, out_dtype: Any, inputs: Sequence[Any]
 ) -> Any:
     """Compute one chunk on the GPU where at least one input is a CuPy array; CuPy result.
 
     Like any CuPy operation, the kernel is queued on the thread's current CuPy stream (the
     default stream unless the caller chose another) and the result returned without waiting:
     work queued after it on that stream, or on the default stream, sees the result.
+    ``out_dtype``: a dtype, or an :class:`ElementwisePlan` (as :func:`run_cpu`; reductions
+    are 0-d CuPy arrays).
     """
+    plan, single = _as_plan(out_dtype)
     inputs = _scalars_by_value(inputs)
     shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
-    return run_on_device(functools.partial(_launch, kernels), shape, out_dtype, inputs)
+    if single:
+        return run_on_device(functools.partial(_launch, kernels), shape, out_dtype, inputs)
+    return run_on_device(_pass_launch(kernels, plan), shape, plan.out_dtypes, inputs,
+                         scratch_bytes=_partials_bytes(plan, shape))
 
 
 def _send(host: np.ndarray, stream: Any) -> Any:
@@ -297,20 +392,25 @@ def _send(host: np.ndarray, stream: Any) -> Any:
 
 def run_gpu_from_host(
     kernels: ElementwiseKernels,
-    out_dtype: np.dtype,
+    out_dtype: Any,
     inputs: Sequence[np.ndarray],
-    dest: np.ndarray | None = None,
+    dest: Any = None,
     timings: dict[str, float] | None = None,
-) -> np.ndarray:
+) -> Any:
     """Compute one NumPy chunk on the GPU through pinned staging, into ``dest`` if given.
 
-    See :func:`run_staged`, which this calls with the elementwise kernel as the launch.
+    See :func:`run_staged`, which this calls with the elementwise kernel as the launch;
+    ``out_dtype`` a dtype or an :class:`ElementwisePlan` (as :func:`run_cpu`).
     """
+    plan, single = _as_plan(out_dtype)
     inputs = _host_inputs(inputs)
     shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
-    return run_staged(
-        functools.partial(_launch, kernels), shape, out_dtype, inputs, dest, timings
-    )
+    if single:
+        return run_staged(
+            functools.partial(_launch, kernels), shape, out_dtype, inputs, dest, timings
+        )
+    return run_staged(_pass_launch(kernels, plan), shape, plan.out_dtypes, inputs, dest,
+                      timings, scratch_bytes=_partials_bytes(plan, shape))
 
 
 
@@ -344,20 +444,29 @@ def run_staged(
     The chunk holds a reservation of the device budget (:func:`dask_gpuchunk.budget.reserve`)
     for its inputs, its output and ``scratch_bytes`` (what ``launch`` allocates) while it holds
     device memory; ``what`` names it in the error where it can never fit.
+
+    Several outputs: ``out_dtype`` a tuple of dtypes, ``dest`` a tuple or ``None``; ``launch``
+    gets the list of outputs and returns 0-d CuPy arrays (a chunk's reductions), and the
+    result is ``(outputs, those values as 0-d NumPy arrays)``.
     """
     import cupy
 
-    out_dtype = np.dtype(out_dtype)
-    if dest is None:
+    several = isinstance(out_dtype, tuple)
+    out_dtypes = tuple(np.dtype(d) for d in (out_dtype if several else (out_dtype,)))
+    dests = list(dest if several and dest is not None else (dest,) * len(out_dtypes))
+    for k, dt in enumerate(out_dtypes):
+        if dests[k] is not None:
+            continue
         # ``gpuchunk.pinned-results``: one host copy less per chunk.
         if config.get("pinned-results") and int(np.prod(shape)):
             # The result lands in it from the device with no staging copy (and a file writer
             # sends it on from there).
-            dest = pinned_pool.lend(shape, out_dtype)
+            dests[k] = pinned_pool.lend(shape, dt)
         else:
-            dest = np.empty(shape, dtype=out_dtype)
-    if dest.size == 0:
-        return dest
+            dests[k] = np.empty(shape, dtype=dt)
+    if not several and dests[0].size == 0:
+        return dests[0]
+    reduced: Any = ()
     events = (cupy.cuda.Event(), cupy.cuda.Event()) if timings is not None else None
     stage_seconds = 0.0
     staged = h2d = 0
@@ -371,46 +480,54 @@ def run_staged(
                 staged += a.nbytes
                 a = buf
             host_inputs.append(a)
-        direct_out = dest.flags.c_contiguous and is_pinned(dest)
-        host_out = dest if direct_out else borrowed.enter_context(pinned_pool.borrow(out_dtype, shape))
+        direct = [d.flags.c_contiguous and is_pinned(d) for d in dests]
+        host_outs = [d if ok else borrowed.enter_context(pinned_pool.borrow(dt, shape))
+                     for d, ok, dt in zip(dests, direct, out_dtypes)]
         stage_seconds += time.perf_counter() - t0
+        out_bytes = sum(d.nbytes for d in dests)
         device_bytes = (sum(0 if is_scalar(a) else a.nbytes for a in host_inputs)
-                        + dest.nbytes + scratch_bytes)
+                        + out_bytes + scratch_bytes)
         with device_slot() as slot, reserve(device_bytes, what), slot.stream as stream:
-            # The chunk's inputs on the device, then its output. All of them are released
+            # The chunk's inputs on the device, then its outputs. All of them are released
             # before the slot is, so the next chunk on this slot's stream reuses them from
             # CuPy's pool (which keeps one arena per stream).
             on_device: list[Any] = []
+            outs: list[Any] = []
             try:
                 with h2d_slot():
                     for a in host_inputs:
                         on_device.append(a if is_scalar(a) else _send(a, stream))
                         h2d += 0 if is_scalar(a) else a.nbytes
                     stream.synchronize()
-                on_device.append(cupy.empty(shape, dtype=out_dtype))
+                outs = [cupy.empty(shape, dtype=dt) for dt in out_dtypes]
                 if events:
                     events[0].record(stream)
-                launch(on_device[-1], on_device[:-1], slot.nb_stream)
+                reduced = launch(outs if several else outs[0], on_device, slot.nb_stream)
                 if events:
                     events[1].record(stream)
-                copy_to_host(host_out, on_device[-1], stream)
+                for host, dev in zip(host_outs, outs):
+                    if dev.size:
+                        copy_to_host(host, dev, stream)
             finally:
                 stream.synchronize()  # no copy may still use a buffer released below
                 on_device.clear()
-        if not direct_out:
-            t0 = time.perf_counter()
-            np.copyto(dest, host_out)
-            stage_seconds += time.perf_counter() - t0
-            staged += dest.nbytes
+                outs.clear()
+            reduced = tuple(v.get() for v in reduced or ())
+        t0 = time.perf_counter()
+        for d, host, ok in zip(dests, host_outs, direct):
+            if not ok:
+                np.copyto(d, host)
+                staged += d.nbytes
+        stage_seconds += time.perf_counter() - t0
     if timings is not None and events:
         timings.update(
             stage_seconds=stage_seconds,
             staged_bytes=float(staged),
             h2d_bytes=float(h2d),
-            d2h_bytes=float(dest.nbytes),
+            d2h_bytes=float(out_bytes),
             kernel=cupy.cuda.get_elapsed_time(events[0], events[1]) / 1e3,
         )
-    return dest
+    return (tuple(dests), reduced) if several else dests[0]
 
 
 def run_on_device(
@@ -421,7 +538,8 @@ def run_on_device(
     scratch_bytes: int = 0,
     what: str = "a chunk",
 ) -> Any:
-    """Run ``launch`` (as in :func:`run_staged`) on device inputs; CuPy result, no wait.
+    """Run ``launch`` (as in :func:`run_staged`, several outputs too) on device inputs; CuPy
+    result, no wait.
 
     NumPy inputs are copied to the device first; the work is queued on the thread's current
     CuPy stream, like any CuPy operation. The chunk reserves its output, the inputs it copies
@@ -431,14 +549,18 @@ def run_on_device(
     """
     import cupy
 
-    out_dtype = np.dtype(out_dtype)
+    several = isinstance(out_dtype, tuple)
+    out_dtypes = tuple(np.dtype(d) for d in (out_dtype if several else (out_dtype,)))
     copied = sum(0 if is_cupy(a) or is_scalar(a) else np.asarray(a).nbytes for a in inputs)
-    out_bytes = int(np.prod(shape, dtype=np.int64)) * out_dtype.itemsize
+    out_bytes = int(np.prod(shape, dtype=np.int64)) * sum(dt.itemsize for dt in out_dtypes)
 
     def run() -> Any:
         nb_stream = numba_stream(cupy.cuda.get_current_stream())
         dev_inputs = [a if is_cupy(a) or is_scalar(a) else cupy.asarray(a) for a in inputs]
-        out = cupy.empty(shape, dtype=out_dtype)
+        if several:  # the launch runs on empty outputs too: its reductions start there
+            outs = [cupy.empty(shape, dtype=dt) for dt in out_dtypes]
+            return tuple(outs), launch(outs, dev_inputs, nb_stream)
+        out = cupy.empty(shape, dtype=out_dtypes[0])
         if out.size:
             launch(out, dev_inputs, nb_stream)
         return out
@@ -593,18 +715,22 @@ def run_elementwise(
     kernels
         The compiled kernels of the function.
     out_dtype
-        The result dtype.
+        The result dtype, or an :class:`ElementwisePlan`: several outputs and reductions of
+        them fused into the pass.
     inputs
         NumPy and/or CuPy arrays (0-d arrays for scalars), broadcastable together.
     device
         ``"auto"``, ``"gpu"`` or ``"cpu"``.
     dest
-        A host array of the result's shape and dtype to write into (NumPy inputs only).
+        A host array of the result's shape and dtype to write into (NumPy inputs only); a
+        tuple of them with a plan.
 
     Returns
     -------
     numpy.ndarray or cupy.ndarray
-        CuPy where any input is CuPy, else NumPy (``dest`` itself when given).
+        CuPy where any input is CuPy, else NumPy (``dest`` itself when given). With a plan,
+        ``(outputs, reductions)``: the chunk's reductions as 0-d arrays of their partial dtypes
+        (:func:`~dask_gpuchunk._kernels.elementwise.partial_dtype`).
 
     Examples
     --------
@@ -613,7 +739,8 @@ def run_elementwise(
     >>> run_elementwise(k, np.float64, [np.arange(3.0), np.float64(2.0)], device="cpu")
     array([0., 2., 4.])
     """
-    out_dtype = np.dtype(out_dtype)
+    if not isinstance(out_dtype, ElementwisePlan):
+        out_dtype = np.dtype(out_dtype)
     site = _site_of(inputs, device, placed=True)
     if site == "device":
         if dest is not None:
@@ -631,8 +758,8 @@ def _tiny(inputs: Sequence[Any]) -> list[Any]:
     return [a[(slice(0, 1),) * a.ndim] if np.ndim(a) else a for a in inputs]
 
 
-def _measure(kernels: ElementwiseKernels, out_dtype: np.dtype, inputs: list[Any],
-             dest: np.ndarray | None, key: tuple) -> tuple[dict[str, Any], np.ndarray]:
+def _measure(kernels: ElementwiseKernels, out_dtype: Any, inputs: list[Any],
+             dest: Any, key: tuple) -> tuple[dict[str, Any], Any]:
     """Run a NumPy chunk both ways, timed (:func:`dask_gpuchunk.placement.estimate`'s inputs):
     the record of the rule, and the result of the device it picks."""
     import numba
@@ -644,39 +771,46 @@ def _measure(kernels: ElementwiseKernels, out_dtype: np.dtype, inputs: list[Any]
 
     stages: dict[str, float] = {}
     result = run_gpu_from_host(kernels, out_dtype, inputs, dest, timings=stages)
-    scratch = np.empty(shape, dtype=out_dtype)
     t0 = time.perf_counter()
     # Every core on this one chunk: the throughput of all Dask threads sharing the cores.
-    run_cpu(kernels, out_dtype, inputs, scratch, threads=int(numba.config.NUMBA_NUM_THREADS))
+    on_cpu = run_cpu(kernels, out_dtype, inputs, threads=int(numba.config.NUMBA_NUM_THREADS))
     t_cpu = time.perf_counter() - t0
     h2d_rate, d2h_rate = placement.pcie_bandwidth()
     record = placement.estimate(stages, t_cpu, dask_threads(), h2d_rate, d2h_rate,
                                 placement.host_copy_bandwidth())
-    if record["choice"] == "cpu":
-        np.copyto(result, scratch)
+    if record["choice"] == "cpu":  # the CPU's values, in the GPU's result arrays
+        if isinstance(out_dtype, ElementwisePlan):
+            for into, got in zip(result[0], on_cpu[0]):
+                np.copyto(into, got)
+            result = (result[0], on_cpu[1])
+        else:
+            np.copyto(result, on_cpu)
     record = {"function": getattr(kernels.func, "__name__", repr(kernels.func)),
               "key": key, "chunk_shape": shape, **record}
     return record, result
 
 
-def _run_placed(kernels: ElementwiseKernels, out_dtype: np.dtype, inputs: Sequence[Any],
-                dest: np.ndarray | None) -> np.ndarray:
+def _run_placed(kernels: ElementwiseKernels, out_dtype: Any, inputs: Sequence[Any],
+                dest: Any) -> Any:
     """Compute a NumPy chunk on the device the rule picks (measuring first if needed)."""
+    plan, single = _as_plan(out_dtype)
     inputs = [a if is_python_number(a) else np.asarray(a) for a in inputs]
     shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
     device_bytes = (sum(np.asarray(a).nbytes for a in inputs if not is_python_number(a))
-                    + int(np.prod(shape)) * np.dtype(out_dtype).itemsize)
+                    + int(np.prod(shape)) * sum(dt.itemsize for dt in plan.out_dtypes))
     if device_bytes > working_budget():  # never fits the GPU here: the CPU computes it
         return run_cpu(kernels, out_dtype, inputs, dest)
     pinned = tuple(bool(np.ndim(a) and a.flags.c_contiguous and is_pinned(a)) for a in inputs)
-    dest_pinned = dest is not None and dest.flags.c_contiguous and is_pinned(dest)
+    dests = (dest,) if single else (dest or ())
+    dest_pinned = any(d is not None and d.flags.c_contiguous and is_pinned(d) for d in dests)
+    outputs = np.dtype(out_dtype).str if single else repr(plan)
     key = (kernels.token, tuple(type(a).__name__ if is_python_number(a) else a.dtype.str
-                                for a in inputs), np.dtype(out_dtype).str, pinned, dest_pinned)
+                                for a in inputs), outputs, pinned, dest_pinned)
     if int(np.prod(shape)) <= 1:  # nothing to measure on: as decided, else the CPU
         choice, result = placement.decided(key) or "cpu", None
     else:
         choice, result = placement.decide(
-            key, lambda: _measure(kernels, np.dtype(out_dtype), inputs, dest, key))
+            key, lambda: _measure(kernels, out_dtype, inputs, dest, key))
     if result is not None:
         return result
     if choice == "gpu":

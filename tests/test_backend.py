@@ -32,7 +32,7 @@ def test_collapsed_layout_walks_the_broadcast_inputs(rng, out_shape, in_shapes):
     inputs = [rng.random(s) for s in in_shapes]
     if inputs[0].ndim > 1:
         inputs[0] = np.asfortranarray(inputs[0])  # non-C strides: nothing of it may collapse
-    shape, strides = _collapsed_layout(out, [*inputs, np.float64(2.0)])
+    shape, strides = _collapsed_layout([out], [*inputs, np.float64(2.0)])
     assert len(strides) == 1 + len(inputs)
     for a, st in zip([out, *inputs], strides):
         view = np.lib.stride_tricks.as_strided(a, shape, st)

@@ -21,7 +21,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -31,9 +31,11 @@ from .source_cache import cached_njit, function_stamp, load_kernel, numba_cache_
 from .translate import Translation, translate
 
 __all__ = [
+    "REDUCTIONS",
     "RULES",
     "SUPPORTED_DTYPES",
     "ElementwiseKernels",
+    "ElementwisePlan",
     "arg_type",
     "check_dtype",
     "collapse_dims",
@@ -41,6 +43,9 @@ __all__ = [
     "is_scalar",
     "kernels_for",
     "numba_result_dtype",
+    "partial_count",
+    "partial_dtype",
+    "reduced_dtype",
     "reference",
 ]
 
@@ -116,10 +121,86 @@ def arg_type(x: Any, index: int | None = None) -> VType:
     return VType(np.dtype(x.dtype))
 
 
+#: Reductions an elementwise operation fuses into its kernel pass, over all elements.
+REDUCTIONS = ("sum", "mean", "min", "max")
+
+
+def reduced_dtype(op: str, dtype: Any) -> np.dtype:
+    """NumPy's dtype for ``op`` of an array of ``dtype`` (``x.sum()``, ``x.mean()``, ...).
+
+    Examples
+    --------
+    >>> reduced_dtype("sum", "int8"), reduced_dtype("mean", "int8"), reduced_dtype("max", "u2")
+    (dtype('int64'), dtype('float64'), dtype('uint16'))
+    """
+    dtype = np.dtype(dtype)
+    if op not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {op!r}; one of {REDUCTIONS}")
+    if op in ("min", "max"):
+        if dtype.kind == "c":
+            raise TypeError(f"{op} of complex values is not fused (NumPy orders them "
+                            "lexicographically); reduce .real or abs() of them instead")
+        return dtype
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return np.dtype(getattr(np.zeros(1, dtype), op)().dtype)
+
+
+def partial_dtype(op: str, dtype: Any) -> np.dtype:
+    """What a kernel accumulates ``op`` of ``dtype`` values in: sums of integers in 64 bits (as
+    NumPy, wrapping alike), of floats in ``float64`` / ``complex128`` (closer to the exact sum
+    than NumPy's pairwise float32 sum; the result is rounded to NumPy's dtype at the end);
+    ``min`` / ``max`` in the dtype itself. ``mean`` is a sum, divided at the end.
+
+    Examples
+    --------
+    >>> partial_dtype("mean", "complex64"), partial_dtype("sum", "bool"), partial_dtype("min", "f4")
+    (dtype('complex128'), dtype('int64'), dtype('float32'))
+    """
+    dtype = np.dtype(dtype)
+    result = reduced_dtype(op, dtype)
+    if op in ("min", "max"):
+        return result
+    if dtype.kind in "biu":
+        return np.dtype(np.uint64 if dtype.kind == "u" else np.int64)
+    return np.dtype(np.complex128 if dtype.kind == "c" else np.float64)
+
+
+class ElementwisePlan(NamedTuple):
+    """What one kernel pass of an elementwise function produces.
+
+    ``out_dtypes``: one dtype per output; ``tupled``: the function returns a tuple (NumPy's
+    ``nout``; else one number); ``reductions``: ``(output index, op)`` pairs, each reduced over
+    all elements of that output in the same pass (``op`` in :data:`REDUCTIONS`).
+
+    Examples
+    --------
+    >>> ElementwisePlan.single("f4")
+    ElementwisePlan(out_dtypes=(dtype('float32'),), tupled=False, reductions=())
+    """
+
+    out_dtypes: tuple[np.dtype, ...]
+    tupled: bool = False
+    reductions: tuple[tuple[int, str], ...] = ()
+
+    @classmethod
+    def single(cls, dtype: Any) -> ElementwisePlan:
+        """One output, no reduction: what ``f`` returning one number makes."""
+        return cls((np.dtype(dtype),))
+
+    def partial_dtypes(self) -> tuple[np.dtype, ...]:
+        """Each reduction's accumulator dtype (:func:`partial_dtype`)."""
+        return tuple(partial_dtype(op, self.out_dtypes[k]) for k, op in self.reductions)
+
+    def reduced_dtypes(self) -> tuple[np.dtype, ...]:
+        """Each reduction's result dtype, NumPy's (:func:`reduced_dtype`)."""
+        return tuple(reduced_dtype(op, self.out_dtypes[k]) for k, op in self.reductions)
+
+
 def numba_result_dtype(func: Callable, dtypes: Sequence[np.dtype],
-                       cache: bool = False) -> np.dtype:
+                       cache: bool = False) -> np.dtype | tuple[np.dtype, ...]:
     """Compile ``func`` for the CPU at these argument dtypes and return numba's result dtype
-    (``rules="numba"``).
+    (``rules="numba"``), a tuple of them where ``func`` returns a tuple.
 
     Examples
     --------
@@ -143,13 +224,14 @@ def numba_result_dtype(func: Callable, dtypes: Sequence[np.dtype],
             f"numba said:\n{detail}"
         ) from None
     ret = dispatcher.nopython_signatures[-1].return_type
+    name = getattr(func, "__name__", func)
+    several = isinstance(ret, numba.types.BaseTuple)
     try:
-        dtype = np.dtype(as_dtype(ret))
+        found = [np.dtype(as_dtype(t)) for t in (ret.types if several else (ret,))]
     except Exception:
-        raise TypeError(
-            f"{getattr(func, '__name__', func)!r} returns {ret}, not a single number"
-        ) from None
-    return check_dtype(dtype, f"the result of {getattr(func, '__name__', func)!r}")
+        raise TypeError(f"{name!r} returns {ret}, not a number or a tuple of numbers") from None
+    found = [check_dtype(d, f"the result of {name!r}") for d in found]
+    return tuple(found) if several else found[0]
 
 
 def collapse_dims(
@@ -221,54 +303,128 @@ def _args(scalars: Sequence[bool], idx: str) -> tuple[str, str]:
     return params, call
 
 
-def _cpu_source(scalars: Sequence[bool], ndim: int) -> str:
-    if ndim == 1:
+class _Pass(NamedTuple):
+    """What a generated kernel's signature and body depend on beyond its inputs: the number of
+    outputs, whether ``f`` returns a tuple, and each reduction as ``(output, op, partial
+    dtype)`` (``op``: sum, min or max; a mean is a sum)."""
+
+    nout: int = 1
+    tupled: bool = False
+    reductions: tuple[tuple[int, str, np.dtype], ...] = ()
+
+    def params(self) -> str:
+        outs = [f"o{k}" for k in range(self.nout)]
+        return ", ".join([*outs, *(f"p{r}" for r in range(len(self.reductions)))])
+
+    def element(self, call: str, idx: str) -> list[str]:
+        """One element: ``f`` called, each output stored, each reduction accumulated."""
+        if not self.tupled:
+            if not self.reductions:
+                return [f"o0[{idx}] = f({call})"]
+            lines = [f"r0 = f({call})", f"o0[{idx}] = r0"]
+            values = ["r0"]
+        else:
+            lines = [f"r = f({call})"]
+            lines += [f"o{k}[{idx}] = r[{k}]" for k in range(self.nout)]
+            values = [f"r[{k}]" for k in range(self.nout)]
+        for r, (k, op, dtype) in enumerate(self.reductions):
+            value = values[k] if op != "sum" else f"np.{dtype.name}({values[k]})"
+            lines.append(f"acc{r} = {_combine(op, f'acc{r}', value, dtype)}")
+        return lines
+
+    def start(self) -> list[str]:
+        return [f"acc{r} = {_identity_name(op, dtype)}"
+                for r, (_, op, dtype) in enumerate(self.reductions)]
+
+
+def _identity_name(op: str, dtype: np.dtype) -> str:
+    return f"_identity_{op}_{dtype.str[1:]}"
+
+
+def _identities(reductions: Sequence[tuple[int, str, np.dtype]]) -> dict[str, Any]:
+    """The start value of each reduction, by :func:`_identity_name` (NaN-propagating min and
+    max start from infinities; integer ones from the dtype's bounds)."""
+    found: dict[str, Any] = {}
+    for _, op, dtype in reductions:
+        if op == "sum":
+            value = dtype.type(0)
+        elif dtype.kind == "b":
+            value = np.bool_(op == "min")
+        elif dtype.kind == "f":
+            value = dtype.type(np.inf if op == "min" else -np.inf)
+        else:
+            info = np.iinfo(dtype)
+            value = dtype.type(info.max if op == "min" else info.min)
+        found[_identity_name(op, dtype)] = value
+    return found
+
+
+def _combine(op: str, acc: str, value: str, dtype: np.dtype) -> str:
+    """``acc`` combined with ``value``: a sum, or a min / max that propagates NaN as NumPy's."""
+    if op == "sum":
+        return f"{acc} + {value}"
+    cmp = "<" if op == "min" else ">"
+    if dtype.kind == "f":
+        return f"({value} if ({value} {cmp} {acc} or {value} != {value}) else {acc})"
+    return f"({value} if {value} {cmp} {acc} else {acc})"
+
+
+def _cpu_source(scalars: Sequence[bool], ndim: int, spec: _Pass = _Pass()) -> str:
+    outs = spec.params()
+    if ndim == 1 and not spec.reductions:
         params, call = _args(scalars, "i")
-        return (
-            f"def kernel(out, {params}):\n"
-            f"    for i in prange(out.shape[0]):\n"
-            f"        out[i] = f({call})\n"
-        )
-    # Several dimensions: split the flat range into blocks, one per parallel iteration; each
-    # block unravels its start once, then walks runs along the last axis (no division per
-    # element) and carries into the outer axes at the end of each run.
+        return "\n".join([
+            f"def kernel({outs}, {params}):",
+            "    for i in prange(o0.shape[0]):",
+            *("        " + line for line in spec.element(call, "i")),
+        ]) + "\n"
+    # Blocks of the flat range, one per parallel iteration; each block unravels its start once,
+    # then walks runs along the last axis (no division per element) and carries into the outer
+    # axes at the end of each run. Reductions: one partial per block (their arrays' length).
     last = ndim - 1
     idx = ", ".join([f"i{d}" for d in range(last)] + ["j"])
     params, call = _args(scalars, idx)
+    blocks = "p0.shape[0]" if spec.reductions else "min(n, 1024)"
     lines = [
-        f"def kernel(out, {params}):",
-        "    n = out.size",
-        "    nblocks = min(n, 1024)",
+        f"def kernel({outs}, {params}):",
+        "    n = o0.size",
+        f"    nblocks = {blocks}",
         "    for b in prange(nblocks):",
         "        start = b * n // nblocks",
         "        stop = (b + 1) * n // nblocks",
+        *("        " + line for line in spec.start()),
         "        r = start",
     ]
     for d in range(last, 0, -1):
-        lines.append(f"        i{d} = r % out.shape[{d}]")
-        lines.append(f"        r = r // out.shape[{d}]")
+        lines.append(f"        i{d} = r % o0.shape[{d}]")
+        lines.append(f"        r = r // o0.shape[{d}]")
     lines += [
         "        i0 = r",
         "        pos = start",
         "        while pos < stop:",
-        f"            run = min(stop - pos, out.shape[{last}] - i{last})",
+        f"            run = min(stop - pos, o0.shape[{last}] - i{last})",
         f"            for j in range(i{last}, i{last} + run):",
-        f"                out[{idx}] = f({call})",
+        *("                " + line for line in spec.element(call, idx)),
         "            pos += run",
         f"            i{last} += run",
     ]
     indent = "            "
     for d in range(last, 0, -1):
-        lines.append(f"{indent}if i{d} == out.shape[{d}]:")
+        lines.append(f"{indent}if i{d} == o0.shape[{d}]:")
         lines.append(f"{indent}    i{d} = 0")
         lines.append(f"{indent}    i{d - 1} += 1")
         indent += "    "
+    lines += [f"        p{r}[b] = acc{r}" for r in range(len(spec.reductions))]
     return "\n".join(lines) + "\n"
 
 
-def _cuda_source(scalars: Sequence[bool], ndim: int) -> str:
-    """One element per thread (:func:`_launch_config` covers ``out`` with the grid), then a
+def _cuda_source(scalars: Sequence[bool], ndim: int, spec: _Pass = _Pass(),
+                 threads: int = 128) -> str:
+    """One element per thread (:func:`_launch_config` covers the outputs with the grid), then a
     grid-stride loop for what a smaller grid leaves (numba's simulator runs tiny grids).
+
+    Reductions: each thread accumulates its elements, each block combines its ``threads``
+    values in shared memory (a tree) and writes one partial per reduction (``p[blockIdx.x]``).
 
     Measured on an H200 (4 GB float64 product, docs/perf-notes.md): one element per thread in
     blocks of 128 ran in 2.73 ms, as CuPy's own multiply (2.75) and the same kernel in CUDA C
@@ -280,14 +436,15 @@ def _cuda_source(scalars: Sequence[bool], ndim: int) -> str:
     if ndim > 1:
         unravel.append("r = i")
         for d in range(ndim - 1, 0, -1):
-            unravel.append(f"q = r // out.shape[{d}]")
-            unravel.append(f"i{d} = r - q * out.shape[{d}]")
+            unravel.append(f"q = r // o0.shape[{d}]")
+            unravel.append(f"i{d} = r - q * o0.shape[{d}]")
             unravel.append("r = q")
         unravel.append("i0 = r")
-    body = [*unravel, f"out[{idx}] = f({call})"]
+    body = [*unravel, *spec.element(call, idx)]
     lines = [
-        f"def kernel(out, {params}):",
-        "    n = out.size",
+        f"def kernel({spec.params()}, {params}):",
+        "    n = o0.size",
+        *("    " + line for line in spec.start()),
         "    i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x",
         "    if i < n:",
         *("        " + line for line in body),
@@ -297,6 +454,17 @@ def _cuda_source(scalars: Sequence[bool], ndim: int) -> str:
         *("        " + line for line in body),
         "        i += step",
     ]
+    if spec.reductions:
+        lines.append("    t = cuda.threadIdx.x")
+        for r, (_, op, dtype) in enumerate(spec.reductions):
+            lines += [f"    s{r} = cuda.shared.array({threads}, _numba_{dtype.str[1:]})",
+                      f"    s{r}[t] = acc{r}"]
+        lines += ["    cuda.syncthreads()", f"    w = {threads // 2}", "    while w > 0:",
+                  "        if t < w:"]
+        for r, (_, op, dtype) in enumerate(spec.reductions):
+            lines.append(f"            s{r}[t] = {_combine(op, f's{r}[t]', f's{r}[t + w]', dtype)}")
+        lines += ["        cuda.syncthreads()", "        w //= 2", "    if t == 0:"]
+        lines += [f"        p{r}[cuda.blockIdx.x] = s{r}[0]" for r in range(len(spec.reductions))]
     return "\n".join(lines) + "\n"
 
 
@@ -321,28 +489,49 @@ def _in_a_file(kernel: Callable) -> bool:
     return os.path.isfile(kernel.__code__.co_filename)
 
 
-def _signature_key(out: Any, inputs: Sequence[Any]) -> tuple:
-    """(ndim, layout, ((dtype, is_scalar, is_python_number), ...), out dtype): one compiled
-    kernel per key. A Python number's dtype is the one holding it (float64 for a float)."""
-    arrays = [out, *(a for a in inputs if not is_scalar(a))]
+def _signature_key(outs: Sequence[Any], inputs: Sequence[Any],
+                   plan: ElementwisePlan | None = None) -> tuple:
+    """(ndim, layout, ((dtype, is_scalar, is_python_number), ...), out dtypes, the pass's
+    :class:`_Pass`): one compiled kernel per key. A Python number's dtype is the one holding it
+    (float64 for a float)."""
+    arrays = [*outs, *(a for a in inputs if not is_scalar(a))]
     contiguous = all(a.flags["C_CONTIGUOUS"] for a in arrays)
     args = tuple((weak_type(a).dtype, True, True) if is_python_number(a)
                  else (np.dtype(a.dtype), is_scalar(a), False) for a in inputs)
-    return (out.ndim, "C" if contiguous else "A", args, np.dtype(out.dtype))
+    out_dtypes = tuple(np.dtype(o.dtype) for o in outs)
+    if plan is None:
+        spec = _Pass()
+    else:
+        spec = _Pass(len(outs), plan.tupled,
+                     tuple((k, "sum" if op == "mean" else op, dt)
+                           for (k, op), dt in zip(plan.reductions, plan.partial_dtypes())))
+    return (outs[0].ndim, "C" if contiguous else "A", args, out_dtypes, spec)
 
 
 def _numba_signature(key: tuple, readonly_inputs: bool) -> Any:
     import numba
     from numba import types
 
-    ndim, layout, args, out_dtype = key
-    params = []
+    ndim, layout, args, out_dtypes, spec = key
+    params = [types.Array(numba.from_dtype(dt), ndim, layout) for dt in out_dtypes]
+    params += [types.Array(numba.from_dtype(dt), 1, "C") for _, _, dt in spec.reductions]
     for dtype, scalar, _ in args:
         if scalar:
             params.append(numba.from_dtype(dtype))
         else:
             params.append(types.Array(numba.from_dtype(dtype), ndim, layout, readonly=readonly_inputs))
-    return types.void(types.Array(numba.from_dtype(out_dtype), ndim, layout), *params)
+    return types.void(*params)
+
+
+def _pass_namespace(spec: _Pass) -> dict[str, Any]:
+    """What a kernel of this pass needs beside ``f``: NumPy (sums convert with ``np.int64(x)``
+    ...), its reductions' start values and the numba types of their shared arrays."""
+    import numba
+
+    found: dict[str, Any] = {"np": np, **_identities(spec.reductions)}
+    for _, _, dtype in spec.reductions:
+        found[f"_numba_{dtype.str[1:]}"] = numba.from_dtype(dtype)
+    return found
 
 
 class ElementwiseKernels:
@@ -405,8 +594,10 @@ class ElementwiseKernels:
     # ---- types -----------------------------------------------------------------------------
     def translation(self, argtypes: Sequence[VType], out_dtype: Any = None) -> Translation:
         """The function translated for these argument types (``rules="numpy"``), cached."""
-        key = (tuple((vt.dtype, vt.weak, vt.call) for vt in argtypes),
-               None if out_dtype is None else np.dtype(out_dtype))
+        if out_dtype is not None:
+            out_dtype = (tuple(np.dtype(d) for d in out_dtype) if isinstance(out_dtype, tuple)
+                         else np.dtype(out_dtype))
+        key = (tuple((vt.dtype, vt.weak, vt.call) for vt in argtypes), out_dtype)
         found = self._translations.get(key)
         if found is None:
             found = translate(self.func, argtypes, key[1])
@@ -415,16 +606,24 @@ class ElementwiseKernels:
         return found
 
     def result_dtype(self, argtypes: Sequence[VType]) -> np.dtype:
-        """The result dtype for arguments of these types, by the function's rules."""
+        """The result dtype for arguments of these types, by the function's rules (the first
+        output's, where the function returns a tuple)."""
+        return self.outputs(argtypes)[0][0]
+
+    def outputs(self, argtypes: Sequence[VType]) -> tuple[tuple[np.dtype, ...], bool]:
+        """The dtype of each output for arguments of these types, by the function's rules, and
+        whether the function returns a tuple (then one output per value)."""
         if self.rules == "numpy":
-            dtype = self.translation(argtypes).result_dtype
-            return check_dtype(dtype, f"the result of {getattr(self.func, '__name__', 'f')!r}")
+            t = self.translation(argtypes)
+            name = getattr(self.func, "__name__", "f")
+            return (tuple(check_dtype(d, f"the result of {name!r}") for d in t.result_dtypes),
+                    t.nout is not None)
         dtypes = tuple(vt.dtype for vt in argtypes)
         found = self._numba_dtypes.get(dtypes)
         if found is None:
             found = self._numba_dtypes[dtypes] = numba_result_dtype(
                 self.func, dtypes, cache=self.stamp is not None)
-        return found
+        return (found, True) if isinstance(found, tuple) else ((found,), False)
 
     def _compile_source(self, key: tuple, kernel_source: str, namespace: dict[str, Any],
                         jit: Callable[[Callable, bool], Any], target: str,
@@ -432,11 +631,11 @@ class ElementwiseKernels:
         """The generated ``kernel`` of ``kernel_source`` with its ``f`` for ``key`` (each
         translated function made by ``jit(function, in_a_file)``), in a file of the kernel
         cache where ``cache``."""
-        _, _, args, out_dtype = key
+        _, _, args, out_dtypes, spec = key
         if self.rules == "numpy":
             argtypes = [VType(dt, weak=weak, call=f"args[{i}]" if weak else None)
                         for i, (dt, _, weak) in enumerate(args)]
-            t = self.translation(argtypes, out_dtype)
+            t = self.translation(argtypes, out_dtypes if spec.tupled else out_dtypes[0])
             source = f"{t.source}\n{kernel_source}"
             functions = t.functions
         else:
@@ -466,14 +665,15 @@ class ElementwiseKernels:
 
                 from .numpy_ops import namespace
 
-                ndim, _, args, _ = key
-                source = _cpu_source([scalar for _, scalar, _ in args], ndim)
+                ndim, _, args, _, spec = key
+                source = _cpu_source([scalar for _, scalar, _ in args], ndim, spec)
                 if self.rules == "numpy":
                     scope = {**namespace("cpu"), "prange": numba.prange}
                 else:
                     if self._cpu_scalar is None:
                         self._cpu_scalar = numba.njit(self.func, cache=self.stamp is not None)
                     scope = {"f": self._cpu_scalar, "prange": numba.prange}
+                scope.update(_pass_namespace(spec))
                 pyfunc = self._compile_source(
                     key, source, scope,
                     lambda f, cached: numba.njit(f, error_model="numpy", cache=cached), "cpu",
@@ -490,7 +690,14 @@ class ElementwiseKernels:
         Each input is an array of ``out``'s shape (broadcast views are fine), a NumPy scalar or
         a Python number, passed to the kernel by value.
         """
-        self._cpu_kernel(_signature_key(out, inputs))(out, *inputs)
+        self._cpu_kernel(_signature_key((out,), inputs))(out, *inputs)
+
+    def cpu_pass(self, plan: ElementwisePlan | None, outs: Sequence[np.ndarray],
+                 partials: Sequence[np.ndarray], *inputs: Any) -> None:
+        """As :meth:`cpu` for a :class:`ElementwisePlan`: every output of ``outs`` (one
+        shape), and each reduction's partials (one per block of the loop: length
+        :func:`partial_count` ``(n, "cpu")``)."""
+        self._cpu_kernel(_signature_key(outs, inputs, plan))(*outs, *partials, *inputs)
 
     # ---- CUDA ----------------------------------------------------------------------------
     def _cuda_kernel(self, key: tuple) -> Callable:
@@ -506,8 +713,9 @@ class ElementwiseKernels:
 
                 from .numpy_ops import namespace
 
-                ndim, _, args, _ = key
-                source = _cuda_source([scalar for _, scalar, _ in args], ndim)
+                ndim, _, args, _, spec = key
+                threads, _ = _launch_config(1)
+                source = _cuda_source([scalar for _, scalar, _ in args], ndim, spec, threads)
                 if self.rules == "numpy":
                     target = "sim" if cuda_config.ENABLE_CUDASIM else "cuda"
                     scope = {**namespace(target), "cuda": cuda, "int64": numba.int64}
@@ -515,6 +723,7 @@ class ElementwiseKernels:
                     if self._cuda_device is None:
                         self._cuda_device = cuda.jit(device=True)(self.func)
                     scope = {"f": self._cuda_device, "cuda": cuda, "int64": numba.int64}
+                scope.update(_pass_namespace(spec))
                 pyfunc = self._compile_source(
                     key, source, scope, lambda f, cached: cuda.jit(device=True)(f), "cuda",
                     self.stamp is not None and not cuda_config.ENABLE_CUDASIM)
@@ -530,9 +739,16 @@ class ElementwiseKernels:
         a NumPy scalar or a Python number, passed by value; ``stream`` is a numba stream
         (``cuda.external_stream(ptr)`` for a CuPy stream). The launch is asynchronous.
         """
-        kernel = self._cuda_kernel(_signature_key(out, inputs))
-        threads, blocks = _launch_config(out.size)
-        kernel[blocks, threads, stream](out, *inputs)
+        self.cuda_pass(None, (out,), (), *inputs, stream=stream)
+
+    def cuda_pass(self, plan: ElementwisePlan | None, outs: Sequence[Any],
+                  partials: Sequence[Any], *inputs: Any, stream: Any = 0) -> None:
+        """As :meth:`cuda` for a :class:`ElementwisePlan` (``None``: one output): every output
+        of ``outs`` (one shape) and each reduction's partials (length :func:`partial_count`
+        ``(n, "cuda")``), numba device arrays."""
+        kernel = self._cuda_kernel(_signature_key(outs, inputs, plan))
+        threads, blocks = _launch_config(outs[0].size)
+        kernel[blocks, threads, stream](*outs, *partials, *inputs)
 
     def cuda_strided(self, out: StridedArg, *inputs: StridedArg | np.generic,
                      stream: Any) -> None:
@@ -543,7 +759,14 @@ class ElementwiseKernels:
         ``stream`` is a numba stream. Only where ``launch.direct_launch_available()`` says so
         (not under the simulator).
         """
-        key = _signature_key(out, inputs)
+        self.cuda_strided_pass(None, (out,), (), *inputs, stream=stream)
+
+    def cuda_strided_pass(self, plan: ElementwisePlan | None, outs: Sequence[StridedArg],
+                          partials: Sequence[StridedArg], *inputs: StridedArg | np.generic,
+                          stream: Any) -> None:
+        """:meth:`cuda_strided` for a :class:`ElementwisePlan` (``None``: one output, as
+        :meth:`cuda_strided`), as :meth:`cuda_pass`."""
+        key = _signature_key(outs, inputs, plan)
         device = current_device()
         launcher = self._direct.get((key, device))
         if launcher is None:
@@ -552,8 +775,8 @@ class ElementwiseKernels:
                 launcher = self._direct.get((key, device))
                 if launcher is None:
                     launcher = self._direct[(key, device)] = DirectLaunch(dispatcher)
-        threads, blocks = _launch_config(math.prod(out.shape))
-        launcher(blocks, threads, stream, (out, *inputs))
+        threads, blocks = _launch_config(math.prod(outs[0].shape))
+        launcher(blocks, threads, stream, (*outs, *partials, *inputs))
 
 
 _registry: dict[tuple[str, bool, str], ElementwiseKernels] = {}
@@ -577,6 +800,14 @@ def kernels_for(func: Callable, nargs: int, token: str, cache: bool = False,
 
 #: Most blocks of one launch (CUDA's limit on gridDim.x).
 MAX_BLOCKS = 2**31 - 1
+
+
+def partial_count(n: int, target: str) -> int:
+    """How many partials each reduction of a pass over ``n`` elements writes: one per block of
+    the CPU loop (``"cpu"``) or of the CUDA grid (``"cuda"``)."""
+    if n == 0:
+        return 0
+    return min(n, 1024) if target == "cpu" else _launch_config(n)[1]
 
 
 def _launch_config(n: int) -> tuple[int, int]:

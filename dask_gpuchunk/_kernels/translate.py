@@ -49,16 +49,29 @@ class Translation:
     ``f`` last), all to be compiled for the target with the globals of
     :func:`dask_gpuchunk._kernels.numpy_ops.namespace`. ``result_dtype`` is NumPy's dtype for
     the function's result; ``f`` returns values of ``out_dtype`` (the result dtype unless
-    another was asked for). ``call_checks`` is what the call must check of values computed from
+    another was asked for). A function that returns a tuple of numbers (NumPy's ``nout``
+    convention) has one dtype per value in ``result_dtypes`` and ``out_dtypes``, and ``nout``. ``call_checks`` is what the call must check of values computed from
     the Python numbers given as arguments, as NumPy would raise
     (:class:`~dask_gpuchunk._kernels.numpy_rules.Emitter`; :func:`check_call` checks them).
     """
 
     source: str
     functions: tuple[str, ...]
-    result_dtype: np.dtype
-    out_dtype: np.dtype
+    result_dtypes: tuple[np.dtype, ...]
+    out_dtypes: tuple[np.dtype, ...]
     call_checks: tuple[tuple[str, Any, Any, type, str], ...] = ()
+    #: ``None`` where ``f`` returns one number; else the length of the tuple it returns.
+    nout: int | None = None
+
+    @property
+    def result_dtype(self) -> np.dtype:
+        """NumPy's dtype of the result (the first, where ``f`` returns a tuple)."""
+        return self.result_dtypes[0]
+
+    @property
+    def out_dtype(self) -> np.dtype:
+        """What ``f`` returns (the first value's dtype, where it returns a tuple)."""
+        return self.out_dtypes[0]
 
 
 def check_call(translation: Translation, args: Sequence[Any]) -> None:
@@ -85,7 +98,7 @@ def check_call(translation: Translation, args: Sequence[Any]) -> None:
 
 
 def translate(func: Callable, argtypes: Sequence[VType],
-              out_dtype: np.dtype | None = None) -> Translation:
+              out_dtype: np.dtype | Sequence[np.dtype] | None = None) -> Translation:
     """Translate ``func`` for arguments of these types (see the module's docstring).
 
     Parameters
@@ -98,7 +111,7 @@ def translate(func: Callable, argtypes: Sequence[VType],
         :func:`~dask_gpuchunk._kernels.numpy_rules.weak_type` for a Python number.
     out_dtype
         What ``f`` returns (each result converted as ``astype`` converts); default NumPy's
-        result dtype.
+        result dtype. A sequence of dtypes for a function that returns a tuple.
 
     Raises
     ------
@@ -133,14 +146,24 @@ def translate(func: Callable, argtypes: Sequence[VType],
                 raise TypeError(f"dg.elementwise cannot compile {name!r} by NumPy's rules: "
                                 f"{where}, {exc}") from None
             raise exc.exc_type(f"{name!r} ({where}), {exc} (as NumPy raises)") from None
-        result = np.result_type(*(vt.dtype for vt in walker.returns))
+        nout = walker.nout
+        if nout is None:
+            result: tuple[np.dtype, ...] = (np.result_type(*(vt.dtype for vt in walker.returns)),)
+        else:
+            result = tuple(np.result_type(*(r[k].dtype for r in walker.returns))
+                           for k in range(nout))
         if out_dtype is not None:
             break
-        out_dtype = result  # a second walk writes its returns as that dtype
+        out_dtype = result[0] if nout is None else result  # a second walk converts to them
         emitter = Emitter()
+    outs = (out_dtype,) if nout is None else tuple(out_dtype)
+    if len(outs) != len(result):
+        raise TypeError(f"dg.elementwise: {name!r} returns {len(result)} values, dtype= gives "
+                        f"{len(outs)}")
     source = "\n".join([*helpers.sources, walker.source]) + "\n"
-    return Translation(source, (*helpers.names, "f"), np.dtype(result), np.dtype(out_dtype),
-                       tuple(dict.fromkeys(emitter.call_checks)))
+    return Translation(source, (*helpers.names, "f"), tuple(np.dtype(d) for d in result),
+                       tuple(np.dtype(d) for d in outs),
+                       tuple(dict.fromkeys(emitter.call_checks)), nout)
 
 
 # ---- the function's source -----------------------------------------------------------------
@@ -268,7 +291,12 @@ class _Walker:
         self.emitter = emitter
         self.helpers = helpers
         self.out_dtype = out_dtype
-        self.returns: list[VType] = []
+        #: Each return's type (a tuple of them where the function returns a tuple).
+        self.returns: list[Any] = []
+        #: ``None`` while every return gives one number; the tuple's length where they give
+        #: tuples (the function's own returns only: a helper returns one number).
+        self.nout: int | None = None
+        self.return_kind: str | None = None
         self.return_values: list[tuple[list[str], int, Value]] = []
         self.count = 0
         self.loops: list[_Loop] = []
@@ -379,6 +407,9 @@ class _Walker:
         if isinstance(stmt, ast.Return):
             if stmt.value is None:
                 raise self.fail("'return' without a value")
+            if isinstance(stmt.value, ast.Tuple):
+                return self.tuple_return(stmt.value, env, out, pad)
+            self.check_return_kind("a number")
             value = self.expr(stmt.value, env)
             self.returns.append(value.vt)
             out.append(f"{pad}return {self.result(value)}")
@@ -414,14 +445,47 @@ class _Walker:
         raise self.fail(f"'{type(stmt).__name__}' statements are not supported in elementwise "
                         "functions")
 
-    def result(self, value: Value) -> str:
+    def check_return_kind(self, kind: str) -> None:
+        """Every return of one function gives the same kind of result."""
+        if self.return_kind is None:
+            self.return_kind = kind
+        elif self.return_kind != kind:
+            raise self.fail(f"this return gives {kind}, an earlier one {self.return_kind} (every "
+                            "return must give as many values)")
+
+    def tuple_return(self, node: ast.Tuple, env: dict[str, Value], out: list[str],
+                     pad: str) -> bool:
+        """``return a, b, ...``: one output per value (NumPy's ``nout``)."""
+        if self.return_type is not None or self.helpers.active:
+            raise self.fail("a helper function returns one number, not a tuple (only the "
+                            "elementwise function itself returns several values)")
+        if not node.elts or any(isinstance(e, ast.Starred) for e in node.elts):
+            raise self.fail("return a tuple of one or more plain values")
+        self.check_return_kind(f"a tuple of {len(node.elts)} values")
+        self.nout = len(node.elts)
+        values = [self.expr(e, env) for e in node.elts]
+        self.returns.append(tuple(v.vt for v in values))
+        parts = [self.result(v, k) for k, v in enumerate(values)]
+        out.append(f"{pad}return ({', '.join(parts)},)")
+        return True
+
+    def result(self, value: Value, position: int | None = None) -> str:
         """What a ``return`` returns: the helper's one type, or the output's dtype (as
-        ``astype`` converts); a placeholder while neither is known."""
+        ``astype`` converts; the ``position``-th output's for a tuple); a placeholder while
+        neither is known."""
         if self.return_type is not None:
             return self.rule(lambda: self.convert_joined(value, self.return_type))
         if self.out_dtype is None:
             return "0"
-        return self.rule(lambda: self.emitter.convert(value, self.out_dtype, astype=True))
+        several = isinstance(self.out_dtype, tuple)
+        if several != (position is not None):
+            raise self.fail(f"the function returns {'several values' if position is not None else 'one value'}"
+                            f", dtype= gives {len(self.out_dtype) if several else 'one'}")
+        if several and self.nout != len(self.out_dtype):
+            raise self.fail(f"the function returns {self.nout} values, dtype= gives "
+                            f"{len(self.out_dtype)}")
+        dtype = self.out_dtype if position is None else self.out_dtype[position]
+        return self.rule(lambda: self.emitter.convert(value, dtype, astype=True))
 
     def assign(self, targets: list[ast.expr], value_node: ast.expr, env: dict[str, Value],
                out: list[str], pad: str) -> None:

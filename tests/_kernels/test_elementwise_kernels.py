@@ -93,8 +93,13 @@ def test_numba_rules_reject_uncompilable_function():
 
     with pytest.raises(TypeError, match="numba cannot compile 'uses_object'"):
         numba_result_dtype(uses_object, [np.dtype("f8")])
-    with pytest.raises(TypeError, match="returns"):
-        numba_result_dtype(lambda a: (a, a), [np.dtype("f8")])
+    with pytest.raises(TypeError, match="returns array"):
+        numba_result_dtype(lambda a: np.empty(3), [np.dtype("f8")])
+
+
+def test_numba_rules_give_one_dtype_per_value_of_a_returned_tuple():
+    assert numba_result_dtype(lambda a: (a, a > 0), [np.dtype("f4")]) == (
+        np.dtype("f4"), np.dtype("bool"))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "object", "U3", "datetime64[ns]", ">f8"])
