@@ -26,11 +26,14 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import Task, TaskRef
 
 from ._kernels.elementwise import (
+    REDUCTIONS,
     RULES,
+    ElementwisePlan,
     arg_type,
     check_dtype,
     is_python_number,
     kernels_for,
+    reduced_dtype,
 )
 from ._kernels.numpy_rules import VType, weak_type
 from ._kernels.translate import check_call
@@ -38,7 +41,7 @@ from .arrays import asarray, is_array_like, refuse_masked
 from .backend import is_cupy, run_elementwise
 from .budget import check_fits
 from .config import listed_graphs, map_blocks_prefix
-from .devices import check_device_for_graph, gpu_available
+from .devices import check_device, check_device_for_graph, check_device_name, gpu_available
 
 __all__ = ["ElementwiseOp", "elementwise", "multiply"]
 
@@ -68,15 +71,57 @@ def _positional_arity(func: Callable) -> int:
     return count
 
 
-def _block(*blocks: Any, kernels: Any, out_dtype: np.dtype, device: str) -> Any:
+def _block(*blocks: Any, kernels: Any, out_dtype: Any, device: str) -> Any:
     return run_elementwise(kernels, out_dtype, blocks, device)
 
 
-def _block_into(*blocks: Any, block_id: tuple[int, ...], kernels: Any, out_dtype: np.dtype,
+def _block_into(*blocks: Any, block_id: tuple[int, ...], kernels: Any, out_dtype: Any,
                 device: str, target: _Target, result_chunks: tuple[tuple[int, ...], ...]) -> np.ndarray:
     region = tuple(slice(sum(c[:i]), sum(c[:i + 1])) for c, i in zip(result_chunks, block_id))
-    run_elementwise(kernels, out_dtype, blocks, device, dest=target.array[region])
-    return np.ones((1,) * len(result_chunks), dtype=bool)  # a marker: the data went into out
+    ndim = len(result_chunks)
+    if not isinstance(out_dtype, ElementwisePlan):
+        run_elementwise(kernels, out_dtype, blocks, device, dest=target.array[region])
+        return np.ones((1,) * ndim, dtype=bool)  # a marker: the data went into out
+    _, reduced = run_elementwise(kernels, out_dtype, blocks, device,
+                                 dest=tuple(o[region] for o in target.array))
+    mark = np.empty((1,) * ndim, dtype=object)  # the block's reductions, for the caller
+    mark[(0,) * ndim] = reduced
+    return mark
+
+
+def _pick_output(result: tuple[Any, Any], k: int) -> Any:
+    """Output ``k`` of a block computed by a plan (``(outputs, reductions)``)."""
+    return result[0][k]
+
+
+def _pick_reduction(result: tuple[Any, Any], r: int, ndim: int) -> Any:
+    """Reduction ``r`` of a block, as a one-element block of an array of the blocks' values."""
+    return result[1][r].reshape((1,) * ndim)
+
+
+def _combine_reduced(op: str, *values: Any) -> Any:
+    """The blocks' values of one reduction (0-d arrays of its partial dtype) combined."""
+    if len(values) == 1:
+        return values[0]
+    xp = __import__("cupy") if is_cupy(values[0]) else np
+    stacked = xp.stack(values)
+    if op in ("sum", "mean"):
+        return stacked.sum()
+    return stacked.min() if op == "min" else stacked.max()
+
+
+def _finish(value: Any, op: str, count: int, dtype: np.dtype) -> Any:
+    """A reduction's combined value as NumPy gives it: its dtype; a mean divided by the count.
+    A 0-d array (NumPy or CuPy, as ``value``)."""
+    if op == "mean":
+        with np.errstate(invalid="ignore", divide="ignore"):
+            value = value / count
+    return value.astype(dtype, copy=False)
+
+
+def _finish_blocks(r: int, op: str, count: int, dtype: np.dtype, *blocks: Any) -> Any:
+    """Reduction ``r`` of every block's ``(outputs, reductions)``, combined and finished."""
+    return _finish(_combine_reduced(op, *(b[1][r] for b in blocks)), op, count, dtype)
 
 
 class _Target:
@@ -84,11 +129,38 @@ class _Target:
 
     __slots__ = ("array", "token")
 
-    def __init__(self, array: np.ndarray) -> None:
+    def __init__(self, array: Any) -> None:
         self.array, self.token = array, uuid.uuid4().hex
 
     def __dask_tokenize__(self) -> str:
         return self.token
+
+
+def _reductions_of(reduce: Any, nout: int, name: str) -> tuple[tuple[int, str], ...]:
+    """``reduce=`` as ``(output, op)`` pairs: a name for every output, or one entry per output
+    (``None``, a name, or a sequence of names)."""
+    if reduce is None:
+        return ()
+    if isinstance(reduce, str):
+        per_output: list[Any] = [reduce] * nout
+    else:
+        try:
+            per_output = list(reduce)
+        except TypeError:
+            raise TypeError(f"{name}: reduce= takes a reduction's name, or one entry per output; "
+                            f"got {type(reduce).__name__}") from None
+        if len(per_output) != nout:
+            raise ValueError(f"{name}: reduce= has {len(per_output)} entries for {nout} "
+                             f"output{'s' if nout != 1 else ''}")
+    pairs = []
+    for k, entry in enumerate(per_output):
+        ops = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        for op in ops:
+            if op not in REDUCTIONS:
+                raise ValueError(f"{name}: unknown reduction {op!r}; one of "
+                                 f"{', '.join(REDUCTIONS)}")
+            pairs.append((k, op))
+    return tuple(pairs)
 
 
 class ElementwiseOp:
@@ -102,7 +174,14 @@ class ElementwiseOp:
             raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
         self.func = func
         self.nargs = _positional_arity(func)
-        self.dtype = None if dtype is None else check_dtype(dtype, "dtype=")
+        if dtype is None:
+            self.dtype = None
+        elif isinstance(dtype, (tuple, list)):
+            if not dtype:
+                raise ValueError("dtype= is an empty sequence")
+            self.dtype = tuple(check_dtype(d, f"dtype= entry {k + 1}") for k, d in enumerate(dtype))
+        else:
+            self.dtype = check_dtype(dtype, "dtype=")
         self.rules = rules
         self.__name__ = name or getattr(func, "__name__", "elementwise")
         self.__doc__ = getattr(func, "__doc__", None)
@@ -115,15 +194,17 @@ class ElementwiseOp:
             *params,
             inspect.Parameter("device", inspect.Parameter.KEYWORD_ONLY, default="auto"),
             inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=None),
+            inspect.Parameter("reduce", inspect.Parameter.KEYWORD_ONLY, default=None),
         ])
 
     def __repr__(self) -> str:
         return f"<dask_gpuchunk elementwise {self.__name__!r} of {self.nargs} arguments>"
 
-    def result_dtype(self, *dtypes: Any) -> np.dtype:
+    def result_dtype(self, *dtypes: Any) -> Any:
         """The result dtype for arguments of these dtypes (``dtype=`` if given, else the
-        function's, by its rules). A Python number's argument is given as its type (``float``,
-        ``int``, ``complex``, ``bool``).
+        function's, by its rules); a tuple of them for a function that returns a tuple. A
+        Python number's argument is given as its type (``float``, ``int``, ``complex``,
+        ``bool``).
 
         Examples
         --------
@@ -133,48 +214,76 @@ class ElementwiseOp:
         dtype('float32')
         >>> multiply.result_dtype(np.dtype("float32"), np.dtype("int64"))
         dtype('float64')
+        >>> elementwise(lambda a, b: (a * b, a > b)).result_dtype("int8", "int16")
+        (dtype('int16'), dtype('bool'))
         """
-        return self._result_dtype(tuple(_argtype_of(d, i) for i, d in enumerate(dtypes)))
+        out_dtypes, tupled = self._outputs(tuple(_argtype_of(d, i) for i, d in enumerate(dtypes)))
+        return out_dtypes if tupled else out_dtypes[0]
+
+    def _outputs(self, argtypes: tuple[VType, ...]) -> tuple[tuple[np.dtype, ...], bool]:
+        """Each output's dtype (``dtype=`` where given) and whether the function returns a
+        tuple. Always translated (or compiled, with ``rules="numba"``): it checks the function."""
+        inferred, tupled = self.kernels.outputs(argtypes)
+        if self.dtype is None:
+            return inferred, tupled
+        if not isinstance(self.dtype, tuple):
+            return (self.dtype,) * len(inferred), tupled
+        if len(self.dtype) != len(inferred):
+            raise TypeError(f"{self.__name__} returns {len(inferred)} value"
+                            f"{'s' if len(inferred) != 1 else ''}; dtype= gives {len(self.dtype)}")
+        return self.dtype, tupled
 
     def _result_dtype(self, argtypes: tuple[VType, ...]) -> np.dtype:
-        # Always translated (or compiled, with rules="numba"): it checks the function.
-        inferred = self.kernels.result_dtype(argtypes)
-        return self.dtype if self.dtype is not None else inferred
+        return self._outputs(argtypes)[0][0]
 
-    def __call__(self, *args: Any, device: str = "auto", out: np.ndarray | None = None) -> Any:
+    def __call__(self, *args: Any, device: str = "auto", out: Any = None,
+                 reduce: Any = None) -> Any:
         """Apply the operation; see :func:`elementwise` for the arguments."""
-        check_device_for_graph(device)
+        check_device_name(device)
         if len(args) != self.nargs:
             raise TypeError(f"{self.__name__} takes {self.nargs} arguments, got {len(args)}")
         operands = _operands(args, self.__name__)
         argtypes = tuple(arg_type(op, i) for i, op in enumerate(operands))
-        out_dtype = self._result_dtype(argtypes)
+        out_dtypes, tupled = self._outputs(argtypes)
         self._check_python_numbers(operands, argtypes)
         shape = _broadcast_shape(operands, self.__name__)
+        plan = self._plan(out_dtypes, tupled, reduce, shape)
         on_device = any(_is_cupy_backed(op) for op in operands)
         if on_device and device == "cpu":
             raise ValueError(
                 f"{self.__name__}: device='cpu' was given CuPy (GPU) data; use device='gpu' or "
                 "'auto', or move it to the host first (x.map_blocks(cupy.asnumpy))"
             )
+        if not any(isinstance(op, da.Array) or is_array_like(op) for op in operands):
+            check_device(device)
+            return self._eager(operands, plan, shape, device, out, on_device)
+        check_device_for_graph(device)
         arrays, chunks = _to_dask(operands)
         if (on_device or device == "gpu") and gpu_available():
-            _check_chunk_fits(self.__name__, arrays, chunks, out_dtype, on_device)
-        if on_device:
-            import cupy
-
-            meta = cupy.empty((0,) * len(shape), dtype=out_dtype)
-        else:
-            meta = np.empty((0,) * len(shape), dtype=out_dtype)
+            _check_chunk_fits(self.__name__, arrays, chunks, plan.out_dtypes, on_device)
+        xp = __import__("cupy") if on_device else np
         if out is not None:
-            return self._compute_into(arrays, chunks, out, shape, out_dtype, device, on_device,
-                                      meta)
+            return self._compute_into(arrays, chunks, out, shape, plan, device, on_device)
+        single = plan == ElementwisePlan.single(plan.out_dtypes[0])
+        task_kwargs = {"kernels": self.kernels, "out_dtype": plan.out_dtypes[0] if single
+                       else plan, "device": device}
         signature = [(vt.dtype.str, vt.weak) for vt in argtypes]
-        name = f"{self.__name__}-{tokenize(self.kernels.token, out_dtype, device, signature, *arrays)}"
-        task_kwargs = {"kernels": self.kernels, "out_dtype": out_dtype, "device": device}
-        if listed_graphs() and math.prod(len(c) for c in chunks) <= LISTED_GRAPH_MAX_BLOCKS:
-            graph = _listed_graph(name, arrays, chunks, task_kwargs)
-            return da.Array(graph, name, chunks, meta=meta, dtype=out_dtype)
+        name = f"{self.__name__}-{tokenize(self.kernels.token, plan, device, signature, *arrays)}"
+        listed = listed_graphs() and math.prod(len(c) for c in chunks) <= LISTED_GRAPH_MAX_BLOCKS
+        if single:
+            meta = xp.empty((0,) * len(shape), dtype=plan.out_dtypes[0])
+            if listed:
+                graph = _listed_graph(name, arrays, chunks, task_kwargs)
+                return da.Array(graph, name, chunks, meta=meta, dtype=plan.out_dtypes[0])
+            return self._blockwise(name, arrays, shape, task_kwargs, meta, plan.out_dtypes[0])
+        if listed:
+            return _listed_plan(name, arrays, chunks, task_kwargs, plan, shape, xp)
+        blocks = self._blockwise(name, arrays, shape, task_kwargs,
+                                 np.empty((0,) * len(shape), dtype=object), object)
+        return _blockwise_plan(blocks, plan, shape, chunks, xp, self.__name__)
+
+    def _blockwise(self, name: str, arrays: list[Any], shape: tuple[int, ...],
+                   task_kwargs: dict[str, Any], meta: Any, dtype: Any) -> da.Array:
         # blockwise as map_blocks would call it (trailing dimensions aligned, length-1 block
         # dimensions broadcast), without map_blocks' signature inspection.
         # Under array query planning a given name= is kept through the optimizer's rewrites
@@ -182,8 +291,22 @@ class ElementwiseOp:
         naming = {"token": self.__name__} if da.array_expr_enabled() else {"name": name}
         return da.blockwise(
             _block, tuple(range(len(shape))), *_index_pairs(arrays, len(shape)), **naming,
-            dtype=out_dtype, meta=meta, concatenate=True, align_arrays=False, **task_kwargs,
+            dtype=dtype, meta=meta, concatenate=True, align_arrays=False, **task_kwargs,
         )
+
+    def _plan(self, out_dtypes: tuple[np.dtype, ...], tupled: bool, reduce: Any,
+              shape: tuple[int, ...]) -> ElementwisePlan:
+        """The pass's :class:`ElementwisePlan`, its reductions checked before any work."""
+        reductions = _reductions_of(reduce, len(out_dtypes), self.__name__)
+        for k, op in reductions:
+            try:
+                reduced_dtype(op, out_dtypes[k])
+            except TypeError as exc:
+                raise TypeError(f"{self.__name__}: output {k + 1}: {exc}") from None
+            if op in ("min", "max") and 0 in shape:
+                raise ValueError(f"{self.__name__}: zero-size result: {op} has no identity "
+                                 "(as NumPy raises)")
+        return ElementwisePlan(out_dtypes, tupled, reductions)
 
     def _check_python_numbers(self, operands: list[Any], argtypes: tuple[VType, ...]) -> None:
         """Raise as NumPy would for the Python numbers given (a value out of the bounds of the
@@ -195,36 +318,165 @@ class ElementwiseOp:
         except (OverflowError, ValueError, ZeroDivisionError) as exc:
             raise type(exc)(f"{self.__name__}: {exc}") from None
 
+    def _check_out(self, out: Any, plan: ElementwisePlan, shape: tuple[int, ...],
+                   on_device: bool) -> tuple[Any, ...]:
+        """``out=`` as a tuple of arrays, one per output, checked: CuPy arrays for CuPy
+        inputs, NumPy arrays (or np.memmap) for NumPy ones, of the outputs' shape and dtypes."""
+        nout = len(plan.out_dtypes)
+        several = plan.tupled or isinstance(out, tuple)
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        if several and len(outs) != nout:
+            raise ValueError(f"{self.__name__}: out= has {len(outs)} arrays for {nout} outputs")
+        kind = "CuPy" if on_device else "NumPy"
+        for k, (o, dt) in enumerate(zip(outs, plan.out_dtypes)):
+            what = f"{self.__name__}: out=" + (f" entry {k + 1}" if nout > 1 else "")
+            if on_device != is_cupy(o) or not (is_cupy(o) or isinstance(o, np.ndarray)):
+                raise TypeError(f"{what} must be a {kind} array for {kind} inputs "
+                                f"(or np.memmap), got {type(o).__name__}")
+            if tuple(o.shape) != shape or o.dtype != dt:
+                raise ValueError(f"{what} has shape {tuple(o.shape)} and dtype {o.dtype}; the "
+                                 f"result has shape {shape} and dtype {dt}")
+            if isinstance(o, np.ndarray) and not o.flags.writeable:
+                raise ValueError(f"{what} is read-only")
+        return outs
+
+    def _eager(self, operands: list[Any], plan: ElementwisePlan, shape: tuple[int, ...],
+               device: str, out: Any, on_device: bool) -> Any:
+        """NumPy, CuPy arrays and numbers only: computed now, as a ufunc would (CuPy in, CuPy
+        out on the current stream; NumPy in, NumPy out, where ``device`` places it)."""
+        single = plan == ElementwisePlan.single(plan.out_dtypes[0])
+        outs = None if out is None else self._check_out(out, plan, shape, on_device)
+        nbytes = math.prod(shape) * sum(dt.itemsize for dt in plan.out_dtypes) + sum(
+            op.nbytes for op in operands if not is_python_number(op))
+        if (not on_device and nbytes > EAGER_ONE_CHUNK_BYTES and device != "cpu"
+                and gpu_available()):
+            # Too large for one staged chunk: chunked, on local threads, into the outputs.
+            arrays, chunks = _to_dask(operands)
+            if outs is None:
+                outs = tuple(np.empty(shape, dt) for dt in plan.out_dtypes)
+            result = self._compute_into(arrays, chunks, outs if not single else outs[0], shape,
+                                        plan, device, False, eager=True)
+        else:
+            inputs = [op if is_python_number(op) or is_cupy(op) or isinstance(op, np.generic)
+                      else np.asarray(op) for op in operands]
+            dest = None if outs is None else (outs[0] if single else outs)
+            result = run_elementwise(self.kernels, plan.out_dtypes[0] if single else plan,
+                                     inputs, device, dest=dest)
+        if single:
+            return result[()] if out is None and not on_device and not shape else result
+        results, reduced = result
+        if out is None and not on_device and not shape:
+            results = tuple(r[()] for r in results)
+        finished = [_finish(v, op, math.prod(shape), reduced_dtype(op, plan.out_dtypes[k]))
+                    for v, (k, op) in zip(reduced, plan.reductions)]
+        if not on_device:
+            finished = [f[()] for f in finished]  # NumPy scalars, as np.sum gives
+        return (*results, *finished)
+
     def _compute_into(self, arrays: list[Any], chunks: tuple[tuple[int, ...], ...], out: Any,
-                      shape: tuple[int, ...], out_dtype: np.dtype, device: str,
-                      on_device: bool, meta: Any) -> np.ndarray:
+                      shape: tuple[int, ...], plan: ElementwisePlan, device: str,
+                      on_device: bool, eager: bool = False) -> Any:
+        """Dask inputs with ``out=``: computed now, on local threads, each block written
+        straight into its region of each output."""
+        single = plan == ElementwisePlan.single(plan.out_dtypes[0])
         if on_device:
             raise ValueError(f"{self.__name__}: out= takes a host array; CuPy inputs give CuPy "
                              "results (drop out= and persist or compute the result instead)")
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"{self.__name__}: out= must be a NumPy array (or np.memmap), "
-                            f"got {type(out).__name__}")
-        if out.shape != shape or out.dtype != out_dtype:
-            raise ValueError(
-                f"{self.__name__}: out= has shape {out.shape} and dtype {out.dtype}; the result "
-                f"has shape {shape} and dtype {out_dtype}"
-            )
-        if not out.flags.writeable:
-            raise ValueError(f"{self.__name__}: out= is read-only")
+        outs = out if eager else self._check_out(out, plan, shape, False)
+        target = outs[0] if single and not eager else outs
         if not any(isinstance(a, da.Array) for a in arrays):  # numbers only: one 0-d result
-            out[...] = _block(*arrays, kernels=self.kernels, out_dtype=out_dtype, device=device)
-            return out
-        # One marker element per block: the data goes into out.
-        marks = da.map_blocks(
-            _block_into, *arrays, dtype=bool, meta=np.empty((0,) * len(shape), dtype=bool),
-            chunks=tuple((1,) * len(c) for c in chunks),
-            **map_blocks_prefix(f"{self.__name__}-into"),
-            kernels=self.kernels, out_dtype=out_dtype, device=device, target=_Target(out),
-            result_chunks=chunks,
-        )
-        # Writes land in this process's memory: run on local threads, never on a cluster.
-        marks.compute(scheduler="threads")
-        return out
+            result = run_elementwise(self.kernels, plan.out_dtypes[0] if single else plan,
+                                     arrays, device)
+            marks = None
+            if single:
+                target[...] = result
+            else:
+                for o, r in zip(target, result[0]):
+                    o[...] = r
+                marks = [result[1]]
+        else:
+            # One mark per block: the data goes into the outputs.
+            blocks = da.map_blocks(
+                _block_into, *arrays, dtype=bool if single else object,
+                meta=np.empty((0,) * len(shape), dtype=bool if single else object),
+                chunks=tuple((1,) * len(c) for c in chunks),
+                **map_blocks_prefix(f"{self.__name__}-into"),
+                kernels=self.kernels, out_dtype=plan.out_dtypes[0] if single else plan,
+                device=device, target=_Target(target), result_chunks=chunks,
+            )
+            # Writes land in this process's memory: run on local threads, never on a cluster.
+            computed = blocks.compute(scheduler="threads")
+            marks = None if single else list(np.asarray(computed, dtype=object).reshape(-1))
+        if single:
+            return target
+        if eager:
+            return tuple(target), tuple(
+                _combine_reduced(op, *(m[r] for m in marks))
+                for r, (_, op) in enumerate(plan.reductions))
+        finished = [
+            _finish(_combine_reduced(op, *(m[r] for m in marks)), op, math.prod(shape),
+                    reduced_dtype(op, plan.out_dtypes[k]))[()]
+            for r, (k, op) in enumerate(plan.reductions)]
+        return (*target, *finished)
+
+
+#: NumPy inputs with no Dask operand whose inputs and outputs take more than this are
+#: computed in chunks on local threads (a GPU takes one chunk at a time); less, as one chunk.
+EAGER_ONE_CHUNK_BYTES = 512 * 2**20
+
+
+def _listed_plan(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],
+                 task_kwargs: dict[str, Any], plan: ElementwisePlan, shape: tuple[int, ...],
+                 xp: Any) -> tuple[da.Array, ...]:
+    """The outputs and reductions of a plan over few blocks, listed: one task per block computes
+    every output, one task per output block picks it, one task per reduction combines the
+    blocks' values (:func:`_listed_graph`)."""
+    base = _listed_graph(name, arrays, chunks, task_kwargs)
+    block_keys = [(name, *idx) for idx in product(*(range(len(c)) for c in chunks))]
+    results: list[da.Array] = []
+    for k, dt in enumerate(plan.out_dtypes):
+        out_name = f"{name}-out{k}"
+        layer = {(out_name, *key[1:]): Task((out_name, *key[1:]), _pick_output, TaskRef(key), k)
+                 for key in block_keys}
+        graph = HighLevelGraph({**base.layers, out_name: layer},
+                               {**base.dependencies, out_name: {name}})
+        results.append(da.Array(graph, out_name, chunks, dtype=dt,
+                                meta=xp.empty((0,) * len(shape), dtype=dt)))
+    count = math.prod(shape)
+    for r, (k, op) in enumerate(plan.reductions):
+        dt = reduced_dtype(op, plan.out_dtypes[k])
+        red_name = f"{name}-{op}{r}"
+        layer = {(red_name,): Task((red_name,), _finish_blocks, r, op, count, dt,
+                                   *(TaskRef(key) for key in block_keys))}
+        graph = HighLevelGraph({**base.layers, red_name: layer},
+                               {**base.dependencies, red_name: {name}})
+        results.append(da.Array(graph, red_name, (), dtype=dt, meta=xp.empty((), dtype=dt)))
+    return tuple(results)
+
+
+def _blockwise_plan(blocks: da.Array, plan: ElementwisePlan, shape: tuple[int, ...],
+                    chunks: tuple[tuple[int, ...], ...], xp: Any,
+                    prefix: str) -> tuple[da.Array, ...]:
+    """The outputs and reductions of a plan from a blockwise array whose blocks are
+    ``(outputs, reductions)``: outputs picked block by block, reductions by Dask's own tree
+    reductions over the blocks' values."""
+    ndim = len(shape)
+    results: list[da.Array] = [
+        blocks.map_blocks(_pick_output, k, dtype=dt, meta=xp.empty((0,) * ndim, dtype=dt),
+                          **map_blocks_prefix(f"{prefix}-out{k}"))
+        for k, dt in enumerate(plan.out_dtypes)]
+    count = math.prod(shape)
+    for r, ((k, op), pdt) in enumerate(zip(plan.reductions, plan.partial_dtypes())):
+        values = blocks.map_blocks(_pick_reduction, r, ndim, dtype=pdt,
+                                   meta=xp.empty((0,) * ndim, dtype=pdt),
+                                   chunks=tuple((1,) * len(c) for c in chunks),
+                                   **map_blocks_prefix(f"{prefix}-{op}{r}"))
+        combined = (values.sum(dtype=pdt) if op in ("sum", "mean")
+                    else values.min() if op == "min" else values.max())
+        dt = reduced_dtype(op, plan.out_dtypes[k])
+        results.append(combined.map_blocks(_finish, op, count, dt, dtype=dt,
+                                           meta=xp.empty((), dtype=dt)))
+    return tuple(results)
 
 
 def _argtype_of(d: Any, index: int) -> VType:
@@ -358,11 +610,11 @@ def _largest_block_bytes(chunks: tuple[tuple[int, ...], ...], dtype: np.dtype) -
 
 
 def _check_chunk_fits(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],
-                      out_dtype: np.dtype, on_device: bool) -> None:
+                      out_dtypes: tuple[np.dtype, ...], on_device: bool) -> None:
     """Refuse, before any work, a result chunk that cannot fit this process's device budget
-    (:mod:`dask_gpuchunk.budget`) with its inputs: its output, and host inputs copied to the
+    (:mod:`dask_gpuchunk.budget`) with its inputs: its outputs, and host inputs copied to the
     device (device inputs are already there)."""
-    nbytes = _largest_block_bytes(chunks, out_dtype)
+    nbytes = sum(_largest_block_bytes(chunks, dt) for dt in out_dtypes)
     if not on_device:
         nbytes += sum(_largest_block_bytes(a.chunks, a.dtype) for a in arrays
                       if isinstance(a, da.Array))
@@ -451,7 +703,13 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
     Returns
     -------
     ElementwiseOp
-        Called as ``op(*arrays, device="auto", out=None)``:
+        Called as ``op(*arrays, device="auto", out=None, reduce=None)``. With a Dask operand
+        (or an h5py / Zarr dataset) the results are Dask arrays; with NumPy or CuPy arrays and
+        numbers only, they are computed at once, like a NumPy ufunc's: CuPy in, CuPy out (on
+        the current stream, no host copy); NumPy in, NumPy out (0-d results as NumPy scalars),
+        computed where ``device`` says (NumPy inputs larger than 512 MiB in chunks on local
+        threads). A function that returns a tuple gives one output per value, computed in one
+        pass (NumPy's ``nout``; ``dtype=`` may be a tuple).
 
         ``device``
             ``"gpu"``: CuPy chunks stay on the device; NumPy chunks are staged through pinned
@@ -460,9 +718,17 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
             where a measured rule says they run faster (:mod:`dask_gpuchunk.placement`),
             CPU where no GPU is visible.
         ``out``
-            A NumPy array (pinned or not, or an ``np.memmap``) of the result's shape and dtype:
-            the result is computed now, on local threads, each chunk written straight into its
-            region of ``out`` (no concatenation copy), and ``out`` is returned.
+            A NumPy array (pinned or not, or an ``np.memmap``) of the result's shape and dtype
+            (a CuPy array for CuPy inputs; a tuple of arrays for several outputs): the result
+            is computed now, on local threads, each chunk written straight into its region of
+            ``out`` (no concatenation copy), and ``out`` is returned.
+        ``reduce``
+            Reductions over all elements of the outputs, computed in the same kernel pass (no
+            second read of the outputs): ``"sum"``, ``"mean"``, ``"min"`` or ``"max"`` for
+            every output, or one entry per output (``None``, a name, or a tuple of names). They
+            follow the outputs in the result, in order: 0-d Dask arrays (a tree of the
+            blocks' partials), 0-d CuPy arrays or NumPy scalars, with NumPy's dtypes (a
+            ``float32`` sum is accumulated in ``float64``, then rounded).
 
     Notes
     -----
@@ -496,8 +762,18 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
     ... def third_of_product(a, b):
     ...     return (a * b) // 3
     >>> a = np.array([100, 80, -86, 83], np.int8)
-    >>> third_of_product(a, np.array([3, -9, 5, 4], np.int8), device="cpu").compute()
+    >>> third_of_product(a, np.array([3, -9, 5, 4], np.int8), device="cpu")
     array([14, 16, 27, 25], dtype=int8)
+
+    Several outputs in one pass, and a reduction of one of them fused into it:
+
+    >>> @elementwise
+    ... def divide_with_rest(a, b):
+    ...     return a // b, a % b
+    >>> q, r, q_max = divide_with_rest(da.arange(7, chunks=3), 3, reduce=("max", None),
+    ...                                device="cpu")
+    >>> q.compute(), r.compute(), q_max.compute()
+    (array([0, 0, 0, 1, 1, 1, 2]), array([0, 1, 2, 0, 1, 2, 0]), np.int64(2))
     """
     if func is None:
         return functools.partial(elementwise, dtype=dtype, name=name, cache=cache, rules=rules)
@@ -516,7 +792,8 @@ multiply.__doc__ = """Elementwise product ``x * y`` of Dask, NumPy or CuPy array
 
 NumPy's broadcasting, type promotion and values (``int8 * uint64`` is ``float64``, Python numbers
 are weak); chunks run on the GPU or the CPU as ``device`` says (see :func:`elementwise`).
-Returns a Dask array, or ``out`` filled when ``out=`` is given.
+Returns a Dask array for Dask operands, the product computed at once for NumPy / CuPy arrays and
+numbers only, or ``out`` filled when ``out=`` is given.
 
 Examples
 --------

@@ -319,7 +319,7 @@ def _warm_multiply(a_shape: tuple[int, ...], a_dtype: str, b_shape: tuple[int, .
     a, b = small(a_shape, a_dtype), small(b_shape, b_dtype)
     for where in ("cpu", "gpu") if device == "auto" else (device,):
         if where == "cpu" or gpu_available():
-            multiply(a, b, device=where).compute(scheduler="sync")
+            multiply(a, b, device=where)  # NumPy in: computed at once
 
 
 def _warm_gram(words_dtype: str, method: str, device: str, layout: str) -> None:

@@ -52,10 +52,10 @@ def test_names_follow_the_array(rng, monkeypatch):
 
 
 def test_elementwise_names_are_deterministic(rng):
-    a, b = rng.random((6, 3)), rng.random(3)
-    assert dg.multiply(a, b).name == dg.multiply(a, b).name
-    assert dg.multiply(a, b).name != dg.multiply(a, b + 1).name
-    assert dg.multiply(a, 2).name != dg.multiply(a, 2.0).name  # a Python int, a Python float
+    x, b = dg.asarray(rng.random((6, 3)), chunks=2), rng.random(3)
+    assert dg.multiply(x, b).name == dg.multiply(x, b).name
+    assert dg.multiply(x, b).name != dg.multiply(x, b + 1).name
+    assert dg.multiply(x, 2).name != dg.multiply(x, 2.0).name  # a Python int, a Python float
 
 
 class CountingDataset:

@@ -39,7 +39,7 @@ from dask_gpuchunk.devices import gpu_available
 op = dg.elementwise(userfunc.f, cache=True)
 device = {device!r}
 a = np.arange(12.0).reshape(3, 4)
-r = op(a, a[0], device=device).compute(scheduler="sync")
+r = op(a, a[0], device=device)
 assert np.array_equal(r, userfunc.f(a, a[0])), r
 table = op.kernels._cuda if device == "gpu" else op.kernels._cpu
 hits = sum(sum(d.stats.cache_hits.values()) for d in table.values())
