@@ -584,3 +584,160 @@ def test_gpu_from_host_pinned_and_pageable(rng, pinned_inputs, pinned_out):
     dg.multiply(dg.asarray(a, chunks=(70, 40)), dg.asarray(b, chunks=(70, 40)), device="gpu",
                 out=out)
     assert_same(out, np.asarray(a) * np.asarray(b))
+
+
+# ---- eager calls, several outputs, fused reductions ----------------------------------------
+
+
+def _on(xp, a):
+    return a if xp is np or np.ndim(a) == 0 else xp.asarray(a)
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else np.asarray(x)
+
+
+@elementwise_module.elementwise
+def step_pair(f, g, d):
+    return f * d + g, g - f
+
+
+@pytest.mark.dtypes
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_eager_results_equal_the_dask_results_for_every_dtype(rng, xp, dtype):
+    a, b = random_array(rng, (9, 7), dtype), random_array(rng, (7,), dtype)
+    with np.errstate(all="ignore"):
+        eager = dg.multiply(_on(xp, a), _on(xp, b))
+        lazy = dg.multiply(dg.asarray(_on(xp, a), chunks=(4, 3)), _on(xp, b))
+        assert type(eager) is type(_on(xp, a))  # NumPy in, NumPy out; CuPy in, CuPy out
+        assert isinstance(lazy, da.Array)
+        assert_same(_host(eager), _host(lazy.compute()))
+        assert_same(_host(eager), a * b)
+
+
+def test_eager_numpy_scalars_and_0d_results_are_numpy_scalars():
+    r = dg.multiply(np.array(2.0, np.float32), 3)
+    assert type(r) is np.float32 and r == 6
+    f, g, total = step_pair(1.0, 2.0, 0.5, reduce=("sum", None))
+    assert (f, g, total) == (2.5, 1.0, 2.5) and type(total) is np.float64
+
+
+@pytest.mark.parametrize("shape, chunks", [((11, 7), (4, 3)), ((5,), 2), ((3, 1, 6), (2, 1, 4))])
+def test_several_outputs_match_numpy_on_uneven_chunks(rng, shape, chunks, graph_form):
+    f = rng.standard_normal(shape).astype(np.float32)
+    g = rng.standard_normal(shape[-1:])  # float64, broadcast
+    F, G = step_pair(da.from_array(f, chunks=chunks), g, 0.5)
+    assert F.dtype == np.float64 and G.dtype == np.float64 and F.chunks == G.chunks
+    assert_same(F.compute(), f * 0.5 + g)
+    assert_same(G.compute(), g - f)
+    ef, eg = step_pair(f, g, 0.5)
+    assert_same(ef, F.compute()) and assert_same(eg, G.compute())
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint16", "float32", "float64", "complex64", "bool"])
+def test_fused_reductions_match_numpy(rng, dtype, graph_form):
+    @dg.elementwise
+    def scaled(x, y):
+        return x * y
+
+    a = random_array(rng, (13, 6), dtype)
+    b = random_array(rng, (6,), dtype)
+    ops = ("sum", "mean") if dtype.startswith("complex") else REDUCTION_NAMES
+    with np.errstate(all="ignore"):
+        expected = a * b
+        lazy = scaled(da.from_array(a, chunks=(5, 4)), b, reduce=[ops])
+        eager = scaled(a, b, reduce=[ops])
+    assert_same(lazy[0].compute(), expected)
+    for op, got_lazy, got_eager in zip(ops, lazy[1:], eager[1:]):
+        want = getattr(expected, op)()
+        assert got_lazy.shape == () and got_lazy.dtype == want.dtype, (op, got_lazy.dtype)
+        value = got_lazy.compute()
+        assert np.asarray(value).dtype == want.dtype and np.asarray(got_eager).dtype == want.dtype
+        if want.dtype.kind in "biu":
+            assert value == want and got_eager == want, op
+        else:
+            rtol = 1e-5 if want.dtype in (np.float32, np.complex64) else 1e-12
+            np.testing.assert_allclose(value, want, rtol=rtol)
+            np.testing.assert_allclose(got_eager, want, rtol=rtol)
+
+
+REDUCTION_NAMES = ("sum", "mean", "min", "max")
+
+
+def test_min_and_max_propagate_nan_and_sums_of_nothing_are_zero(graph_form):
+    a = np.array([1.0, np.nan, -3.0, 2.0])
+    _, lo, hi = dg.multiply(da.from_array(a, chunks=3), 2.0, reduce=[("min", "max")])
+    assert np.isnan(lo.compute()) and np.isnan(hi.compute())
+    empty = da.from_array(np.ones((0, 3)), chunks=2)
+    out, total = dg.multiply(empty, 2.0, reduce="sum")
+    assert out.shape == (0, 3) and total.compute() == 0.0
+    with pytest.raises(ValueError, match="zero-size.*min has no identity"):
+        dg.multiply(empty, 2.0, reduce="min")
+
+
+def test_reductions_of_device_data_stay_on_the_device(xp, rng):
+    f = rng.standard_normal((6, 5)).astype(np.complex64)
+    F, G, total = step_pair(_on(xp, f), _on(xp, f), np.complex64(0.5), reduce=("sum", None))
+    assert type(total) is (np.complex64 if xp is np else type(_on(xp, f)))
+    np.testing.assert_allclose(_host(total), (f * 0.5 + f).sum(), rtol=1e-5)
+    lazy = step_pair(dg.asarray(_on(xp, f), chunks=(4, 5)), _on(xp, f), np.complex64(0.5),
+                     reduce=("sum", None))
+    np.testing.assert_allclose(_host(lazy[2].compute()), _host(total), rtol=1e-6)
+    assert type(lazy[2]._meta) is type(_on(xp, f))
+
+
+def test_a_0d_device_scalar_feeds_the_next_step(xp, rng):
+    f = _on(xp, rng.standard_normal(50))
+    delta = f.mean() if xp is not np else np.float64(f.mean())
+    for _ in range(3):
+        f, g, delta = step_pair(f, f, delta, reduce=("mean", None))
+    assert _host(f).shape == (50,) and np.isfinite(_host(delta))
+
+
+def test_out_takes_a_tuple_on_both_paths(rng, xp):
+    f, g = rng.standard_normal((4, 6)), rng.standard_normal(6)
+    outs = (_on(xp, np.empty((4, 6))), _on(xp, np.empty((4, 6))))
+    r = step_pair(_on(xp, f), _on(xp, g), 2.0, out=outs, reduce=(None, "max"))
+    assert r[0] is outs[0] and r[1] is outs[1]
+    assert_same(_host(outs[0]), f * 2.0 + g)
+    assert float(_host(r[2])) == (g - f).max()
+    if xp is np:
+        host = (np.empty((4, 6)), np.empty((4, 6)))
+        r = step_pair(da.from_array(f, chunks=(3, 4)), g, 2.0, out=host, reduce=(None, "max"))
+        assert r[1] is host[1] and r[2] == (g - f).max()
+        assert_same(host[1], g - f)
+
+
+def test_bad_outputs_and_reductions_are_refused_before_any_work(rng):
+    f = rng.standard_normal((4, 6))
+    with pytest.raises(ValueError, match="unknown reduction 'median'"):
+        step_pair(f, f, 1.0, reduce="median")
+    with pytest.raises(ValueError, match="3 entries for 2 outputs"):
+        step_pair(f, f, 1.0, reduce=("sum", None, None))
+    with pytest.raises(TypeError, match="output 1: max of complex"):
+        step_pair(f.astype(complex), f, 1.0, reduce="max")
+    with pytest.raises(ValueError, match="out= has 1 arrays for 2 outputs"):
+        step_pair(f, f, 1.0, out=(np.empty((4, 6)),))
+    with pytest.raises(ValueError, match="out= entry 2 has shape"):
+        step_pair(f, f, 1.0, out=(np.empty((4, 6)), np.empty((4, 5))))
+    with pytest.raises(TypeError, match="returns 2 values; dtype= gives 3"):
+        dg.elementwise(step_pair.func, dtype=("f4", "f4", "f4"))(f, f, 1.0)
+    with pytest.raises(TypeError, match="helper function returns one number"):
+        dg.elementwise(_calls_a_pair)(f)
+
+
+def _pair(x):
+    return x, x
+
+
+def _calls_a_pair(x):
+    return _pair(x)
+
+
+def test_dtype_tuple_converts_each_output(rng):
+    op = dg.elementwise(step_pair.func, dtype=("float32", "int64"))
+    f = rng.standard_normal(5) * 10
+    a, b = op(da.from_array(f, chunks=2), f, 1.0)
+    assert a.dtype == np.float32 and b.dtype == np.int64
+    assert_same(b.compute(), (f - f).astype(np.int64))
+    assert op.result_dtype("f8", "f8", float) == (np.dtype("float32"), np.dtype("int64"))

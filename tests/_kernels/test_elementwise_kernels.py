@@ -14,11 +14,16 @@ import pytest
 from helpers import DTYPES, assert_same, random_array
 
 from dask_gpuchunk._kernels.elementwise import (
+    REDUCTIONS,
     ElementwiseKernels,
+    ElementwisePlan,
     check_dtype,
     collapse_dims,
     kernels_for,
     numba_result_dtype,
+    partial_count,
+    partial_dtype,
+    reduced_dtype,
     reference,
 )
 from dask_gpuchunk._kernels.numpy_rules import VType
@@ -246,3 +251,79 @@ def test_launch_config_covers_the_array_with_one_thread_each(monkeypatch):
         assert threads * blocks >= n > threads * (blocks - 1)
     assert _launch_config(0)[1] == 1
     assert _launch_config(2**60)[1] == MAX_BLOCKS  # the loop covers the rest
+
+
+# ---- passes: several outputs and fused reductions -------------------------------------------
+
+
+def rotate_and_compare(a, b):
+    return a * b - b, a > b
+
+
+def _pass_plan(outs, reductions):
+    return ElementwisePlan(tuple(np.dtype(d) for d in outs), True, tuple(reductions))
+
+
+def _check_pass(outs_got, partials, plan, a, b, combine):
+    expected = [reference(lambda x, y: rotate_and_compare(x, y)[k], dt, a, b)
+                for k, dt in enumerate(plan.out_dtypes)]
+    for got, want in zip(outs_got, expected):
+        assert_same(got, want, exact=False)
+    for (k, op), part in zip(plan.reductions, partials):
+        value = combine(op, part)
+        want = {"sum": np.sum, "mean": np.sum, "min": np.min, "max": np.max}[op](
+            expected[k].astype(part.dtype))
+        np.testing.assert_allclose(value, want, rtol=1e-12)
+
+
+def _combine(op, part):
+    return part.sum() if op in ("sum", "mean") else part.min() if op == "min" else part.max()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int16", "uint8", "float64"])
+@pytest.mark.parametrize("shape", [(37,), (13, 7), (3, 5, 4)])
+def test_cpu_pass_gives_every_output_and_each_reduction_of_them(rng, dtype, shape):
+    a, b = random_array(rng, shape, dtype), random_array(rng, shape[-1:], dtype)
+    out0 = np.result_type(a.dtype, b.dtype) if dtype != "uint8" else np.dtype("uint8")
+    plan = _pass_plan([a.dtype, "bool"], [(0, "sum"), (0, "min"), (0, "max"), (1, "sum")])
+    k = ElementwiseKernels(rotate_and_compare, 2)
+    outs = [np.empty(shape, dt) for dt in plan.out_dtypes]
+    n = int(np.prod(shape))
+    partials = [np.empty(partial_count(n, "cpu"), dt) for dt in plan.partial_dtypes()]
+    with np.errstate(all="ignore"):
+        k.cpu_pass(plan, outs, partials, a, np.broadcast_to(b, shape))
+        _check_pass(outs, partials, plan, a, b, _combine)
+    assert out0 == outs[0].dtype
+
+
+def test_cuda_pass_reduces_in_shared_memory_per_block(rng):
+    from numba import cuda
+
+    shape = (41, 9)  # several blocks, the last one partial
+    a, b = rng.standard_normal(shape), rng.standard_normal(shape)
+    a[3, 4] = np.nan
+    plan = _pass_plan(["float64", "bool"], [(0, "sum"), (0, "max"), (1, "sum")])
+    k = ElementwiseKernels(rotate_and_compare, 2)
+    outs = [cuda.device_array(shape, dt) for dt in plan.out_dtypes]
+    n = a.size
+    partials = [cuda.device_array(partial_count(n, "cuda"), dt) for dt in plan.partial_dtypes()]
+    k.cuda_pass(plan, outs, partials, cuda.to_device(a), cuda.to_device(b))
+    got = [o.copy_to_host() for o in outs]
+    parts = [p.copy_to_host() for p in partials]
+    assert np.isnan(parts[0].sum()) and np.isnan(parts[1].max())  # NaN propagates, as NumPy's
+    a[3, 4] = 0.0
+    k.cuda_pass(plan, outs, partials, cuda.to_device(a), cuda.to_device(b))
+    got = [o.copy_to_host() for o in outs]
+    _check_pass(got, [p.copy_to_host() for p in partials], plan, a, b, _combine)
+
+
+def test_reduction_dtypes_are_numpys_and_partials_wider():
+    assert [reduced_dtype(op, "int8") for op in REDUCTIONS] == [
+        np.dtype("int64"), np.dtype("float64"), np.dtype("int8"), np.dtype("int8")]
+    assert reduced_dtype("sum", "complex64") == np.complex64
+    assert partial_dtype("sum", "float32") == np.float64
+    assert partial_dtype("sum", "uint16") == np.uint64
+    with pytest.raises(TypeError, match="lexicographically"):
+        reduced_dtype("max", "complex128")
+    with pytest.raises(ValueError, match="unknown reduction"):
+        reduced_dtype("median", "f8")
