@@ -362,7 +362,7 @@ def _partials_bytes(plan: ElementwisePlan, shape: tuple[int, ...]) -> int:
 
 
 def run_gpu_on_device(
-    kernels: ElementwiseKernels, out_dtype: Any, inputs: Sequence[Any]
+    kernels: ElementwiseKernels, out_dtype: Any, inputs: Sequence[Any], dest: Any = None
 ) -> Any:
     """Compute one chunk on the GPU where at least one input is a CuPy array; CuPy result.
 
@@ -370,11 +370,23 @@ def run_gpu_on_device(
     default stream unless the caller chose another) and the result returned without waiting:
     work queued after it on that stream, or on the default stream, sees the result.
     ``out_dtype``: a dtype, or an :class:`ElementwisePlan` (as :func:`run_cpu`; reductions
-    are 0-d CuPy arrays).
+    are 0-d CuPy arrays). ``dest``: CuPy arrays to write into (a tuple with a plan), as
+    ``out=`` of a CuPy ufunc.
     """
     plan, single = _as_plan(out_dtype)
     inputs = _scalars_by_value(inputs)
     shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
+    if dest is not None:
+        import cupy
+
+        outs = [dest] if single else list(dest)
+        nb_stream = numba_stream(cupy.cuda.get_current_stream())
+        dev_inputs = [a if is_cupy(a) or is_scalar(a) else cupy.asarray(a) for a in inputs]
+        if single:
+            if dest.size:
+                _launch(kernels, dest, dev_inputs, nb_stream)
+            return dest
+        return tuple(outs), _pass_launch(kernels, plan)(outs, dev_inputs, nb_stream)
     if single:
         return run_on_device(functools.partial(_launch, kernels), shape, out_dtype, inputs)
     return run_on_device(_pass_launch(kernels, plan), shape, plan.out_dtypes, inputs,
@@ -722,8 +734,8 @@ def run_elementwise(
     device
         ``"auto"``, ``"gpu"`` or ``"cpu"``.
     dest
-        A host array of the result's shape and dtype to write into (NumPy inputs only); a
-        tuple of them with a plan.
+        An array of the result's shape and dtype to write into (NumPy for NumPy inputs, CuPy
+        for CuPy ones); a tuple of them with a plan.
 
     Returns
     -------
@@ -743,9 +755,10 @@ def run_elementwise(
         out_dtype = np.dtype(out_dtype)
     site = _site_of(inputs, device, placed=True)
     if site == "device":
-        if dest is not None:
-            raise ValueError("dest= takes host output only; CuPy chunks give CuPy results")
-        return run_gpu_on_device(kernels, out_dtype, inputs)
+        if dest is not None and not all(is_cupy(d) for d in (
+                dest if isinstance(dest, tuple) else (dest,))):
+            raise ValueError("dest= for CuPy inputs takes CuPy arrays")
+        return run_gpu_on_device(kernels, out_dtype, inputs, dest)
     if site == "cpu":
         return run_cpu(kernels, out_dtype, inputs, dest)
     if site == "staged":

@@ -162,11 +162,23 @@ def bench() -> None:
               help="Where to write bench-elementwise.json and .png.")
 @click.option("--device-budget", help="Run under a device-memory cap, as on a GPU of this size "
               "(8GiB, 2GiB): caps CuPy's pool here and in any workers (CUPY_GPU_MEMORY_LIMIT).")
+@click.option("--loop-sizes", default="16777216,10000000", show_default=True,
+              help="Seed 002's RK4 loop on the GPU at these numbers of complex64 values per "
+              "array (a square number runs as a square); '' skips it.")
+@click.option("--loop-steps", default=20, show_default=True, help="Steps per timed loop.")
 def bench_elementwise(rows: int, cols: int, chunk_mb: float, rk4_rows: int, repeat: int,
-                      skip: tuple[str, ...], out_dir: str, device_budget: str | None) -> None:
-    """A float64 product and an RK4-style function through every path, with limits."""
-    if rows < 1 or cols < 1 or rk4_rows < 1 or repeat < 1 or chunk_mb <= 0:
-        raise click.BadParameter("sizes, --repeat and --chunk-mb must be positive")
+                      skip: tuple[str, ...], out_dir: str, device_budget: str | None,
+                      loop_sizes: str, loop_steps: int) -> None:
+    """A float64 product, an RK4-style function through every path, and seed 002's
+    device-resident loop, with limits."""
+    if rows < 1 or cols < 1 or rk4_rows < 1 or repeat < 1 or chunk_mb <= 0 or loop_steps < 1:
+        raise click.BadParameter("sizes, --repeat, --loop-steps and --chunk-mb must be positive")
+    try:
+        sizes = tuple(int(v) for v in loop_sizes.split(",") if v.strip())
+        if any(v < 1 for v in sizes):
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(f"--loop-sizes takes positive integers, got {loop_sizes!r}") from None
     _apply_device_budget(device_budget)
     from .bench.elementwise import host_memory_needed, rows_that_fit, run
     from .bench.limits import available_host_memory
@@ -182,7 +194,8 @@ def bench_elementwise(rows: int, cols: int, chunk_mb: float, rk4_rows: int, repe
                    "(--rows 100000 --rk4-rows 50000 runs in about a minute)", err=True)
         sys.exit(2)
     report = run(rows=rows, cols=cols, chunk_mb=chunk_mb, rk4_rows=rk4_rows, repeat=repeat,
-                 skip=skip, log=lambda s: click.echo(s, err=True))
+                 skip=skip, log=lambda s: click.echo(s, err=True), loop_sizes=sizes,
+                 loop_steps=loop_steps)
     click.echo(format_table(report))
     for path in save(report, out_dir, "bench-elementwise", log=lambda s: click.echo(s, err=True)):
         click.echo(f"wrote {path}", err=True)

@@ -28,10 +28,9 @@ def test_broadcast_product():
     assert {"cpu", "auto"} <= set(times)
 
 
-def test_rk4_loop_on_device_matches_numpy():
-    result = load("rk4_loop_on_device").main(["--n", "64", "--steps", "5", "--chunk", "24",
-                                             "--check"])
-    assert result["error"] < 1e-4 and result["delta_error"] < 1e-4
+def test_seed002_rk4_loop_agrees_eager_and_on_dask():
+    result = load("seed002_rk4_loop").main(["--n", "1001", "--steps", "6", "--chunks", "3"])
+    assert result["delta_error"] < 1e-5 and result["f_error"] < 1e-5
 
 
 @pytest.mark.gpu

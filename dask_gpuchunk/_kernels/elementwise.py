@@ -16,6 +16,7 @@ an any-stride variant otherwise. No dask here.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -125,6 +126,13 @@ def arg_type(x: Any, index: int | None = None) -> VType:
 REDUCTIONS = ("sum", "mean", "min", "max")
 
 
+@functools.lru_cache(maxsize=None)
+def _reduced(op: str, dtype: np.dtype) -> np.dtype:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return np.dtype(getattr(np.zeros(1, dtype), op)().dtype)
+
+
 def reduced_dtype(op: str, dtype: Any) -> np.dtype:
     """NumPy's dtype for ``op`` of an array of ``dtype`` (``x.sum()``, ``x.mean()``, ...).
 
@@ -141,9 +149,7 @@ def reduced_dtype(op: str, dtype: Any) -> np.dtype:
             raise TypeError(f"{op} of complex values is not fused (NumPy orders them "
                             "lexicographically); reduce .real or abs() of them instead")
         return dtype
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return np.dtype(getattr(np.zeros(1, dtype), op)().dtype)
+    return _reduced(op, dtype)  # cached: it runs on every call of a loop
 
 
 def partial_dtype(op: str, dtype: Any) -> np.dtype:
@@ -190,11 +196,18 @@ class ElementwisePlan(NamedTuple):
 
     def partial_dtypes(self) -> tuple[np.dtype, ...]:
         """Each reduction's accumulator dtype (:func:`partial_dtype`)."""
-        return tuple(partial_dtype(op, self.out_dtypes[k]) for k, op in self.reductions)
+        return _plan_dtypes(self)[0]
 
     def reduced_dtypes(self) -> tuple[np.dtype, ...]:
         """Each reduction's result dtype, NumPy's (:func:`reduced_dtype`)."""
-        return tuple(reduced_dtype(op, self.out_dtypes[k]) for k, op in self.reductions)
+        return _plan_dtypes(self)[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_dtypes(plan: ElementwisePlan) -> tuple[tuple[np.dtype, ...], tuple[np.dtype, ...]]:
+    """A plan's partial and reduced dtypes, once per plan (a loop asks every call)."""
+    return (tuple(partial_dtype(op, plan.out_dtypes[k]) for k, op in plan.reductions),
+            tuple(reduced_dtype(op, plan.out_dtypes[k]) for k, op in plan.reductions))
 
 
 def numba_result_dtype(func: Callable, dtypes: Sequence[np.dtype],

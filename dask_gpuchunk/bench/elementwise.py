@@ -259,8 +259,11 @@ def run(
     repeat: int = 3,
     skip: tuple[str, ...] = (),
     log: Callable[[str], None] = print,
+    loop_sizes: tuple[int, ...] = (),
+    loop_steps: int = 20,
 ) -> dict[str, Any]:
-    """Run both tables and return the report (see :mod:`dask_gpuchunk.bench.report`)."""
+    """Run the tables and return the report (see :mod:`dask_gpuchunk.bench.report`); with
+    ``loop_sizes`` and a GPU, seed 002's loop too (:mod:`dask_gpuchunk.bench.loop`)."""
     bench = _Bench(repeat, skip, log)
     chunk_rows = max(1, int(chunk_mb * 1e6 // (cols * 8)))
     log("limits ...")
@@ -273,6 +276,10 @@ def run(
     rng = np.random.default_rng(0)
     _table(bench, "product", lambda a, b: a * b, multiply, (rows, cols), chunk_rows, rng)
     _table(bench, "rk4", _rk4_scalar, rk4_step, (rk4_rows, cols), chunk_rows, rng)
+    if loop_sizes and bench.has_gpu:
+        from .loop import run_loop
+
+        bench.entries += run_loop(list(loop_sizes), loop_steps, repeat, log, skip)
     return _report(bench.entries, limits, rows=rows, cols=cols, rk4_rows=rk4_rows,
                    chunk_rows=chunk_rows)
 
