@@ -81,7 +81,7 @@ def _swapped_words(a: StridedArg) -> list[int]:
 def test_a_layout_numba_does_not_use_is_refused(monkeypatch):
     k = ElementwiseKernels(fma3, 3)
     a = np.zeros((3, 4))
-    dispatcher = k._cuda_kernel(_signature_key(a, (a, a, a)))
+    dispatcher = k._cuda_kernel(_signature_key((a,), (a, a, a)))
     launch.DirectLaunch(dispatcher)  # numba's own layout passes
     monkeypatch.setattr(launch, "_array_words", _swapped_words)
     with pytest.raises(launch.DirectLaunchError, match="lays out"):
