@@ -634,6 +634,7 @@ def test_several_outputs_match_numpy_on_uneven_chunks(rng, shape, chunks, graph_
     assert_same(ef, F.compute()) and assert_same(eg, G.compute())
 
 
+@pytest.mark.dtypes
 @pytest.mark.parametrize("dtype", ["int8", "uint16", "float32", "float64", "complex64", "bool"])
 def test_fused_reductions_match_numpy(rng, dtype, graph_form):
     @dg.elementwise
