@@ -51,6 +51,7 @@ from ._kernels.elementwise import (
     is_python_number,
     is_scalar,
     partial_count,
+    reduction_start,
 )
 from ._kernels.launch import (
     DirectLaunchError,
@@ -163,24 +164,13 @@ def _chunk_reductions(xp: Any, plan: ElementwisePlan, partials: Sequence[Any]) -
     found = []
     for (k, op), part, dtype in zip(plan.reductions, partials, plan.partial_dtypes()):
         if part.size == 0:
-            value = xp.zeros((), dtype) if op in ("sum", "mean") else xp.asarray(
-                _empty_start(op, dtype))
+            value = xp.asarray(reduction_start(op, dtype))
         elif op in ("sum", "mean"):
             value = part.sum()
         else:
             value = part.min() if op == "min" else part.max()
         found.append(value)
     return tuple(found)
-
-
-def _empty_start(op: str, dtype: np.dtype) -> Any:
-    """What a min / max of no elements starts from (combined with the other chunks')."""
-    if dtype.kind == "b":
-        return np.bool_(op == "min")
-    if dtype.kind == "f":
-        return dtype.type(np.inf if op == "min" else -np.inf)
-    info = np.iinfo(dtype)
-    return dtype.type(info.max if op == "min" else info.min)
 
 
 # ---- CPU -----------------------------------------------------------------------------------

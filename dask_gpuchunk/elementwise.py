@@ -233,9 +233,6 @@ class ElementwiseOp:
                             f"{'s' if len(inferred) != 1 else ''}; dtype= gives {len(self.dtype)}")
         return self.dtype, tupled
 
-    def _result_dtype(self, argtypes: tuple[VType, ...]) -> np.dtype:
-        return self._outputs(argtypes)[0][0]
-
     def __call__(self, *args: Any, device: str = "auto", out: Any = None,
                  reduce: Any = None) -> Any:
         """Apply the operation; see :func:`elementwise` for the arguments."""
@@ -264,7 +261,7 @@ class ElementwiseOp:
         xp = __import__("cupy") if on_device else np
         if out is not None:
             return self._compute_into(arrays, chunks, out, shape, plan, device, on_device)
-        single = plan == ElementwisePlan.single(plan.out_dtypes[0])
+        single = plan.plain
         task_kwargs = {"kernels": self.kernels, "out_dtype": plan.out_dtypes[0] if single
                        else plan, "device": device}
         signature = [(vt.dtype.str, vt.weak) for vt in argtypes]
@@ -344,7 +341,7 @@ class ElementwiseOp:
                device: str, out: Any, on_device: bool) -> Any:
         """NumPy, CuPy arrays and numbers only: computed now, as a ufunc would (CuPy in, CuPy
         out on the current stream; NumPy in, NumPy out, where ``device`` places it)."""
-        single = plan == ElementwisePlan.single(plan.out_dtypes[0])
+        single = plan.plain
         outs = None if out is None else self._check_out(out, plan, shape, on_device)
         nbytes = math.prod(shape) * sum(dt.itemsize for dt in plan.out_dtypes) + sum(
             op.nbytes for op in operands if not is_python_number(op))
@@ -367,8 +364,8 @@ class ElementwiseOp:
         results, reduced = result
         if out is None and not on_device and not shape:
             results = tuple(r[()] for r in results)
-        finished = [_finish(v, op, math.prod(shape), reduced_dtype(op, plan.out_dtypes[k]))
-                    for v, (k, op) in zip(reduced, plan.reductions)]
+        finished = [_finish(v, op, math.prod(shape), dt)
+                    for v, (_, op), dt in zip(reduced, plan.reductions, plan.reduced_dtypes())]
         if not on_device:
             finished = [f[()] for f in finished]  # NumPy scalars, as np.sum gives
         return (*results, *finished)
@@ -378,7 +375,7 @@ class ElementwiseOp:
                       on_device: bool, eager: bool = False) -> Any:
         """Dask inputs with ``out=``: computed now, on local threads, each block written
         straight into its region of each output."""
-        single = plan == ElementwisePlan.single(plan.out_dtypes[0])
+        single = plan.plain
         if on_device:
             raise ValueError(f"{self.__name__}: out= takes a host array; CuPy inputs give CuPy "
                              "results (drop out= and persist or compute the result instead)")
@@ -414,9 +411,8 @@ class ElementwiseOp:
                 _combine_reduced(op, *(m[r] for m in marks))
                 for r, (_, op) in enumerate(plan.reductions))
         finished = [
-            _finish(_combine_reduced(op, *(m[r] for m in marks)), op, math.prod(shape),
-                    reduced_dtype(op, plan.out_dtypes[k]))[()]
-            for r, (k, op) in enumerate(plan.reductions)]
+            _finish(_combine_reduced(op, *(m[r] for m in marks)), op, math.prod(shape), dt)[()]
+            for r, ((_, op), dt) in enumerate(zip(plan.reductions, plan.reduced_dtypes()))]
         return (*target, *finished)
 
 
@@ -443,8 +439,7 @@ def _listed_plan(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ..
         results.append(da.Array(graph, out_name, chunks, dtype=dt,
                                 meta=xp.empty((0,) * len(shape), dtype=dt)))
     count = math.prod(shape)
-    for r, (k, op) in enumerate(plan.reductions):
-        dt = reduced_dtype(op, plan.out_dtypes[k])
+    for r, ((_, op), dt) in enumerate(zip(plan.reductions, plan.reduced_dtypes())):
         red_name = f"{name}-{op}{r}"
         layer = {(red_name,): Task((red_name,), _finish_blocks, r, op, count, dt,
                                    *(TaskRef(key) for key in block_keys))}
@@ -466,14 +461,14 @@ def _blockwise_plan(blocks: da.Array, plan: ElementwisePlan, shape: tuple[int, .
                           **map_blocks_prefix(f"{prefix}-out{k}"))
         for k, dt in enumerate(plan.out_dtypes)]
     count = math.prod(shape)
-    for r, ((k, op), pdt) in enumerate(zip(plan.reductions, plan.partial_dtypes())):
+    for r, ((_, op), pdt, dt) in enumerate(zip(plan.reductions, plan.partial_dtypes(),
+                                                plan.reduced_dtypes())):
         values = blocks.map_blocks(_pick_reduction, r, ndim, dtype=pdt,
                                    meta=xp.empty((0,) * ndim, dtype=pdt),
                                    chunks=tuple((1,) * len(c) for c in chunks),
                                    **map_blocks_prefix(f"{prefix}-{op}{r}"))
         combined = (values.sum(dtype=pdt) if op in ("sum", "mean")
                     else values.min() if op == "min" else values.max())
-        dt = reduced_dtype(op, plan.out_dtypes[k])
         results.append(combined.map_blocks(_finish, op, count, dt, dtype=dt,
                                            meta=xp.empty((), dtype=dt)))
     return tuple(results)

@@ -47,6 +47,7 @@ __all__ = [
     "partial_count",
     "partial_dtype",
     "reduced_dtype",
+    "reduction_start",
     "reference",
 ]
 
@@ -193,6 +194,11 @@ class ElementwisePlan(NamedTuple):
     def single(cls, dtype: Any) -> ElementwisePlan:
         """One output, no reduction: what ``f`` returning one number makes."""
         return cls((np.dtype(dtype),))
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is :meth:`single`'s plan: one output, returned as one array."""
+        return not self.tupled and not self.reductions and len(self.out_dtypes) == 1
 
     def partial_dtypes(self) -> tuple[np.dtype, ...]:
         """Each reduction's accumulator dtype (:func:`partial_dtype`)."""
@@ -354,22 +360,29 @@ def _identity_name(op: str, dtype: np.dtype) -> str:
     return f"_identity_{op}_{dtype.str[1:]}"
 
 
+def reduction_start(op: str, dtype: np.dtype) -> Any:
+    """What a reduction of no elements is, as a value of its partial dtype: 0 for a sum (or
+    mean); for a min / max, the value every element replaces (NaN-propagating float ones start
+    from infinities, integer ones from the dtype's bounds).
+
+    Examples
+    --------
+    >>> reduction_start("min", np.dtype("int8")), reduction_start("max", np.dtype("f4"))
+    (np.int8(127), np.float32(-inf))
+    """
+    if op in ("sum", "mean"):
+        return dtype.type(0)
+    if dtype.kind == "b":
+        return np.bool_(op == "min")
+    if dtype.kind == "f":
+        return dtype.type(np.inf if op == "min" else -np.inf)
+    info = np.iinfo(dtype)
+    return dtype.type(info.max if op == "min" else info.min)
+
+
 def _identities(reductions: Sequence[tuple[int, str, np.dtype]]) -> dict[str, Any]:
-    """The start value of each reduction, by :func:`_identity_name` (NaN-propagating min and
-    max start from infinities; integer ones from the dtype's bounds)."""
-    found: dict[str, Any] = {}
-    for _, op, dtype in reductions:
-        if op == "sum":
-            value = dtype.type(0)
-        elif dtype.kind == "b":
-            value = np.bool_(op == "min")
-        elif dtype.kind == "f":
-            value = dtype.type(np.inf if op == "min" else -np.inf)
-        else:
-            info = np.iinfo(dtype)
-            value = dtype.type(info.max if op == "min" else info.min)
-        found[_identity_name(op, dtype)] = value
-    return found
+    """The start value of each reduction (:func:`reduction_start`), by :func:`_identity_name`."""
+    return {_identity_name(op, dtype): reduction_start(op, dtype) for _, op, dtype in reductions}
 
 
 def _combine(op: str, acc: str, value: str, dtype: np.dtype) -> str:
