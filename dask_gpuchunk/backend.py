@@ -88,6 +88,10 @@ __all__ = [
     "run_gpu_on_device",
     "run_on_device",
     "run_staged",
+    "total_dtypes",
+    "DeviceCall",
+    "device_call",
+    "input_kind",
 ]
 
 
@@ -299,11 +303,66 @@ def _launch(kernels: ElementwiseKernels, out: Any, inputs: Sequence[Any], nb_str
     _launch_pass(kernels, None, [out], [], inputs, nb_stream)
 
 
+_scratch = threading.local()
+
+
+def _stream_scratch(nb_stream: Any, nbytes: int) -> Any:
+    """Device memory for the passes with reductions launched on ``nb_stream``: a CuPy
+    ``uint8`` array of at least ``nbytes``, its first 4 bytes the blocks' ticket counter
+    (holding 0), then the partials (:func:`_scratch_layout`). The partials live only while the
+    pass runs and the pass's last block sets the counter back to 0, so one buffer per stream
+    serves every pass queued on it, in the stream's order. Per thread (a per-thread default
+    stream is one stream per thread) and per device."""
+    import cupy
+
+    found = getattr(_scratch, "buffers", None)
+    if found is None:
+        found = _scratch.buffers = {}
+    key = (int(cupy.cuda.runtime.getDevice()), id(nb_stream))
+    entry = found.get(key)
+    if entry is None or entry[0] is not nb_stream or entry[1].size < nbytes:
+        # Made on the current CuPy stream, the one nb_stream stands for: zero before any pass
+        # (a buffer it replaces goes back to CuPy's pool, reused after the passes queued).
+        entry = found[key] = (nb_stream, cupy.zeros(max(nbytes, 4096), np.uint8))
+    return entry[1]
+
+
+def _scratch_layout(plan: ElementwisePlan, count: int) -> tuple[list[int], int]:
+    """Where each reduction's ``count`` partials start in a stream's scratch (16-byte aligned,
+    after the counter), and the bytes it needs."""
+    offsets, end = [], 16
+    for dt in plan.partial_dtypes():
+        offsets.append(end)
+        end += -(-count * dt.itemsize // 16) * 16
+    return offsets, end
+
+
+def _reduction_args(plan: ElementwisePlan | None, count: int, totals: Sequence[Any],
+                    nb_stream: Any) -> list[StridedArg]:
+    """A pass's reduction arguments (``ElementwiseKernels.cuda_pass``), by address: each
+    reduction's ``count`` partials and the ticket counter in the stream's scratch, each total
+    (``totals``: 0-d CuPy arrays)."""
+    if plan is None or not plan.reductions:
+        return []
+    offsets, nbytes = _scratch_layout(plan, count)
+    base = _stream_scratch(nb_stream, nbytes).data.ptr
+    partials = [StridedArg(base + off, (count,), (dt.itemsize,), dt)
+                for off, dt in zip(offsets, plan.partial_dtypes())]
+    return [*partials, *map(_flat, totals), StridedArg(base, (1,), (4,), np.dtype(np.uint32))]
+
+
+def _flat(a: Any) -> StridedArg:
+    """A contiguous CuPy array (a 0-d one too) as a one-dimensional :class:`StridedArg`."""
+    return StridedArg(a.data.ptr, (a.size,), (a.itemsize,), a.dtype)
+
+
 def _launch_pass(kernels: ElementwiseKernels, plan: ElementwisePlan | None, outs: Sequence[Any],
-                 partials: Sequence[Any], inputs: Sequence[Any], nb_stream: Any) -> None:
+                 totals: Sequence[Any], inputs: Sequence[Any], nb_stream: Any) -> None:
     """Queue one pass of ``plan`` (``None``: one output) on ``nb_stream``: CuPy ``outs`` of one
-    shape, each reduction's CuPy ``partials`` (:func:`partial_count`), CuPy inputs
-    broadcastable to the outputs."""
+    shape, each reduction's total written into ``totals`` (0-d CuPy arrays of the dtypes it is
+    wanted in), CuPy inputs broadcastable to the outputs."""
+    count = partial_count(outs[0].size, "cuda") if plan is not None else 0
+    reduction = _reduction_args(plan, count, totals, nb_stream)
     if direct_launch_available(bool(config.get("direct-launch"))):
         shape, strides = _collapsed_layout(outs, inputs)
         by_address = iter(strides[len(outs):])
@@ -311,7 +370,7 @@ def _launch_pass(kernels: ElementwiseKernels, plan: ElementwisePlan | None, outs
             kernels.cuda_strided_pass(
                 plan,
                 [StridedArg(o.data.ptr, shape, st, o.dtype) for o, st in zip(outs, strides)],
-                [StridedArg(p.data.ptr, p.shape, p.strides, p.dtype) for p in partials],
+                reduction,
                 *(a if is_scalar(a) else StridedArg(a.data.ptr, shape, next(by_address), a.dtype)
                   for a in inputs),
                 stream=nb_stream,
@@ -325,34 +384,205 @@ def _launch_pass(kernels: ElementwiseKernels, plan: ElementwisePlan | None, outs
     kernels.cuda_pass(
         plan,
         [cuda.as_cuda_array(o, sync=False) for o in out_v],
-        [cuda.as_cuda_array(p, sync=False) for p in partials],
+        [_as_numba_array(r) for r in reduction],
         *(v if is_scalar(v) else cuda.as_cuda_array(v, sync=False) for v in in_v),
         stream=nb_stream,
     )
 
 
+def _as_numba_array(a: StridedArg) -> Any:
+    """A one-dimensional contiguous :class:`StridedArg` as a numba device array (no copy)."""
+    import cupy
+    from numba import cuda
+
+    memory = cupy.cuda.UnownedMemory(a.ptr, a.shape[0] * a.dtype.itemsize, None)
+    view = cupy.ndarray(a.shape, a.dtype, cupy.cuda.MemoryPointer(memory, 0))
+    return cuda.as_cuda_array(view, sync=False)
+
+
+def _start_totals(xp: Any, plan: ElementwisePlan, dtypes: Sequence[np.dtype]) -> list[Any]:
+    """Each reduction of no elements (:func:`reduction_start`), as 0-d arrays of ``dtypes``."""
+    return [xp.asarray(reduction_start("sum" if op == "mean" else op, pdt)).astype(dt)
+            for (_, op), pdt, dt in zip(plan.reductions, plan.partial_dtypes(), dtypes)]
+
+
 def _pass_launch(kernels: ElementwiseKernels, plan: ElementwisePlan) -> Callable[..., Any]:
     """A launch for :func:`run_on_device` / :func:`run_staged` of several outputs: queues the
-    pass into ``outs`` and returns each reduction of the chunk, a 0-d CuPy array."""
+    pass into ``outs`` and returns each reduction of the chunk, a 0-d CuPy array of its partial
+    dtype."""
     import cupy
 
     def launch(outs: list[Any], inputs: list[Any], nb_stream: Any) -> tuple[Any, ...]:
-        n = outs[0].size
-        partials = [cupy.empty(partial_count(n, "cuda"), dt) for dt in plan.partial_dtypes()]
-        if n:
-            _launch_pass(kernels, plan, outs, partials, inputs, nb_stream)
-        return _chunk_reductions(cupy, plan, partials)
+        if not outs[0].size:
+            return tuple(_start_totals(cupy, plan, plan.partial_dtypes()))
+        totals = [cupy.empty((), dt) for dt in plan.partial_dtypes()]
+        _launch_pass(kernels, plan, outs, totals, inputs, nb_stream)
+        return tuple(totals)
 
     return launch
 
 
 def _partials_bytes(plan: ElementwisePlan, shape: tuple[int, ...]) -> int:
     count = partial_count(int(np.prod(shape)), "cuda") if plan.reductions else 0
-    return sum(count * dt.itemsize for dt in plan.partial_dtypes())
+    return sum((count + 1) * dt.itemsize for dt in plan.partial_dtypes())
+
+
+def total_dtypes(plan: ElementwisePlan, finished: bool) -> tuple[np.dtype, ...]:
+    """The dtype a pass on the GPU writes each reduction's total in: its partial dtype, or
+    ``finished``, NumPy's dtype of the reduction (a mean stays a sum, divided afterwards)."""
+    if not finished:
+        return plan.partial_dtypes()
+    return tuple(pdt if op == "mean" else rdt for (_, op), pdt, rdt in zip(
+        plan.reductions, plan.partial_dtypes(), plan.reduced_dtypes()))
+
+
+class DeviceCall:
+    """One kind of pass on CuPy data, prepared once: the kernel's launcher, its grid and the
+    collapsed layout of its arrays, for inputs and outputs of given dtypes, shapes and strides.
+    Calling it with inputs of that kind (new addresses, scalars of new values) allocates the
+    outputs and launches, nothing else: what a loop of eager calls pays per call.
+
+    ``finished``: each reduction's total in NumPy's dtype of it (a mean's sum in its partial
+    dtype), else in the partial dtype (a Dask chunk's value, combined with the other chunks').
+    """
+
+    def __init__(self, kernels: ElementwiseKernels, plan: ElementwisePlan,
+                 inputs: Sequence[Any], out_strides: Sequence[tuple[int, ...]] | None,
+                 finished: bool) -> None:
+        self.kernels = kernels
+        self.plan = plan
+        self.single = plan.plain
+        self.shape = tuple(np.broadcast_shapes(*(np.shape(a) for a in inputs)))
+        self.n = int(np.prod(self.shape))
+        self.totals = total_dtypes(plan, finished) if plan.reductions else ()
+        if out_strides is None:  # fresh C-contiguous outputs
+            out_strides = [_c_strides(self.shape, dt) for dt in plan.out_dtypes]
+        like = [StridedArg(0, self.shape, st, dt) for st, dt in zip(out_strides, plan.out_dtypes)]
+        self.layout = _collapsed_layout(like, inputs)
+        self.nbytes = self.n * sum(dt.itemsize for dt in plan.out_dtypes) + _partials_bytes(
+            plan, self.shape)
+        self.count = partial_count(self.n, "cuda") if plan.reductions else 0
+        self.launch: Any = None
+        if self.n and direct_launch_available(bool(config.get("direct-launch"))):
+            shape, strides = self.layout
+            count = partial_count(self.n, "cuda") if plan.reductions else 0
+            reduction = ([StridedArg(0, (count,), (dt.itemsize,), dt)
+                          for dt in plan.partial_dtypes()]
+                         + [StridedArg(0, (1,), (dt.itemsize,), dt) for dt in self.totals]
+                         + ([StridedArg(0, (1,), (4,), np.dtype(np.uint32))] if plan.reductions
+                            else []))
+            by_address = iter(strides[len(like):])
+            args = [a if is_scalar(a) else StridedArg(0, shape, next(by_address), a.dtype)
+                    for a in inputs]
+            try:
+                self.launch = kernels.strided_launcher(
+                    None if self.single else plan,
+                    [StridedArg(0, shape, st, o.dtype) for o, st in zip(like, strides)],
+                    reduction, args)
+            except DirectLaunchError as exc:
+                fall_back_to_numba(exc)
+
+    def __call__(self, inputs: Sequence[Any], dest: Sequence[Any] | None = None,
+                 reserved: bool = True) -> Any:
+        """Queue the pass on the current CuPy stream: its outputs (``dest``, or new CuPy
+        arrays); with reductions, ``(outputs, totals)`` (0-d CuPy arrays). ``reserved``: hold
+        what it allocates of the device budget (:func:`~dask_gpuchunk.budget.run_reserved`),
+        as a Dask chunk does beside the others; else allocate as any CuPy operation does."""
+        if reserved:
+            return run_reserved(lambda: self.run(inputs, dest), self.nbytes)
+        return self.run(inputs, dest)
+
+    def run(self, inputs: Sequence[Any], dest: Sequence[Any] | None) -> Any:
+        """:meth:`__call__` without the budget."""
+        import cupy
+
+        plan = self.plan
+        nb_stream = numba_stream(cupy.cuda.get_current_stream())
+        outs = list(dest) if dest is not None else [cupy.empty(self.shape, dt)
+                                                    for dt in plan.out_dtypes]
+        if not self.n:
+            totals = _start_totals(cupy, plan, self.totals)
+        else:
+            totals = [cupy.empty((), dt) for dt in self.totals]
+            if self.launch is None:
+                _launch_pass(self.kernels, None if self.single else plan, outs, totals, inputs,
+                             nb_stream)
+            else:
+                launcher, blocks, threads = self.launch
+                shape, strides = self.layout
+                by_address = iter(strides[len(outs):])
+                launcher(blocks, threads, nb_stream, [
+                    *(StridedArg(o.data.ptr, shape, st, o.dtype) for o, st in zip(outs, strides)),
+                    *_reduction_args(plan, self.count, totals, nb_stream),
+                    *(a if is_scalar(a) else StridedArg(a.data.ptr, shape, next(by_address),
+                                                        a.dtype) for a in inputs),
+                ])
+        if self.single:
+            return outs[0]
+        return tuple(outs), tuple(totals)
+
+
+def _c_strides(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, ...]:
+    """The strides of a new C-contiguous array of ``shape`` and ``dtype`` (as CuPy's)."""
+    strides, step = [], dtype.itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+_device_calls: dict[tuple, DeviceCall] = {}
+_device_calls_lock = threading.Lock()
+#: Kinds of call remembered (:func:`device_call`); beyond, the oldest are forgotten.
+DEVICE_CALLS_KEPT = 512
+
+
+def input_kind(a: Any) -> Any:
+    """What a prepared call (:class:`DeviceCall`) depends on of one input: a CuPy array's
+    dtype, shape and strides; a NumPy scalar's dtype; a Python number's type (an integer's
+    with whether it is beyond int64, which makes it uint64). ``None`` for anything else.
+
+    Examples
+    --------
+    >>> input_kind(2.0), input_kind(np.float32(2)), input_kind(2**63), input_kind([1])
+    (<class 'float'>, dtype('float32'), (<class 'int'>, True), None)
+    """
+    kind = type(a)
+    if kind is float or kind is complex or kind is bool:
+        return kind
+    if kind is int:
+        return (int, not -(2**63) <= a < 2**63)
+    if isinstance(a, np.generic):
+        return a.dtype
+    if is_cupy(a):
+        return (a.dtype, a.shape, a.strides)
+    return None
+
+
+def device_call(kernels: ElementwiseKernels, plan: ElementwisePlan, inputs: Sequence[Any],
+                dest: Sequence[Any] | None = None, finished: bool = False) -> DeviceCall:
+    """The process's :class:`DeviceCall` for this kind of call (CuPy arrays, NumPy scalars
+    and Python numbers as ``inputs``; ``dest``: CuPy outputs or ``None``), made on first use
+    on this device."""
+    import cupy
+
+    key = (kernels, plan, finished, int(cupy.cuda.runtime.getDevice()),
+           tuple(input_kind(a) for a in inputs),
+           None if dest is None else tuple(input_kind(d) for d in dest))
+    found = _device_calls.get(key)
+    if found is None:
+        found = DeviceCall(kernels, plan, inputs,
+                           None if dest is None else [d.strides for d in dest], finished)
+        with _device_calls_lock:
+            if len(_device_calls) >= DEVICE_CALLS_KEPT:
+                _device_calls.pop(next(iter(_device_calls)))
+            _device_calls[key] = found
+    return found
 
 
 def run_gpu_on_device(
-    kernels: ElementwiseKernels, out_dtype: Any, inputs: Sequence[Any], dest: Any = None
+    kernels: ElementwiseKernels, out_dtype: Any, inputs: Sequence[Any], dest: Any = None,
+    finished: bool = False,
 ) -> Any:
     """Compute one chunk on the GPU where at least one input is a CuPy array; CuPy result.
 
@@ -360,23 +590,17 @@ def run_gpu_on_device(
     default stream unless the caller chose another) and the result returned without waiting:
     work queued after it on that stream, or on the default stream, sees the result.
     ``out_dtype``: a dtype, or an :class:`ElementwisePlan` (as :func:`run_cpu`; reductions
-    are 0-d CuPy arrays). ``dest``: CuPy arrays to write into (a tuple with a plan), as
+    are 0-d CuPy arrays of their partial dtypes, or ``finished``, of NumPy's dtypes of them
+    (:func:`total_dtypes`)). ``dest``: CuPy arrays to write into (a tuple with a plan), as
     ``out=`` of a CuPy ufunc.
     """
     plan, single = _as_plan(out_dtype)
     inputs = _scalars_by_value(inputs)
+    if all(is_cupy(a) or is_scalar(a) for a in inputs):
+        dests = None if dest is None else ([dest] if single else list(dest))
+        return device_call(kernels, plan, inputs, dests, finished)(inputs, dests)
+    # NumPy arrays among CuPy ones: copied to the device first.
     shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))
-    if dest is not None:
-        import cupy
-
-        outs = [dest] if single else list(dest)
-        nb_stream = numba_stream(cupy.cuda.get_current_stream())
-        dev_inputs = [a if is_cupy(a) or is_scalar(a) else cupy.asarray(a) for a in inputs]
-        if single:
-            if dest.size:
-                _launch(kernels, dest, dev_inputs, nb_stream)
-            return dest
-        return tuple(outs), _pass_launch(kernels, plan)(outs, dev_inputs, nb_stream)
     if single:
         return run_on_device(functools.partial(_launch, kernels), shape, out_dtype, inputs)
     return run_on_device(_pass_launch(kernels, plan), shape, plan.out_dtypes, inputs,
@@ -708,6 +932,7 @@ def run_elementwise(
     inputs: Sequence[Any],
     device: str = "auto",
     dest: np.ndarray | None = None,
+    finished: bool = False,
 ) -> Any:
     """Compute one chunk of ``kernels.func`` over broadcastable ``inputs`` on the right device
     (:func:`chunk_site`, the measured rule deciding for NumPy chunks under ``"auto"``).
@@ -732,7 +957,8 @@ def run_elementwise(
     numpy.ndarray or cupy.ndarray
         CuPy where any input is CuPy, else NumPy (``dest`` itself when given). With a plan,
         ``(outputs, reductions)``: the chunk's reductions as 0-d arrays of their partial dtypes
-        (:func:`~dask_gpuchunk._kernels.elementwise.partial_dtype`).
+        (:func:`~dask_gpuchunk._kernels.elementwise.partial_dtype`); ``finished``: on the GPU
+        from CuPy inputs, in the dtypes of :func:`total_dtypes`.
 
     Examples
     --------
@@ -748,7 +974,7 @@ def run_elementwise(
         if dest is not None and not all(is_cupy(d) for d in (
                 dest if isinstance(dest, tuple) else (dest,))):
             raise ValueError("dest= for CuPy inputs takes CuPy arrays")
-        return run_gpu_on_device(kernels, out_dtype, inputs, dest)
+        return run_gpu_on_device(kernels, out_dtype, inputs, dest, finished)
     if site == "cpu":
         return run_cpu(kernels, out_dtype, inputs, dest)
     if site == "staged":

@@ -32,13 +32,14 @@ from ._kernels.elementwise import (
     arg_type,
     check_dtype,
     is_python_number,
+    is_scalar,
     kernels_for,
     reduced_dtype,
 )
 from ._kernels.numpy_rules import VType, weak_type
 from ._kernels.translate import check_call
 from .arrays import asarray, is_array_like, refuse_masked
-from .backend import is_cupy, run_elementwise
+from .backend import device_call, input_kind, is_cupy, run_elementwise
 from .budget import check_fits
 from .config import listed_graphs, map_blocks_prefix
 from .devices import check_device, check_device_for_graph, check_device_name, gpu_available
@@ -188,6 +189,8 @@ class ElementwiseOp:
         self.__wrapped__ = func
         self.kernels = kernels_for(func, self.nargs, tokenize(func, self.nargs, rules), cache,
                                    rules)
+        #: Eager calls on CuPy data, prepared by the kind of call (:func:`_eager_key`).
+        self._eager_calls: dict[tuple, _EagerDeviceCall] = {}
         params = [inspect.Parameter(f"x{i + 1}", inspect.Parameter.POSITIONAL_ONLY)
                   for i in range(self.nargs)]
         self.__signature__ = inspect.Signature([
@@ -236,6 +239,11 @@ class ElementwiseOp:
     def __call__(self, *args: Any, device: str = "auto", out: Any = None,
                  reduce: Any = None) -> Any:
         """Apply the operation; see :func:`elementwise` for the arguments."""
+        key = _eager_key(args, device, out, reduce)
+        if key is not None:
+            call = self._eager_calls.get(key)
+            if call is not None:  # this kind of call was checked and prepared before
+                return call(args, out)
         check_device_name(device)
         if len(args) != self.nargs:
             raise TypeError(f"{self.__name__} takes {self.nargs} arguments, got {len(args)}")
@@ -253,6 +261,14 @@ class ElementwiseOp:
             )
         if not any(isinstance(op, da.Array) or is_array_like(op) for op in operands):
             check_device(device)
+            if on_device and all(is_cupy(op) or is_scalar(op) for op in operands):
+                outs = None if out is None else self._check_out(out, plan, shape, on_device)
+                call = _EagerDeviceCall(self, plan, argtypes, operands, outs)
+                if key is not None:
+                    if len(self._eager_calls) >= EAGER_CALLS_KEPT:
+                        self._eager_calls.pop(next(iter(self._eager_calls)), None)
+                    self._eager_calls[key] = call
+                return call(operands, outs)
             return self._eager(operands, plan, shape, device, out, on_device)
         check_device_for_graph(device)
         arrays, chunks = _to_dask(operands)
@@ -340,7 +356,8 @@ class ElementwiseOp:
     def _eager(self, operands: list[Any], plan: ElementwisePlan, shape: tuple[int, ...],
                device: str, out: Any, on_device: bool) -> Any:
         """NumPy, CuPy arrays and numbers only: computed now, as a ufunc would (CuPy in, CuPy
-        out on the current stream; NumPy in, NumPy out, where ``device`` places it)."""
+        out on the current stream; NumPy in, NumPy out, where ``device`` places it). CuPy
+        arrays and numbers alone go through :class:`_EagerDeviceCall` instead."""
         single = plan.plain
         outs = None if out is None else self._check_out(out, plan, shape, on_device)
         nbytes = math.prod(shape) * sum(dt.itemsize for dt in plan.out_dtypes) + sum(
@@ -419,6 +436,66 @@ class ElementwiseOp:
 #: NumPy inputs with no Dask operand whose inputs and outputs take more than this are
 #: computed in chunks on local threads (a GPU takes one chunk at a time); less, as one chunk.
 EAGER_ONE_CHUNK_BYTES = 512 * 2**20
+
+
+#: Kinds of eager call on CuPy data each operation keeps prepared; beyond, the oldest go.
+EAGER_CALLS_KEPT = 64
+
+
+def _eager_key(args: tuple[Any, ...], device: str, out: Any, reduce: Any) -> tuple | None:
+    """What an eager call on CuPy data is, for :attr:`ElementwiseOp._eager_calls`: the
+    arguments' kinds (:func:`~dask_gpuchunk.backend.input_kind`), ``out=``'s, ``reduce=``,
+    ``device=`` and the current CUDA device. ``None`` where the call is not of that form
+    (no CuPy array, Dask or NumPy arrays, a list for ``reduce=``): it goes the full way."""
+    if device != "auto" and device != "gpu":
+        return None
+    kinds = tuple(map(input_kind, args))
+    if None in kinds or not any(type(k) is tuple and len(k) == 3 for k in kinds):  # no CuPy
+        return None
+    outs = out if isinstance(out, tuple) else (out,)
+    out_kinds = None if out is None else tuple(map(input_kind, outs))
+    if out_kinds is not None and (None in out_kinds or not all(map(is_cupy, outs))):
+        return None
+    try:
+        hash(reduce)
+    except TypeError:
+        return None
+    import cupy
+
+    return (device, reduce, kinds, out_kinds, cupy.cuda.runtime.getDevice())
+
+
+class _EagerDeviceCall:
+    """One kind of eager call on CuPy data, checked once: the operation's pass prepared
+    (:func:`~dask_gpuchunk.backend.device_call`), what each call still checks (Python
+    numbers' values) and finishes (a mean's division)."""
+
+    def __init__(self, op: ElementwiseOp, plan: ElementwisePlan, argtypes: tuple[VType, ...],
+                 operands: list[Any], outs: tuple[Any, ...] | None) -> None:
+        self.op = op
+        self.plan = plan
+        self.argtypes = argtypes
+        self.check_numbers = op.rules == "numpy" and any(vt.weak for vt in argtypes)
+        self.call = device_call(op.kernels, plan, operands, outs, finished=True)
+        self.count = self.call.n
+        self.means = [(r, dt) for r, ((_, how), dt) in enumerate(
+            zip(plan.reductions, plan.reduced_dtypes())) if how == "mean"]
+
+    def __call__(self, args: Any, out: Any) -> Any:
+        if self.check_numbers:
+            self.op._check_python_numbers(list(args), self.argtypes)
+        outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
+        # Allocated as any CuPy operation allocates (an eager call runs alone, in the
+        # caller's thread: no Dask chunks of it to share the budget with).
+        result = self.call.run(args, outs)
+        if self.plan.plain:
+            return result
+        results, totals = result
+        if self.means:
+            totals = list(totals)
+            for r, dt in self.means:
+                totals[r] = _finish(totals[r], "mean", self.count, dt)
+        return (*results, *totals)
 
 
 def _listed_plan(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],

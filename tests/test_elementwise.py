@@ -586,6 +586,58 @@ def test_gpu_from_host_pinned_and_pageable(rng, pinned_inputs, pinned_out):
     assert_same(out, np.asarray(a) * np.asarray(b))
 
 
+@pytest.mark.gpu
+def test_eager_device_calls_are_prepared_once_per_kind_and_stay_exact(rng):
+    import cupy
+
+    @dg.elementwise
+    def scale_and_compare(p, q):
+        return p * q, p > q
+
+    a = rng.standard_normal((300, 257)).astype(np.float32)
+    b = rng.standard_normal(257).astype(np.float32)
+    x, y = cupy.asarray(a), cupy.asarray(b)
+    reduce = (("sum", "max"), "sum")  # sum and max of the product, sum of the comparison
+    for _ in range(3):
+        prod, above, total, most, count = scale_and_compare(x, y, reduce=reduce)
+    assert len(scale_and_compare._eager_calls) == 1  # the same kind of call: one preparation
+    assert_same(prod.get(), a * b) and assert_same(above.get(), a > b)
+    assert total.shape == () and total.dtype == np.float32
+    np.testing.assert_allclose(total.get(), (a * b).astype(np.float64).sum(), rtol=1e-5)
+    assert most.get() == (a * b).max() and count.get() == (a > b).sum()
+    assert count.dtype == np.int64
+    scale_and_compare(x[:7], y, reduce=reduce)  # another shape: another kind
+    scale_and_compare(x, 2.0, reduce=reduce)
+    assert len(scale_and_compare._eager_calls) == 3
+    with pytest.raises(OverflowError):  # a Python number's value is checked on every call
+        scale_and_compare(cupy.asarray(a.astype(np.int8)), 300)
+    with pytest.raises(OverflowError):
+        scale_and_compare(cupy.asarray(a.astype(np.int8)), 300)
+
+
+@pytest.mark.gpu
+def test_device_reductions_on_many_streams_at_once_are_each_right(rng):
+    # Each stream's passes take their tickets from that stream's counter: passes running at
+    # once on other streams, in other threads, never mix them.
+    import concurrent.futures
+
+    import cupy
+
+    values = [rng.standard_normal(3_000_001) for _ in range(4)]
+
+    def run(v):
+        with cupy.cuda.Stream(non_blocking=True) as stream:
+            x = cupy.asarray(v)
+            totals = [dg.multiply(x, float(k), reduce="sum")[1] for k in range(1, 9)]
+            stream.synchronize()
+            return [float(t.get()) for t in totals]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, values))
+    for v, got in zip(values, results):
+        np.testing.assert_allclose(got, [v.sum() * k for k in range(1, 9)], rtol=1e-9)
+
+
 # ---- eager calls, several outputs, fused reductions ----------------------------------------
 
 

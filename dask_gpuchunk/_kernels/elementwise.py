@@ -324,16 +324,20 @@ def _args(scalars: Sequence[bool], idx: str) -> tuple[str, str]:
 
 class _Pass(NamedTuple):
     """What a generated kernel's signature and body depend on beyond its inputs: the number of
-    outputs, whether ``f`` returns a tuple, and each reduction as ``(output, op, partial
-    dtype)`` (``op``: sum, min or max; a mean is a sum)."""
+    outputs, whether ``f`` returns a tuple, each reduction as ``(output, op, partial dtype)``
+    (``op``: sum, min or max; a mean is a sum) and, for CUDA, the dtype each reduction's total
+    is written in (the pass's last block combines the blocks' partials into it)."""
 
     nout: int = 1
     tupled: bool = False
     reductions: tuple[tuple[int, str, np.dtype], ...] = ()
+    totals: tuple[np.dtype, ...] = ()
 
     def params(self) -> str:
         outs = [f"o{k}" for k in range(self.nout)]
-        return ", ".join([*outs, *(f"p{r}" for r in range(len(self.reductions)))])
+        partials = [f"p{r}" for r in range(len(self.reductions))]
+        totals = [f"t{r}" for r in range(len(self.totals))] + (["cnt"] if self.totals else [])
+        return ", ".join([*outs, *partials, *totals])
 
     def element(self, call: str, idx: str) -> list[str]:
         """One element: ``f`` called, each output stored, each reduction accumulated."""
@@ -444,17 +448,37 @@ def _cpu_source(scalars: Sequence[bool], ndim: int, spec: _Pass = _Pass()) -> st
     return "\n".join(lines) + "\n"
 
 
+def _block_combine(spec: _Pass, threads: int) -> list[str]:
+    """Each thread's ``acc{r}`` combined over the block in shared memory (a tree), the block's
+    value left in ``s{r}[0]``: at the kernel's indentation, every thread of the block taking
+    part."""
+    lines = []
+    for r, (_, _, dtype) in enumerate(spec.reductions):
+        lines.append(f"s{r}[t] = acc{r}")
+    lines += ["cuda.syncthreads()", f"w = {threads // 2}", "while w > 0:", "    if t < w:"]
+    for r, (_, op, dtype) in enumerate(spec.reductions):
+        lines.append(f"        s{r}[t] = {_combine(op, f's{r}[t]', f's{r}[t + w]', dtype)}")
+    lines += ["    cuda.syncthreads()", "    w //= 2"]
+    return lines
+
+
 def _cuda_source(scalars: Sequence[bool], ndim: int, spec: _Pass = _Pass(),
                  threads: int = 128) -> str:
     """One element per thread (:func:`_launch_config` covers the outputs with the grid), then a
     grid-stride loop for what a smaller grid leaves (numba's simulator runs tiny grids).
 
-    Reductions: each thread accumulates its elements, each block combines its ``threads``
-    values in shared memory (a tree) and writes one partial per reduction (``p[blockIdx.x]``).
-
     Measured on an H200 (4 GB float64 product, docs/perf-notes.md): one element per thread in
     blocks of 128 ran in 2.73 ms, as CuPy's own multiply (2.75) and the same kernel in CUDA C
     (2.71); every grid-stride launch shape took 2.86-3.06 ms in numba, 2.79-2.98 in CUDA C.
+
+    Reductions (:func:`reduction_grid`: as many blocks as the GPU holds at once, each thread
+    looping over its share): each thread accumulates its elements, each block combines its
+    ``threads`` values in shared memory and writes one partial per reduction
+    (``p[blockIdx.x]``); the last block to finish (a ticket from ``cnt[0]``, taken after a
+    memory fence) combines the partials into ``t[0]`` in the total's dtype and sets ``cnt[0]``
+    back to 0 for the next launch on the stream. Measured on an H200 (perf note 23): one
+    element per thread with one partial per 128 elements, summed by CuPy after the kernel,
+    made seed 002's pass 1.5 x slower than without its sum.
     """
     idx = ", ".join(f"i{d}" for d in range(ndim)) if ndim > 1 else "i"
     params, call = _args(scalars, idx)
@@ -472,25 +496,44 @@ def _cuda_source(scalars: Sequence[bool], ndim: int, spec: _Pass = _Pass(),
         "    n = o0.size",
         *("    " + line for line in spec.start()),
         "    i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x",
-        "    if i < n:",
-        *("        " + line for line in body),
         "    step = int64(cuda.gridDim.x) * cuda.blockDim.x",
-        "    i += step",
+    ]
+    if not spec.reductions:
+        lines += [
+            "    if i < n:",
+            *("        " + line for line in body),
+            "    i += step",
+        ]
+    lines += [
         "    while i < n:",
         *("        " + line for line in body),
         "        i += step",
     ]
-    if spec.reductions:
-        lines.append("    t = cuda.threadIdx.x")
-        for r, (_, op, dtype) in enumerate(spec.reductions):
-            lines += [f"    s{r} = cuda.shared.array({threads}, _numba_{dtype.str[1:]})",
-                      f"    s{r}[t] = acc{r}"]
-        lines += ["    cuda.syncthreads()", f"    w = {threads // 2}", "    while w > 0:",
-                  "        if t < w:"]
-        for r, (_, op, dtype) in enumerate(spec.reductions):
-            lines.append(f"            s{r}[t] = {_combine(op, f's{r}[t]', f's{r}[t + w]', dtype)}")
-        lines += ["        cuda.syncthreads()", "        w //= 2", "    if t == 0:"]
-        lines += [f"        p{r}[cuda.blockIdx.x] = s{r}[0]" for r in range(len(spec.reductions))]
+    if not spec.reductions:
+        return "\n".join(lines) + "\n"
+    lines.append("    t = cuda.threadIdx.x")
+    for r, (_, _, dtype) in enumerate(spec.reductions):
+        lines.append(f"    s{r} = cuda.shared.array({threads}, _numba_{dtype.str[1:]})")
+    lines.append("    last = cuda.shared.array(1, int32)")
+    lines += ["    " + line for line in _block_combine(spec, threads)]
+    lines.append("    if t == 0:")
+    lines += [f"        p{r}[cuda.blockIdx.x] = s{r}[0]" for r in range(len(spec.reductions))]
+    lines += [
+        "        cuda.threadfence()",  # the partials are seen before the ticket is
+        "        last[0] = cuda.atomic.add(cnt, 0, 1) == cuda.gridDim.x - 1",
+        "    cuda.syncthreads()",
+        "    if last[0]:",  # one value for the whole block: syncthreads inside is safe
+        *("        " + line for line in spec.start()),
+        "        j = t",
+        "        while j < cuda.gridDim.x:",
+    ]
+    for r, (_, op, dtype) in enumerate(spec.reductions):
+        lines.append(f"            acc{r} = {_combine(op, f'acc{r}', f'p{r}[j]', dtype)}")
+    lines.append("            j += cuda.blockDim.x")
+    lines += ["        " + line for line in _block_combine(spec, threads)]
+    lines.append("        if t == 0:")
+    lines += [f"            t{r}[0] = np.{dt.name}(s{r}[0])" for r, dt in enumerate(spec.totals)]
+    lines.append("            cnt[0] = 0")
     return "\n".join(lines) + "\n"
 
 
@@ -516,10 +559,11 @@ def _in_a_file(kernel: Callable) -> bool:
 
 
 def _signature_key(outs: Sequence[Any], inputs: Sequence[Any],
-                   plan: ElementwisePlan | None = None) -> tuple:
+                   plan: ElementwisePlan | None = None, totals: Sequence[Any] = ()) -> tuple:
     """(ndim, layout, ((dtype, is_scalar, is_python_number), ...), out dtypes, the pass's
     :class:`_Pass`): one compiled kernel per key. A Python number's dtype is the one holding it
-    (float64 for a float)."""
+    (float64 for a float). ``totals``: the arrays a CUDA pass writes each reduction's total
+    into (their dtypes are part of the key)."""
     arrays = [*outs, *(a for a in inputs if not is_scalar(a))]
     contiguous = all(a.flags["C_CONTIGUOUS"] for a in arrays)
     args = tuple((weak_type(a).dtype, True, True) if is_python_number(a)
@@ -530,7 +574,8 @@ def _signature_key(outs: Sequence[Any], inputs: Sequence[Any],
     else:
         spec = _Pass(len(outs), plan.tupled,
                      tuple((k, "sum" if op == "mean" else op, dt)
-                           for (k, op), dt in zip(plan.reductions, plan.partial_dtypes())))
+                           for (k, op), dt in zip(plan.reductions, plan.partial_dtypes())),
+                     tuple(np.dtype(t.dtype) for t in totals))
     return (outs[0].ndim, "C" if contiguous else "A", args, out_dtypes, spec)
 
 
@@ -541,6 +586,9 @@ def _numba_signature(key: tuple, readonly_inputs: bool) -> Any:
     ndim, layout, args, out_dtypes, spec = key
     params = [types.Array(numba.from_dtype(dt), ndim, layout) for dt in out_dtypes]
     params += [types.Array(numba.from_dtype(dt), 1, "C") for _, _, dt in spec.reductions]
+    params += [types.Array(numba.from_dtype(dt), 1, "C") for dt in spec.totals]
+    if spec.totals:
+        params.append(types.Array(types.uint32, 1, "C"))  # the blocks' ticket counter
     for dtype, scalar, _ in args:
         if scalar:
             params.append(numba.from_dtype(dtype))
@@ -554,7 +602,7 @@ def _pass_namespace(spec: _Pass) -> dict[str, Any]:
     ...), its reductions' start values and the numba types of their shared arrays."""
     import numba
 
-    found: dict[str, Any] = {"np": np, **_identities(spec.reductions)}
+    found: dict[str, Any] = {"np": np, "int32": numba.int32, **_identities(spec.reductions)}
     for _, _, dtype in spec.reductions:
         found[f"_numba_{dtype.str[1:]}"] = numba.from_dtype(dtype)
     return found
@@ -740,7 +788,7 @@ class ElementwiseKernels:
                 from .numpy_ops import namespace
 
                 ndim, _, args, _, spec = key
-                threads, _ = _launch_config(1)
+                threads = (_reduction_config(1) if spec.reductions else _launch_config(1))[0]
                 source = _cuda_source([scalar for _, scalar, _ in args], ndim, spec, threads)
                 if self.rules == "numpy":
                     target = "sim" if cuda_config.ENABLE_CUDASIM else "cuda"
@@ -768,13 +816,16 @@ class ElementwiseKernels:
         self.cuda_pass(None, (out,), (), *inputs, stream=stream)
 
     def cuda_pass(self, plan: ElementwisePlan | None, outs: Sequence[Any],
-                  partials: Sequence[Any], *inputs: Any, stream: Any = 0) -> None:
+                  reduction: Sequence[Any], *inputs: Any, stream: Any = 0) -> None:
         """As :meth:`cuda` for a :class:`ElementwisePlan` (``None``: one output): every output
-        of ``outs`` (one shape) and each reduction's partials (length :func:`partial_count`
-        ``(n, "cuda")``), numba device arrays."""
-        kernel = self._cuda_kernel(_signature_key(outs, inputs, plan))
-        threads, blocks = _launch_config(outs[0].size)
-        kernel[blocks, threads, stream](*outs, *partials, *inputs)
+        of ``outs`` (one shape), numba device arrays. ``reduction``: where the plan reduces,
+        each reduction's partials (length :func:`partial_count` ``(n, "cuda")``), then each
+        one's total (one element, of the dtype it is wanted in), then a one-element ``uint32``
+        counter holding 0 (the kernel leaves it at 0); else empty."""
+        key = _signature_key(outs, inputs, plan, _totals(plan, reduction))
+        kernel = self._cuda_kernel(key)
+        threads, blocks = _grid(key, outs[0].size, lambda t: _resident_blocks(kernel, t))
+        kernel[blocks, threads, stream](*outs, *reduction, *inputs)
 
     def cuda_strided(self, out: StridedArg, *inputs: StridedArg | np.generic,
                      stream: Any) -> None:
@@ -788,11 +839,21 @@ class ElementwiseKernels:
         self.cuda_strided_pass(None, (out,), (), *inputs, stream=stream)
 
     def cuda_strided_pass(self, plan: ElementwisePlan | None, outs: Sequence[StridedArg],
-                          partials: Sequence[StridedArg], *inputs: StridedArg | np.generic,
+                          reduction: Sequence[StridedArg], *inputs: StridedArg | np.generic,
                           stream: Any) -> None:
         """:meth:`cuda_strided` for a :class:`ElementwisePlan` (``None``: one output, as
         :meth:`cuda_strided`), as :meth:`cuda_pass`."""
-        key = _signature_key(outs, inputs, plan)
+        launcher, blocks, threads = self.strided_launcher(plan, outs, reduction, inputs)
+        launcher(blocks, threads, stream, (*outs, *reduction, *inputs))
+
+    def strided_launcher(self, plan: ElementwisePlan | None, outs: Sequence[StridedArg],
+                         reduction: Sequence[StridedArg],
+                         inputs: Sequence[StridedArg | np.generic]
+                         ) -> tuple[DirectLaunch, int, int]:
+        """What :meth:`cuda_strided_pass` launches for arrays of these dtypes, shapes and
+        layouts on this thread's device: the launcher, blocks and threads per block. A caller
+        that launches the same kind of call again keeps it and calls it with new addresses."""
+        key = _signature_key(outs, inputs, plan, _totals(plan, reduction))
         device = current_device()
         launcher = self._direct.get((key, device))
         if launcher is None:
@@ -801,8 +862,34 @@ class ElementwiseKernels:
                 launcher = self._direct.get((key, device))
                 if launcher is None:
                     launcher = self._direct[(key, device)] = DirectLaunch(dispatcher)
-        threads, blocks = _launch_config(math.prod(outs[0].shape))
-        launcher(blocks, threads, stream, (*outs, *partials, *inputs))
+        threads, blocks = _grid(key, math.prod(outs[0].shape), launcher.resident_blocks)
+        return launcher, blocks, threads
+
+
+def _totals(plan: ElementwisePlan | None, reduction: Sequence[Any]) -> Sequence[Any]:
+    """The totals of a pass's ``reduction`` arrays (partials, totals, counter)."""
+    count = len(plan.reductions) if plan is not None else 0
+    return reduction[count:2 * count]
+
+
+def _resident_blocks(dispatcher: Any, threads: int) -> int:
+    """How many blocks of ``threads`` of a numba kernel the current GPU holds at once."""
+    (overload,) = dispatcher.overloads.values()
+    return int(overload.max_cooperative_grid_blocks(threads))
+
+
+def _grid(key: tuple, n: int, resident: Callable[[int], int]) -> tuple[int, int]:
+    """Threads per block and blocks of a pass of ``key`` over ``n`` elements: one thread per
+    element (:func:`_launch_config`); a pass with reductions as many blocks as the GPU holds at
+    once (``resident(threads)``), at most :func:`partial_count`."""
+    if not key[-1].reductions:
+        return _launch_config(n)
+    threads, most = _reduction_config(n)
+    from numba.cuda import config as cuda_config
+
+    if not cuda_config.ENABLE_CUDASIM:
+        most = min(most, resident(threads))
+    return threads, max(1, most)
 
 
 _registry: dict[tuple[str, bool, str], ElementwiseKernels] = {}
@@ -830,10 +917,34 @@ MAX_BLOCKS = 2**31 - 1
 
 def partial_count(n: int, target: str) -> int:
     """How many partials each reduction of a pass over ``n`` elements writes: one per block of
-    the CPU loop (``"cpu"``) or of the CUDA grid (``"cuda"``)."""
+    the CPU loop (``"cpu"``); at most one per block of the CUDA grid (``"cuda"``: the grid is
+    never larger)."""
     if n == 0:
         return 0
-    return min(n, 1024) if target == "cpu" else _launch_config(n)[1]
+    return min(n, 1024) if target == "cpu" else _reduction_config(n)[1]
+
+
+#: Threads per block of a CUDA pass with reductions.
+REDUCTION_THREADS = 256
+
+_sm_counts: dict[int, int] = {}
+
+
+def _reduction_config(n: int) -> tuple[int, int]:
+    """Threads per block of a CUDA pass with reductions over ``n`` elements, and the most
+    blocks it launches: no more than one per ``threads`` elements, nor than the current GPU
+    holds at once (its multiprocessors x 2048 threads)."""
+    from numba import cuda
+    from numba.cuda import config as cuda_config
+
+    if cuda_config.ENABLE_CUDASIM:
+        return _launch_config(n)
+    device = current_device()
+    sms = _sm_counts.get(device)
+    if sms is None:
+        sms = _sm_counts[device] = int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    threads = REDUCTION_THREADS
+    return threads, max(1, min(math.ceil(n / threads), sms * 2048 // threads))
 
 
 def _launch_config(n: int) -> tuple[int, int]:

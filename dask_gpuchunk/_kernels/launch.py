@@ -204,6 +204,16 @@ class DirectLaunch:
         self._config = LaunchConfig
         self._launch = launch
         self._configs: dict[tuple[int, int], Any] = {}
+        self._resident: dict[int, int] = {}
+
+    def resident_blocks(self, threads: int) -> int:
+        """How many blocks of ``threads`` of this kernel the device holds at once (CUDA's
+        occupancy calculator, through numba), cached."""
+        found = self._resident.get(threads)
+        if found is None:
+            found = self._resident[threads] = int(
+                self.overload.max_cooperative_grid_blocks(threads))
+        return found
 
     def _check_array_layout(self) -> None:
         from numba import cuda, types

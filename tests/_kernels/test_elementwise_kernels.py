@@ -296,25 +296,43 @@ def test_cpu_pass_gives_every_output_and_each_reduction_of_them(rng, dtype, shap
     assert out0 == outs[0].dtype
 
 
-def test_cuda_pass_reduces_in_shared_memory_per_block(rng):
+def test_cuda_pass_combines_the_blocks_partials_into_each_total(rng):
     from numba import cuda
 
-    shape = (41, 9)  # several blocks, the last one partial
+    shape = (41, 9)  # several blocks, each looping over several elements per thread
     a, b = rng.standard_normal(shape), rng.standard_normal(shape)
     a[3, 4] = np.nan
     plan = _pass_plan(["float64", "bool"], [(0, "sum"), (0, "max"), (1, "sum")])
     k = ElementwiseKernels(rotate_and_compare, 2)
     outs = [cuda.device_array(shape, dt) for dt in plan.out_dtypes]
     n = a.size
-    partials = [cuda.device_array(partial_count(n, "cuda"), dt) for dt in plan.partial_dtypes()]
-    k.cuda_pass(plan, outs, partials, cuda.to_device(a), cuda.to_device(b))
-    got = [o.copy_to_host() for o in outs]
-    parts = [p.copy_to_host() for p in partials]
-    assert np.isnan(parts[0].sum()) and np.isnan(parts[1].max())  # NaN propagates, as NumPy's
+    # The first total in float32: written in the dtype it is wanted in.
+    total_dtypes = [np.dtype("float32"), np.dtype("float64"), np.dtype("int64")]
+
+    def run(a):
+        partials = [cuda.device_array(partial_count(n, "cuda"), dt)
+                    for dt in plan.partial_dtypes()]
+        totals = [cuda.device_array(1, dt) for dt in total_dtypes]
+        k.cuda_pass(plan, outs, [*partials, *totals, counter], cuda.to_device(a),
+                    cuda.to_device(b))
+        return [t.copy_to_host()[0] for t in totals]
+
+    counter = cuda.to_device(np.zeros(1, np.uint32))
+    totals = run(a)
+    assert np.isnan(totals[0]) and np.isnan(totals[1])  # NaN propagates, as NumPy's
+    assert counter.copy_to_host()[0] == 0  # left for the next pass on the stream
     a[3, 4] = 0.0
-    k.cuda_pass(plan, outs, partials, cuda.to_device(a), cuda.to_device(b))
+    totals = run(a)  # the same counter again
     got = [o.copy_to_host() for o in outs]
-    _check_pass(got, [p.copy_to_host() for p in partials], plan, a, b, _combine)
+    expected = [reference(lambda x, y: rotate_and_compare(x, y)[k], dt, a, b)
+                for k, dt in enumerate(plan.out_dtypes)]
+    assert_same(got[0], expected[0], exact=False)
+    assert_same(got[1], expected[1])
+    assert totals[0].dtype == np.float32
+    np.testing.assert_allclose(totals[0], expected[0].sum(), rtol=1e-6)
+    assert totals[1] == expected[0].max()
+    assert totals[2] == expected[1].sum() and totals[2].dtype == np.int64
+    assert counter.copy_to_host()[0] == 0
 
 
 def test_reduction_dtypes_are_numpys_and_partials_wider():
