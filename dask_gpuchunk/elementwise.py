@@ -281,7 +281,9 @@ class ElementwiseOp:
         task_kwargs = {"kernels": self.kernels, "out_dtype": plan.out_dtypes[0] if single
                        else plan, "device": device}
         signature = [(vt.dtype.str, vt.weak) for vt in argtypes]
-        name = f"{self.__name__}-{tokenize(self.kernels.token, plan, device, signature, *arrays)}"
+        token = tokenize(self.kernels.token, _plan_text(plan), device, signature,
+                         *map(_token_of, arrays))
+        name = f"{self.__name__}-{token}"
         listed = listed_graphs() and math.prod(len(c) for c in chunks) <= LISTED_GRAPH_MAX_BLOCKS
         if single:
             meta = xp.empty((0,) * len(shape), dtype=plan.out_dtypes[0])
@@ -436,6 +438,24 @@ class ElementwiseOp:
 #: NumPy inputs with no Dask operand whose inputs and outputs take more than this are
 #: computed in chunks on local threads (a GPU takes one chunk at a time); less, as one chunk.
 EAGER_ONE_CHUNK_BYTES = 512 * 2**20
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_text(plan: ElementwisePlan) -> str:
+    """A plan as text, for result names (dask's tokenizing of it walks every dtype)."""
+    return repr(plan)
+
+
+def _token_of(operand: Any) -> Any:
+    """What names an operand in a result's name: a Dask array's name; a number's type and
+    bytes (dask's own tokenizing of a NumPy scalar took 180 us, on every step of a loop)."""
+    if isinstance(operand, da.Array):
+        return operand.name
+    if is_python_number(operand):
+        return (type(operand).__name__, repr(operand))
+    if isinstance(operand, (np.generic, np.ndarray)) and operand.ndim == 0:
+        return (operand.dtype.str, operand.tobytes())
+    return operand
 
 
 #: Kinds of eager call on CuPy data each operation keeps prepared; beyond, the oldest go.
