@@ -130,3 +130,48 @@ def test_nowhere_to_cache_falls_back_to_a_temporary_directory_with_one_warning(m
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning per process
         assert source_cache.cached_njit(_scaled)(2) == 6
+
+
+# ---- who may write the cache ---------------------------------------------------------------
+
+
+def test_the_cache_s_directories_are_made_private(tmp_path):
+    with dask.config.set({"gpuchunk.cache-dir": str(tmp_path / "c")}):
+        assert cache_dir() == tmp_path / "c" / "kernels"
+    for d in ("c", "c/kernels", "c/numba"):
+        assert (tmp_path / d).stat().st_mode & 0o777 == 0o700, d
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX owners and modes")
+def test_a_cache_others_could_write_is_not_loaded_from(tmp_path, monkeypatch):
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(0o775)  # a group could plant code there
+    source_cache._warned.clear()
+    with dask.config.set({"gpuchunk.cache-dir": str(root)}):
+        with pytest.warns(UserWarning, match="written by its group or others.*in memory"):
+            assert cache_dir() is None
+        k = ElementwiseKernels(mul, 2, cache=True)  # compiled in memory, still right
+        out = np.empty(5)
+        k.cpu(out, np.arange(5.0), np.full(5, 3.0))
+        assert_same(out, np.arange(5.0) * 3.0)
+        assert not list(root.glob("kernels/*.py"))
+    root.chmod(0o700)
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(root).st_uid + 1)
+    with dask.config.set({"gpuchunk.cache-dir": str(root)}):
+        with pytest.warns(UserWarning, match="owned by another user"):
+            assert cache_dir() is None
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX owners and modes")
+def test_kernel_files_are_written_private_and_one_others_could_change_is_refused(tmp_path):
+    source_cache._warned.clear()
+    source = "def kernel(x):\n    return x + 1\n"
+    with dask.config.set({"gpuchunk.cache-dir": str(tmp_path / "c")}):
+        assert source_cache.load_kernel(source, {}, "private-test")(1) == 2
+        (path,) = (tmp_path / "c" / "kernels").glob("k*.py")
+        assert path.stat().st_mode & 0o777 == 0o600
+        path.chmod(0o666)
+        source_cache._kernel_modules.clear()  # as a later process would find it
+        with pytest.warns(UserWarning, match="does not load the cached kernel"):
+            assert source_cache.load_kernel(source, {}, "private-test") is None
