@@ -23,6 +23,7 @@ from .devices import GPUNotAvailableError, gpu_available, gpu_count
 from .elementwise import ElementwiseOp, elementwise, multiply
 from .gram import bitpack, gram
 from .io import from_npy, to_npy
+from .user_kernels import GufuncOp, gufunc, map_blocks
 
 #: The installed distribution's version (``importlib.metadata``).
 __version__ = package_version()
@@ -30,6 +31,7 @@ __version__ = package_version()
 __all__ = [
     "ElementwiseOp",
     "GPUNotAvailableError",
+    "GufuncOp",
     "__version__",
     "asarray",
     "bitpack",
@@ -39,7 +41,9 @@ __all__ = [
     "gpu_available",
     "gpu_count",
     "gram",
+    "gufunc",
     "local_cluster",
+    "map_blocks",
     "multiply",
     "placement_decisions",
     "to_npy",

@@ -38,6 +38,7 @@ from ._kernels.elementwise import (
 )
 from ._kernels.numpy_rules import VType, weak_type
 from ._kernels.translate import check_call
+from ._kernels.user_functions import Loop, pick_loop, scalar_function
 from .arrays import asarray, is_array_like, refuse_masked
 from .backend import device_call, input_kind, is_cupy, run_elementwise
 from .budget import check_fits
@@ -168,13 +169,24 @@ class ElementwiseOp:
     """An elementwise operation built from a scalar function; see :func:`elementwise`."""
 
     def __init__(self, func: Callable, *, dtype: Any = None, name: str | None = None,
-                 cache: bool = False, rules: str = "numpy") -> None:
+                 cache: bool = False, rules: str | None = None) -> None:
         if not callable(func):
             raise TypeError(f"elementwise needs a function, got {type(func).__name__}")
+        found = scalar_function(func)
+        if rules is None:  # numba's own objects were written for numba's typing
+            rules = "numpy" if found.kind == "python" else "numba"
         if rules not in RULES:
             raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
+        given = func
+        func = found.func
         self.func = func
+        #: A numba ufunc's type loops: calls cast their arguments to the loop NumPy picks.
+        self.loops = found.loops
+        self._loop_for: dict[tuple, Loop] = {}
         self.nargs = _positional_arity(func)
+        if self.loops and len(self.loops[0].inputs) != self.nargs:
+            raise TypeError(f"{self.__class__.__name__}: the ufunc's loops take "
+                            f"{len(self.loops[0].inputs)} arguments, its function {self.nargs}")
         if dtype is None:
             self.dtype = None
         elif isinstance(dtype, (tuple, list)):
@@ -186,7 +198,7 @@ class ElementwiseOp:
         self.rules = rules
         self.__name__ = name or getattr(func, "__name__", "elementwise")
         self.__doc__ = getattr(func, "__doc__", None)
-        self.__wrapped__ = func
+        self.__wrapped__ = given
         self.kernels = kernels_for(func, self.nargs, tokenize(func, self.nargs, rules), cache,
                                    rules)
         #: Eager calls on CuPy data, prepared by the kind of call (:func:`_eager_key`).
@@ -226,6 +238,8 @@ class ElementwiseOp:
     def _outputs(self, argtypes: tuple[VType, ...]) -> tuple[tuple[np.dtype, ...], bool]:
         """Each output's dtype (``dtype=`` where given) and whether the function returns a
         tuple. Always translated (or compiled, with ``rules="numba"``): it checks the function."""
+        if self.loops and self.dtype is None:  # what the user's ufunc returns
+            return (self._loop(argtypes).output,), False
         inferred, tupled = self.kernels.outputs(argtypes)
         if self.dtype is None:
             return inferred, tupled
@@ -239,6 +253,8 @@ class ElementwiseOp:
     def __call__(self, *args: Any, device: str = "auto", out: Any = None,
                  reduce: Any = None) -> Any:
         """Apply the operation; see :func:`elementwise` for the arguments."""
+        if self.loops and len(args) == self.nargs:
+            args = self._loop_args(args)
         key = _eager_key(args, device, out, reduce)
         if key is not None:
             call = self._eager_calls.get(key)
@@ -296,6 +312,21 @@ class ElementwiseOp:
         blocks = self._blockwise(name, arrays, shape, task_kwargs,
                                  np.empty((0,) * len(shape), dtype=object), object)
         return _blockwise_plan(blocks, plan, shape, chunks, xp, self.__name__)
+
+    def _loop(self, argtypes: tuple[VType, ...]) -> Loop:
+        """The ufunc loop NumPy picks for arguments of these types."""
+        found = self._loop_for.get(argtypes)
+        if found is None:
+            found = self._loop_for[argtypes] = pick_loop(self.loops, argtypes, self.__name__)
+        return found
+
+    def _loop_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The arguments cast to the inputs of the ufunc loop NumPy picks for them (Dask
+        arrays lazily; a Python number becomes a NumPy scalar of the loop's type)."""
+        argtypes = tuple(_loop_type(a) for a in args)
+        loop = self._loop(argtypes)
+        return tuple(a if vt.dtype == dt and not vt.weak else _cast(a, dt)
+                     for a, vt, dt in zip(args, argtypes, loop.inputs))
 
     def _blockwise(self, name: str, arrays: list[Any], shape: tuple[int, ...],
                    task_kwargs: dict[str, Any], meta: Any, dtype: Any) -> da.Array:
@@ -581,6 +612,22 @@ def _argtype_of(d: Any, index: int) -> VType:
     return VType(check_dtype(d, f"argument {index + 1}"))
 
 
+def _loop_type(a: Any) -> VType:
+    """An argument's type for picking a ufunc loop (a Python number weak)."""
+    if is_python_number(a):
+        return weak_type(a)
+    dtype = getattr(a, "dtype", None)
+    return VType(np.dtype(dtype if dtype is not None else np.asarray(a).dtype))
+
+
+def _cast(a: Any, dtype: np.dtype) -> Any:
+    if is_python_number(a):
+        return dtype.type(a)
+    if hasattr(a, "astype") and not is_array_like(a):
+        return a.astype(dtype)
+    return np.asarray(a, dtype=dtype)
+
+
 def _is_cupy_backed(x: Any) -> bool:
     if isinstance(x, da.Array):
         return is_cupy(x._meta)
@@ -748,7 +795,7 @@ def _listed_graph(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], .
 
 
 def elementwise(func: Callable | None = None, *, dtype: Any = None,
-                name: str | None = None, cache: bool = False, rules: str = "numpy") -> Any:
+                name: str | None = None, cache: bool = False, rules: str | None = None) -> Any:
     """Turn a scalar function into an elementwise operation over Dask arrays.
 
     The function is compiled by numba, lazily and once per dtype signature and process, for

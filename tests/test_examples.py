@@ -54,3 +54,17 @@ def test_gram_of_bits_on_gpu(tmp_path):
     result = load("gram_of_bits").main(["--rows", "5000", "--cols", "20000", "--chunk-rows",
                                          "2048", "--out", str(tmp_path / "c.npy")])
     assert result["bit_macs_per_s"] > 0
+
+
+def test_own_numba_kernels_agree_with_numpy():
+    result = load("own_numba_kernels").main(["--rows", "3000", "--cols", "50", "--chunk-rows",
+                                              "700", "--bit-rows", "300", "--bit-cols", "1000",
+                                              "--slab", "128", "--n", "1001"])
+    assert result["product_error"] < 1e-12 and result["rk4_error"] < 1e-5
+
+
+@pytest.mark.gpu
+def test_own_numba_kernels_on_gpu():
+    result = load("own_numba_kernels").main(["--rows", "400000", "--cols", "100",
+                                              "--bit-rows", "3000", "--bit-cols", "20000"])
+    assert result["product_error"] < 1e-12 and result["rk4_error"] < 1e-5

@@ -20,6 +20,7 @@ import functools
 import math
 import os
 import threading
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -30,6 +31,7 @@ from .launch import DirectLaunch, StridedArg, current_device, load_lock
 from .numpy_rules import VType, weak_type
 from .source_cache import cached_njit, function_stamp, load_kernel, numba_cache_here
 from .translate import Translation, translate
+from .user_functions import for_target
 
 __all__ = [
     "REDUCTIONS",
@@ -696,7 +698,7 @@ class ElementwiseKernels:
         found = self._numba_dtypes.get(dtypes)
         if found is None:
             found = self._numba_dtypes[dtypes] = numba_result_dtype(
-                self.func, dtypes, cache=self.stamp is not None)
+                _for_target(self.func, "cpu"), dtypes, cache=self.stamp is not None)
         return (found, True) if isinstance(found, tuple) else ((found,), False)
 
     def _compile_source(self, key: tuple, kernel_source: str, namespace: dict[str, Any],
@@ -745,7 +747,8 @@ class ElementwiseKernels:
                     scope = {**namespace("cpu"), "prange": numba.prange}
                 else:
                     if self._cpu_scalar is None:
-                        self._cpu_scalar = numba.njit(self.func, cache=self.stamp is not None)
+                        self._cpu_scalar = numba.njit(_for_target(self.func, "cpu"),
+                                                      cache=self.stamp is not None)
                     scope = {"f": self._cpu_scalar, "prange": numba.prange}
                 scope.update(_pass_namespace(spec))
                 pyfunc = self._compile_source(
@@ -795,7 +798,8 @@ class ElementwiseKernels:
                     scope = {**namespace(target), "cuda": cuda, "int64": numba.int64}
                 else:
                     if self._cuda_device is None:
-                        self._cuda_device = cuda.jit(device=True)(self.func)
+                        self._cuda_device = cuda.jit(device=True)(_for_target(self.func,
+                                                                              "cuda"))
                     scope = {"f": self._cuda_device, "cuda": cuda, "int64": numba.int64}
                 scope.update(_pass_namespace(spec))
                 pyfunc = self._compile_source(
@@ -895,6 +899,12 @@ def _grid(key: tuple, n: int, resident: Callable[[int], int]) -> tuple[int, int]
 
 _registry: dict[tuple[str, bool, str], ElementwiseKernels] = {}
 _registry_lock = threading.Lock()
+
+
+def _for_target(func: Callable, target: str) -> Callable:
+    """``func`` with the numba functions it calls compiled for ``target``
+    (:func:`~dask_gpuchunk._kernels.user_functions.for_target`)."""
+    return for_target(func, target) if isinstance(func, types.FunctionType) else func
 
 
 def kernels_for(func: Callable, nargs: int, token: str, cache: bool = False,

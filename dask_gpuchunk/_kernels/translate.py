@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from .numpy_rules import UNKNOWN, Emitter, RuleError, Value, VType, int_bounds
+from .user_functions import is_numba_function
 
 __all__ = ["Translation", "check_call", "translate"]
 
@@ -862,10 +863,14 @@ class _Walker:
         if dtype is not None:
             self.arity(path, args, 1)
             return em.numpy_cast(dtype, args[0])
+        if is_numba_function(obj) and isinstance(obj.py_func, types.FunctionType):
+            # An @njit or CUDA device function: its Python function, translated as any helper.
+            return self.call_helper(obj.py_func, path, args)
         if hasattr(obj, "py_func") or type(obj).__module__.startswith("numba"):
-            raise RuleError(f"{path} is a numba-compiled function: call the plain Python "
-                            "function instead (dg.elementwise compiles it by NumPy's rules), or "
-                            "pass rules='numba' to compile the whole function as numba types it")
+            raise RuleError(f"{path} is {_describe(obj)}, which elementwise functions cannot "
+                            "call; call a plain Python, @njit or @cuda.jit(device=True) "
+                            "function, or pass rules='numba' to compile the whole function as "
+                            "numba types it")
         if isinstance(obj, types.FunctionType):
             return self.call_helper(obj, path, args)
         raise RuleError(f"{path} is {_describe(obj)}, which elementwise functions cannot call")

@@ -1,0 +1,202 @@
+"""The users' own numba code over Dask arrays: a ``@cuda.jit`` product kernel (seed 000's form),
+a row-sliced bit-packed Gram kernel (seed 001's ``row_offset`` form) and a ``@vectorize`` RK4
+half-step calling ``@cuda.jit(device=True)`` helpers (seed 002's form), each checked against NumPy.
+
+The kernels are written as those users wrote theirs: ``dg.map_blocks`` runs the first two block
+by block (NumPy blocks staged through pinned memory to the GPU, within the device budget), and
+``dg.elementwise`` takes the ufunc as it is. Where no GPU is visible, the kernels' CPU twins
+(``cpu=``) and the ufunc's CPU target run instead.
+
+    python examples/own_numba_kernels.py --rows 2000000 --cols 500 --bit-rows 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import dask.array as da
+import numba
+import numpy as np
+from numba import cuda, int32, uint8
+
+import dask_gpuchunk as dg
+
+ON_GPU = dg.gpu_available()
+
+# ---- seed 000: a thread per row, a loop over the columns ------------------------------------
+
+
+@cuda.jit
+def adding_numbers(big_array, big_array2, save_array):
+    i = cuda.grid(1)
+    if i < big_array.shape[0]:
+        for j in range(big_array.shape[1]):
+            save_array[i, j] = big_array[i, j] * big_array2[i, j]
+
+
+@numba.njit(parallel=True)
+def adding_numbers_on_cpu(big_array, big_array2, save_array):
+    for i in numba.prange(big_array.shape[0]):
+        for j in range(big_array.shape[1]):
+            save_array[i, j] = big_array[i, j] * big_array2[i, j]
+
+
+# ---- seed 001: C[row_offset + y, x] = popcount(A[row_offset + y] & A[x]), 8 bits a byte -------
+
+TPB = 32
+
+
+@cuda.jit
+def bit_slice_a_at(a, c, row_offset):
+    shared_a = cuda.shared.array((TPB, TPB), dtype=uint8)
+    shared_b = cuda.shared.array((TPB, TPB + 1), dtype=uint8)
+    x, y = cuda.grid(2)
+    tx = cuda.threadIdx.x
+    ty = cuda.threadIdx.y
+    bx = cuda.blockIdx.x
+    count = int32(0)
+    for i in range((a.shape[1] + TPB - 1) // TPB):
+        col = i * TPB + tx
+        if y + row_offset < a.shape[0] and y < c.shape[0] and col < a.shape[1]:
+            shared_a[ty, tx] = a[y + row_offset, col]
+        else:
+            shared_a[ty, tx] = 0
+        if TPB * bx + ty < a.shape[0] and col < a.shape[1]:
+            shared_b[ty, tx] = a[TPB * bx + ty, col]
+        else:
+            shared_b[ty, tx] = 0
+        cuda.syncthreads()
+        for j in range(TPB):
+            both = shared_a[ty, j] & shared_b[tx, j]
+            bit = uint8(1)
+            for _ in range(8):
+                if both & bit:
+                    count += 1
+                bit <<= 1
+        cuda.syncthreads()
+    if y < c.shape[0] and x < c.shape[1]:
+        c[y, x] = count
+
+
+@numba.njit(parallel=True)
+def bit_slice_a_at_on_cpu(a, c, row_offset):
+    for y in numba.prange(c.shape[0]):
+        for x in range(c.shape[1]):
+            count = 0
+            for k in range(a.shape[1]):
+                both = a[y + row_offset, k] & a[x, k]
+                while both:
+                    count += both & 1
+                    both >>= 1
+            c[y, x] = count
+
+
+def bit_launch(shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Seed 001's grid: x over the columns of C, y over the slab's rows, 32 × 32 threads."""
+    return (math.ceil(shape[1] / TPB), math.ceil(shape[0] / TPB)), (TPB, TPB)
+
+
+# ---- seed 002: a @vectorize step calling device functions ------------------------------------
+
+helper = cuda.jit(device=True) if ON_GPU else numba.njit
+
+
+@helper
+def dF_dt(f, g, delta):
+    return -2j * f - 1j * delta * (2 * g - 1)
+
+
+@helper
+def dG_dt(f, delta):
+    return -1j * (delta.conjugate() * f - delta * f.conjugate())
+
+
+@numba.vectorize(["complex64(complex64, complex64, complex64, float32)"],
+                 target="cuda" if ON_GPU else "cpu")
+def rk4_step_f(g, f, delta, dt):
+    f1, g1 = dF_dt(f, g, delta), dG_dt(f, delta)
+    f2 = dF_dt(f + dt / 2 * f1, g + dt / 2 * g1, delta)
+    g2 = dG_dt(f + dt / 2 * f1, delta)
+    f3 = dF_dt(f + dt / 2 * f2, g + dt / 2 * g2, delta)
+    g3 = dG_dt(f + dt / 2 * f2, delta)
+    f4 = dF_dt(f + dt * f3, g + dt * g3, delta)
+    return f + (dt / 6) * (f1 + 2 * f2 + 2 * f3 + f4)
+
+
+def rk4_reference(g, f, delta, dt):
+    """The same step in NumPy, complex128."""
+    def d_f(f, g):
+        return -2j * f - 1j * delta * (2 * g - 1)
+
+    def d_g(f):
+        return -1j * (np.conj(delta) * f - delta * np.conj(f))
+
+    f1, g1 = d_f(f, g), d_g(f)
+    f2, g2 = d_f(f + dt / 2 * f1, g + dt / 2 * g1), d_g(f + dt / 2 * f1)
+    f3, g3 = d_f(f + dt / 2 * f2, g + dt / 2 * g2), d_g(f + dt / 2 * f2)
+    f4 = d_f(f + dt * f3, g + dt * g3)
+    return f + dt / 6 * (f1 + 2 * f2 + 2 * f3 + f4)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--cols", type=int, default=500)
+    p.add_argument("--chunk-rows", type=int, default=50_000)
+    p.add_argument("--bit-rows", type=int, default=3000)
+    p.add_argument("--bit-cols", type=int, default=200_000)
+    p.add_argument("--slab", type=int, default=1024)
+    p.add_argument("--n", type=int, default=1_000_000, help="values of the RK4 step")
+    args = p.parse_args(argv)
+    rng = np.random.default_rng(0)
+    result: dict[str, float] = {}
+
+    # Seed 000: arrays larger than the GPU in row blocks, the kernel on each.
+    a = da.random.random((args.rows, args.cols), chunks=(args.chunk_rows, -1))
+    b = da.random.random((args.rows, args.cols), chunks=(args.chunk_rows, -1))
+    product = dg.map_blocks(adding_numbers, a, b, dtype=np.float64, launch=1,
+                            cpu=adding_numbers_on_cpu)
+    t0 = time.perf_counter()
+    total = float(product.sum().compute())
+    result["product_seconds"] = time.perf_counter() - t0
+    expected = float((a * b).sum().compute())
+    result["product_error"] = abs(total - expected) / abs(expected)
+    rows = product[:5].compute()
+    np.testing.assert_array_equal(rows, (a[:5] * b[:5]).compute())
+
+    # Seed 001: the packed bits whole, C in row slabs, each slab one launch with its offset.
+    words = rng.integers(0, 256, (args.bit_rows, math.ceil(args.bit_cols / 8)), dtype=np.uint8)
+    words[:, -1] &= np.uint8(0xFF << (-args.bit_cols % 8) & 0xFF)  # no bits past the last
+    packed = da.from_array(words, chunks=-1)
+    slabs = tuple(min(args.slab, args.bit_rows - r) for r in range(0, args.bit_rows, args.slab))
+    c = dg.map_blocks(bit_slice_a_at, packed, dtype=np.int32, chunks=(slabs, (args.bit_rows,)),
+                      launch=bit_launch, offsets=[0], cpu=bit_slice_a_at_on_cpu)
+    t0 = time.perf_counter()
+    computed = c.compute()
+    result["gram_seconds"] = time.perf_counter() - t0
+    for row in rng.choice(args.bit_rows, size=min(8, args.bit_rows), replace=False):
+        expected_row = np.bitwise_count(words & words[row]).sum(axis=1, dtype=np.int64)
+        np.testing.assert_array_equal(computed[row], expected_row)
+    t0 = time.perf_counter()
+    by_gram = dg.gram(packed, packed=True).compute()
+    result["dg_gram_seconds"] = time.perf_counter() - t0
+    np.testing.assert_array_equal(computed, by_gram)
+
+    # Seed 002: the ufunc itself, through dg.elementwise, on chunks of the arrays.
+    shape = (args.n,)
+    g = (rng.random(shape) + 1j * rng.random(shape)).astype(np.complex64)
+    f = (rng.random(shape) + 1j * rng.random(shape)).astype(np.complex64)
+    delta = np.complex64(1 + 0.5j)
+    step = dg.elementwise(rk4_step_f)
+    new_f = step(da.from_array(g, chunks=max(1, args.n // 4)), f, delta, 1e-3).compute()
+    ref = rk4_reference(g.astype(np.complex128), f.astype(np.complex128), complex(delta), 1e-3)
+    result["rk4_error"] = float(np.abs(new_f - ref).max() / np.abs(ref).max())
+    assert result["rk4_error"] < 1e-5, result
+    print(", ".join(f"{k} {v:.3g}" for k, v in result.items()))
+    return result
+
+
+if __name__ == "__main__":
+    main()
