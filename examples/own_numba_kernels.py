@@ -46,12 +46,13 @@ def adding_numbers_on_cpu(big_array, big_array2, save_array):
 # ---- seed 001: C[row_offset + y, x] = popcount(A[row_offset + y] & A[x]), 8 bits a byte -------
 
 TPB = 32
+TPB1 = 33  # a padded row: shared_b's columns fall in different banks
 
 
 @cuda.jit
 def bit_slice_a_at(a, c, row_offset):
     shared_a = cuda.shared.array((TPB, TPB), dtype=uint8)
-    shared_b = cuda.shared.array((TPB, TPB + 1), dtype=uint8)
+    shared_b = cuda.shared.array((TPB, TPB1), dtype=uint8)
     x, y = cuda.grid(2)
     tx = cuda.threadIdx.x
     ty = cuda.threadIdx.y

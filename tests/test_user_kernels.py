@@ -85,8 +85,10 @@ def test_map_blocks_row_slabs_of_a_gram(rng):
     with pytest.raises(TypeError, match="the kernel takes 3 arguments; dg.map_blocks passes 4"):
         dg.map_blocks(rows_of_gram, whole, dtype=np.int32, chunks=chunks,
                       cpu=rows_of_gram_on_cpu, offsets=True)
+    # x over the columns, y over the rows: the launch says so (the default puts x on rows).
     c = dg.map_blocks(rows_of_gram, whole, dtype=np.int32, chunks=chunks,
-                      cpu=rows_of_gram_on_cpu, offsets=[0])
+                      cpu=rows_of_gram_on_cpu, offsets=[0], launch=lambda shape: (
+                          (-(-shape[1] // 16), -(-shape[0] // 16)), (16, 16)))
     assert c.chunks == chunks
     np.testing.assert_array_equal(c.compute(), bits @ bits.T)
     with pytest.raises(ValueError, match="offsets= takes"):

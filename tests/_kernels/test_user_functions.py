@@ -111,4 +111,5 @@ def test_numba_rules_kernels_call_numba_functions_on_both_targets(rng):
     np.testing.assert_allclose(out, expected, rtol=1e-15)
     dev = cuda.device_array(37)
     k.cuda(dev, cuda.to_device(a), cuda.to_device(b))
-    np.testing.assert_allclose(dev.copy_to_host(), expected, rtol=1e-15)
+    # A GPU contracts a * b - 1 into one FMA: not NumPy's two roundings (rules="numba").
+    np.testing.assert_allclose(dev.copy_to_host(), expected, rtol=1e-13)
