@@ -3,6 +3,7 @@ functions and ufuncs given to dg.elementwise."""
 
 from __future__ import annotations
 
+import dask
 import dask.array as da
 import numba
 import numpy as np
@@ -143,6 +144,11 @@ def dot_and_sum(a, b, dot, total):
     dot[0] = acc
 
 
+# Not yet under dask's array query planning: its apply_gufunc fails making the outputs' meta.
+QUERY_PLANNING = bool(dask.config.get("array.query-planning", False))
+
+
+@pytest.mark.skipif(QUERY_PLANNING, reason="dg.gufunc under array query planning: not yet")
 def test_gufunc_two_outputs_broadcast_and_cast(rng):
     a = rng.random((3, 10, 6)).astype(np.float32)
     b = rng.random((10, 6)).astype(np.int16)  # cast to float32: the first loop it fits
