@@ -185,7 +185,7 @@ class ElementwiseOp:
         self._loop_for: dict[tuple, Loop] = {}
         self.nargs = _positional_arity(func)
         if self.loops and len(self.loops[0].inputs) != self.nargs:
-            raise TypeError(f"{self.__class__.__name__}: the ufunc's loops take "
+            raise TypeError(f"{getattr(func, '__name__', func)!r}: the ufunc's loops take "
                             f"{len(self.loops[0].inputs)} arguments, its function {self.nargs}")
         if dtype is None:
             self.dtype = None
@@ -613,11 +613,9 @@ def _argtype_of(d: Any, index: int) -> VType:
 
 
 def _loop_type(a: Any) -> VType:
-    """An argument's type for picking a ufunc loop (a Python number weak)."""
-    if is_python_number(a):
-        return weak_type(a)
-    dtype = getattr(a, "dtype", None)
-    return VType(np.dtype(dtype if dtype is not None else np.asarray(a).dtype))
+    """An argument's type for picking a ufunc loop (a Python number weak; a list as NumPy
+    reads it)."""
+    return arg_type(a if is_python_number(a) or hasattr(a, "dtype") else np.asarray(a))
 
 
 def _cast(a: Any, dtype: np.dtype) -> Any:
@@ -819,7 +817,11 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
         A scalar function of a fixed number of positional arguments, defined where its source
         can be read (a file, a notebook cell): arithmetic, comparisons, branches, ``for`` loops
         over ``range``, ``while`` loops, ``math`` and ``cmath`` functions, NumPy ufuncs and
-        scalar types (``np.float32(x)``), and plain Python helper functions of the same kind.
+        scalar types (``np.float32(x)``), and plain Python, ``@njit`` or
+        ``@cuda.jit(device=True)`` helper functions of the same kind. Or numba's own: an
+        ``@njit`` function, a ``@cuda.jit(device=True)`` function, a ``@vectorize`` ufunc
+        (``target="cpu"`` or ``"cuda"``; its arguments are cast to the loop NumPy picks from
+        its signatures, and the result has that loop's dtype).
     dtype
         The result dtype (each value converted as ``astype`` converts). Default: the dtype
         NumPy gives for the function's result (``int8 * int8`` is ``int8``, ``float32 * 0.5`` is
@@ -833,11 +835,12 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
         worker for a product on the H200 machine. Only for a function defined in a file; the
         cache follows that file and the function's code, not other files the function calls.
     rules
-        ``"numpy"`` (default): NumPy's types and values, as above. ``"numba"``: the function as
+        ``"numpy"`` (the default for plain Python functions): NumPy's types and values, as
+        above; numba's own objects default to ``"numba"``. ``"numba"``: the function as
         numba compiles it (its own typing: small integers computed in 64 bits, Python numbers
         as ``float64``/``int64``, mixed signed and unsigned integers as ``int64``); the result
         dtype is numba's unless ``dtype=`` is given. For functions outside the translated
-        subset (local arrays, tuples, calls of numba-compiled functions).
+        subset (local arrays, tuples).
 
     Returns
     -------

@@ -97,14 +97,12 @@ def checked_launch(launch: Any, shape: tuple[int, ...]) -> tuple[tuple[int, ...]
     ...
     ValueError: the launch configuration asks for 2048 threads per block; at most 1024
     """
+    got = launch(shape)
     try:
-        got = launch(shape)
         blocks, threads = got
-    except (TypeError, ValueError) as exc:
-        if "launch configuration" in str(exc):
-            raise
+    except (TypeError, ValueError):
         raise ValueError(f"launch= must return (blocks, threads) for a block of shape {shape}; "
-                         f"it gave {exc if 'got' not in locals() else got!r}") from None
+                         f"it gave {got!r}") from None
     blocks, threads = _as_dims(blocks, "blocks"), _as_dims(threads, "threads")
     if math.prod(threads) > _MAX_THREADS:
         raise ValueError(f"the launch configuration asks for {math.prod(threads)} threads per "
