@@ -8,11 +8,15 @@
 ``bench gram``
     The Gram matrix of bit-packed 0/1 data: every method, the peers and the popcount
     ceiling, as bit multiply-accumulates per second; prints a table and writes JSON and PNG.
+``clean DIR``
+    The temporary files that killed jobs left in DIR: listed, and removed where their writer
+    is gone.
 ``multiply A.npy B.npy -o C.npy``, ``gram BITS.npy -o G.npy``, ``demo``
     Jobs from files to files on a cluster: a local one (every GPU of this machine, or its CPU
     cores) or an existing one (``--scheduler-file`` / ``--scheduler-address``). Exit status:
     0 done; 1 the job failed while running; 2 bad command-line usage; 3 an input is wrong;
-    4 the output cannot be written; 5 the cluster or a GPU is not available. Errors are one
+    4 the output cannot be written (or does not fit its file system); 5 the cluster or a GPU
+    is not available; 130 Ctrl-C; 143 SIGTERM. Errors are one
     line on stderr; nothing is written where a job fails.
 """
 
@@ -25,17 +29,23 @@ import json
 import logging
 import os
 import platform
+import signal
 import sys
+import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
+from dask.utils import format_bytes
 
 from . import __version__, jobs
 from .budget import DeviceBudgetError, cap_device_memory
 from .cluster import connect, local_cluster, parse_memory_limit
+from .config import check_settings
 from .devices import GPUNotAvailableError, _probe_gpus, gpu_available
 from .gram import _compute_capability, resolve_method
+from .partials import partials_in, remove_partials
 from .jobs import ClusterError, JobError, gram_job, multiply_job, watch_device_memory, where_it_ran
 
 __all__ = ["main", "environment"]
@@ -342,15 +352,17 @@ def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]
         gpus: Any = opts["gpus"]
         if gpus is not None and gpus.strip().isdigit() and "," not in gpus:
             gpus = int(gpus)
-        cluster = local_cluster(
-            gpus=gpus, device_memory_limit=opts["device_memory_limit"],
-            memory_limit=opts["memory_limit"], spill_dir=opts["spill_dir"],
-            # A job's chunks are all staged from files by the package, their device memory
-            # bounded by its staging slots and budget: a thread per core copies at full rate.
-            threads_per_gpu=opts["threads_per_gpu"] or "cores", silence_logs=logging.CRITICAL,
-            dashboard_address=None, secure=not opts["no_tls"],
-        )
-        client = cluster.__enter__()
+        with _workers_ignore_sigint():
+            cluster = local_cluster(
+                gpus=gpus, device_memory_limit=opts["device_memory_limit"],
+                memory_limit=opts["memory_limit"], spill_dir=opts["spill_dir"],
+                # A job's chunks are all staged from files by the package, their device memory
+                # bounded by its staging slots and budget: a thread per core copies at full
+                # rate.
+                threads_per_gpu=opts["threads_per_gpu"] or "cores",
+                silence_logs=logging.CRITICAL, dashboard_address=None, secure=not opts["no_tls"],
+            )
+            client = cluster.__enter__()
     except (OSError, TimeoutError, GPUNotAvailableError, ValueError, ImportError) as exc:
         raise ClusterError(f"cannot start or join the cluster: {exc}".splitlines()[0]) from None
     try:
@@ -358,6 +370,21 @@ def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]
     finally:
         with contextlib.suppress(Exception):
             cluster.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _workers_ignore_sigint() -> Iterator[None]:
+    """Start the local cluster's processes with SIGINT ignored (they inherit it): Ctrl-C in a
+    terminal reaches the whole foreground process group, and workers stopped by it each print
+    a traceback. The job's own process takes it and stops them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _progress(enabled: bool) -> Callable[[int, int], None] | None:
@@ -375,16 +402,49 @@ def _progress(enabled: bool) -> Callable[[int, int], None] | None:
     return draw
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a batch scheduler's time limit or cancel), raised where the job is, so that it
+    cleans up as for Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _warn_in_one_line(message: Any, category: Any, filename: str, lineno: int,
+                      file: Any = None, line: Any = None) -> None:
+    click.echo(f"warning: {message}", err=True)
+
+
 def _run_job(as_json: bool, opts: dict[str, Any], prepare: Callable[[], Callable]) -> None:
     """Check the job (``prepare()``, before any cluster starts), run it on the cluster the
-    options describe, report; map errors to exit codes with one line on stderr."""
+    options describe, report; map errors to exit codes with one line on stderr. SIGTERM ends
+    it as Ctrl-C does (exit 143); warnings are one line each."""
     logging.getLogger("distributed").setLevel(logging.CRITICAL)
+    previous_term = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _warn_in_one_line
+            summary = _job_summary(opts, prepare, quiet=as_json)
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+    if as_json:
+        click.echo(json.dumps(summary, default=str))
+    else:
+        _print_summary(summary)
+
+
+def _job_summary(opts: dict[str, Any], prepare: Callable[[], Callable], quiet: bool
+                 ) -> dict[str, Any]:
+    """:func:`_run_job`'s run: the summary, or one line on stderr and the exit status."""
+    try:
+        check_settings()
         job = prepare()
-        with _cluster(opts, quiet=as_json) as client:
+        with _cluster(opts, quiet=quiet) as client:
             watch_device_memory(client)
-            summary = job(_progress(not as_json and sys.stderr.isatty()))
+            summary = job(_progress(not quiet and sys.stderr.isatty()))
             summary["where"] = where_it_ran(client)
+        return summary
     except click.ClickException:
         raise
     except JobError as exc:
@@ -399,6 +459,9 @@ def _run_job(as_json: bool, opts: dict[str, Any], prepare: Callable[[], Callable
     except (ValueError, TypeError) as exc:  # bad arguments found by the job's checks
         click.echo(f"error: {str(exc).splitlines()[0]}", err=True)
         sys.exit(2)
+    except Terminated:
+        click.echo("error: terminated (SIGTERM); nothing was written", err=True)
+        sys.exit(128 + signal.SIGTERM)
     except KeyboardInterrupt:
         click.echo("error: interrupted; nothing was written", err=True)
         sys.exit(130)
@@ -412,10 +475,6 @@ def _run_job(as_json: bool, opts: dict[str, Any], prepare: Callable[[], Callable
         click.echo(f"error: the job failed: {type(exc).__name__}: {text}; nothing was written",
                    err=True)
         sys.exit(1)
-    if as_json:
-        click.echo(json.dumps(summary, default=str))
-    else:
-        _print_summary(summary)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -506,6 +565,29 @@ def demo(rows: int, cols: int, bit_rows: int, bits: int, workdir: str | None, de
     _run_job(as_json, opts, lambda: lambda progress: jobs.demo(
         rows=rows, cols=cols, bit_rows=bit_rows, bits=bits, workdir=workdir, device=device,
         progress=progress, log=log))
+
+
+@main.command()
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option("--dry-run", is_flag=True, help="List only; remove nothing.")
+@click.option("--force", is_flag=True, help="Also remove partial files whose writer cannot be "
+              "checked from here (written on another host, or by an older version); never "
+              "one that a running process on this host writes.")
+def clean(directory: str, dry_run: bool, force: bool) -> None:
+    """List the temporary files (.partial) that killed jobs left in DIRECTORY and remove those
+    whose writer is gone."""
+    found = partials_in(directory)
+    if not found:
+        click.echo(f"no partial files in {directory}")
+        return
+    removed = set() if dry_run else {p.path for p in remove_partials(
+        found, unknown=force, log=lambda s: click.echo(f"warning: {s}", err=True))}
+    for p in found:
+        done = ("removed" if p.path in removed else
+                "would remove" if dry_run and (p.state() == "gone" or force and
+                                               p.state() == "unknown") else "kept")
+        hint = " (--force removes it)" if done == "kept" and p.state() == "unknown" else ""
+        click.echo(f"{done}: {p.path.name}, {format_bytes(p.nbytes)}, {p.describe()}{hint}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -95,6 +97,9 @@ def parse_memory_limit(value: Any, what: str) -> Any:
     except ValueError:
         number = None
     if number is not None:
+        if not math.isfinite(number):
+            raise ValueError(f"{what}: {value!r} is not a size; give bytes (8GB), a fraction "
+                             "such as 0.8, 0 for no limit, or auto")
         if number < 0:
             raise ValueError(f"{what}: must not be negative, got {value!r}")
         return number if 0 < number <= 1 else int(number)
@@ -324,6 +329,7 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
         if not os.path.exists(scheduler_file):
             raise FileNotFoundError(f"scheduler file {scheduler_file} does not exist (is the "
                                     "scheduler started with --scheduler-file?)")
+        _check_scheduler_file(scheduler_file)
         client = Client(scheduler_file=scheduler_file, timeout=timeout)
     else:
         client = Client(address, timeout=timeout)
@@ -339,6 +345,26 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
             client.close()
             raise
     return client
+
+
+def _check_scheduler_file(path: str) -> None:
+    """``ValueError`` where ``path`` is not what ``dask scheduler --scheduler-file`` writes (a
+    JSON object with the scheduler's address): distributed would fail on it with a bare
+    ``AssertionError`` or a JSON error."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read scheduler file {path}: {exc}") from None
+    if not text.strip():
+        raise ValueError(f"scheduler file {path} is empty (has the scheduler finished starting?)")
+    try:
+        info = json.loads(text)
+    except ValueError:
+        raise ValueError(f"scheduler file {path} is not JSON; give the file that dask scheduler "
+                         "--scheduler-file writes") from None
+    if not isinstance(info, dict) or not isinstance(info.get("address"), str):
+        raise ValueError(f"scheduler file {path} names no scheduler address")
 
 
 def wait_for_workers(client: Any, workers: int, timeout: float,

@@ -51,7 +51,8 @@ import dask.array as da
 
 from ._kernels import source_cache
 
-__all__ = ["DEFAULTS", "cache_root", "get", "listed_graphs", "map_blocks_prefix"]
+__all__ = ["DEFAULTS", "cache_root", "check_settings", "get", "listed_graphs",
+           "map_blocks_prefix"]
 
 #: Every setting and its default (``gpuchunk.<name>``).
 DEFAULTS: dict[str, Any] = {
@@ -84,6 +85,72 @@ def get(name: str) -> Any:
         raise KeyError(f"no setting gpuchunk.{name}; the settings are "
                        f"{', '.join(sorted(DEFAULTS))}")
     return dask.config.get(f"gpuchunk.{name}", DEFAULTS[name])
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool) or value in (0, 1):
+        return True
+    return isinstance(value, str) and value.strip().lower() in ("true", "false", "0", "1")
+
+
+def _count(value: Any) -> bool:
+    try:
+        return int(str(value).strip()) >= 0 and float(str(value).strip()).is_integer()
+    except ValueError:
+        return False
+
+
+def _seconds(value: Any) -> bool:
+    try:
+        return 0 <= float(value) < float("inf")
+    except (TypeError, ValueError):
+        return False
+
+
+def _size_or_share(value: Any) -> bool:
+    from dask.utils import parse_bytes
+
+    text = str(value).strip()
+    try:
+        if text.endswith("%"):
+            return 0 <= float(text[:-1]) <= 100
+        return parse_bytes(value) >= 0
+    except (TypeError, ValueError):
+        return False
+
+
+#: What each setting takes (the rest: anything), as a test and the words an error uses.
+_CHECKS: dict[str, tuple[Any, str]] = {
+    "listed-graphs": (_flag, "True or False"),
+    "direct-launch": (_flag, "True or False"),
+    "pinned-results": (_flag, "True or False"),
+    "pinned-pool-limit": (_size_or_share, "a size (8GiB) or a share of memory (25%)"),
+    "file-reads": (_count, "a whole number, 0 or more"),
+    "file-writes": (_count, "a whole number, 0 or more"),
+    "no-workers-timeout": (_seconds, "seconds, 0 or more"),
+}
+
+
+def check_settings() -> None:
+    """``ValueError`` naming the first setting whose value cannot be used, and where it comes
+    from; the jobs and the command line check before any work (a bad
+    ``DASK_GPUCHUNK__FILE_WRITES`` would otherwise fail deep in the first write).
+
+    Examples
+    --------
+    >>> check_settings()
+    >>> with dask.config.set({"gpuchunk.file-writes": "abc"}):
+    ...     check_settings()
+    Traceback (most recent call last):
+    ...
+    ValueError: setting gpuchunk.file-writes (environment: DASK_GPUCHUNK__FILE_WRITES) is 'abc'; it takes a whole number, 0 or more
+    """
+    for name, (valid, words) in _CHECKS.items():
+        value = get(name)
+        if not valid(value):
+            variable = "DASK_GPUCHUNK__" + name.upper().replace("-", "_")
+            raise ValueError(f"setting gpuchunk.{name} (environment: {variable}) is {value!r}; "
+                             f"it takes {words}")
 
 
 def cache_root() -> Path:

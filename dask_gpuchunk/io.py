@@ -6,23 +6,31 @@ must see the same path), with large sequential ``preadv`` calls straight into a 
 the worker sees a GPU, that array is page-locked (CuPy's pinned pool): the file is read straight
 into the buffer that goes to the device, and the GPU path sends it with no staging copy.
 
-``to_npy`` writes the header of the whole array into a temporary file next to the target
-(``.<name>.<random>.partial``), then every chunk into its region of that file from the worker
+``to_npy`` first checks that the target's file system has room for it, then writes the header
+of the whole array into a temporary file next to the target (``.<name>.dgc-<writer>.partial``,
+:mod:`dask_gpuchunk.partials`), then every chunk into its region of that file from the worker
 that computed it (``pwrite`` of its contiguous runs; CuPy chunks land in a pinned buffer and are
 written from there), and renames the file onto the target only when every chunk is written.
-Writes go through the page cache like ``np.save``'s; the file is not synced to disk. A failure removes the temporary file; a killed job leaves at
-most that hidden temporary file, never a half-written target.
+Writes go through the page cache like ``np.save``'s; the file is not synced to disk. A failure
+removes the temporary file; a killed job leaves at most that hidden temporary file, never a
+half-written target, and the next job writing the same target removes it once its writer is
+gone.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import errno
+import logging
 import math
 import os
+import stat
+import struct
 import tempfile
 import threading
 import time
-import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -32,6 +40,7 @@ import dask.array as da
 import numpy as np
 from dask.array.core import normalize_chunks
 from dask.base import tokenize
+from dask.utils import format_bytes
 
 from . import config
 from .arrays import asarray
@@ -49,11 +58,16 @@ from .files import (
     publish,
     refuse_unless_regular,
 )
+from .partials import remove_stale, temporary_name
 from .staging import copy_to_host, pinned_pool
 
-__all__ = ["NoWorkersError", "NpyFormatError", "NpyHeader", "check_target", "from_npy",
+__all__ = ["NoSpaceError", "NoWorkersError", "NpyFormatError", "NpyHeader",
+           "NpyTrailingDataWarning", "check_space", "check_target", "from_npy", "npy_bytes",
            "no_workers_timeout", "npy_in_place", "read_header", "run_writes", "to_npy",
            "write_region"]
+
+
+_log = logging.getLogger("dask_gpuchunk")
 
 
 class NpyFormatError(ValueError):
@@ -70,16 +84,77 @@ class NpyHeader(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        # Python's integers: a lying header's (2**32, 2**32) must not wrap around to 0.
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class NpyTrailingDataWarning(UserWarning):
+    """A ``.npy`` file longer than its header says: the bytes after the data are not read
+    (``np.load`` ignores them too), but the header may not describe the data."""
+
+
+#: Each format version's header-length field and text encoding (NumPy writes 3.0 for headers
+#: that need UTF-8, such as non-ASCII field names).
+_HEADER_FORMATS = {(1, 0): ("<H", "latin1"), (2, 0): ("<I", "latin1"), (3, 0): ("<I", "utf8")}
+
+#: Longest header read: NumPy's own reader stops at 10,000 bytes by default; this admits the
+#: long headers that structured dtypes of many fields make, and refuses gigabytes of text.
+MAX_HEADER_BYTES = 1 << 20
+
+
+def _header_fields(f: Any, version: tuple[int, int]) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """Shape, Fortran order and dtype from the header that follows the magic string, for every
+    format version NumPy writes; ``ValueError`` saying what is wrong otherwise."""
+    if version not in _HEADER_FORMATS:
+        raise ValueError(f"format version {version[0]}.{version[1]} is not one NumPy writes "
+                         "(1.0, 2.0, 3.0)")
+    length_format, encoding = _HEADER_FORMATS[version]
+    raw = f.read(struct.calcsize(length_format))
+    if len(raw) < struct.calcsize(length_format):
+        raise ValueError("the file ends inside its header")
+    (length,) = struct.unpack(length_format, raw)
+    if length > MAX_HEADER_BYTES:
+        raise ValueError(f"its header claims {length:,} bytes (at most {MAX_HEADER_BYTES:,} "
+                         "are read)")
+    text = f.read(length)
+    if len(text) < length:
+        raise ValueError("the file ends inside its header")
+    fields = ast.literal_eval(text.decode(encoding))
+    if not isinstance(fields, dict) or set(fields) != {"descr", "fortran_order", "shape"}:
+        raise ValueError("its header is not a dict of descr, fortran_order and shape")
+    shape, fortran = fields["shape"], fields["fortran_order"]
+    if not isinstance(shape, tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise ValueError(f"shape {shape!r} is not a tuple of sizes")
+    if not isinstance(fortran, bool):
+        raise ValueError(f"fortran_order {fortran!r} is not True or False")
+    return shape, fortran, np.lib.format.descr_to_dtype(fields["descr"])
+
+
+_seen: set[tuple[str, int, int, int]] = set()
+
+
+def _first_look(path: Path, st: os.stat_result) -> bool:
+    """Whether this process reads this very file (path, inode, size, time) for the first time:
+    a job reads a header more than once, and one warning about a file is enough."""
+    key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    first = key not in _seen
+    _seen.add(key)
+    return first
 
 
 def read_header(path: str | os.PathLike) -> NpyHeader:
-    """Read and check the header of a ``.npy`` file.
+    """Read and check the header of a ``.npy`` file (format versions 1.0, 2.0 and 3.0) against
+    the file's size.
+
+    A file longer than its header says is read as ``np.load`` reads it (the data the header
+    describes), with an :class:`NpyTrailingDataWarning`.
 
     Raises
     ------
     FileNotFoundError, IsADirectoryError, PermissionError
-        The path cannot be read.
+        The path cannot be read, or is not a regular file (a FIFO, a device: reading one could
+        wait forever).
     NpyFormatError
         Not a ``.npy`` file, an unreadable header, an object dtype (cannot be memory-mapped) or
         a file shorter than its header says.
@@ -94,23 +169,22 @@ def read_header(path: str | os.PathLike) -> NpyHeader:
     ((3, 4), dtype('float32'), False, 128)
     """
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file")
-    if path.is_dir():
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(f"{path} is a directory, not a .npy file")
-    fmt = np.lib.format
+    if not stat.S_ISREG(st.st_mode):
+        raise PermissionError(f"{path} is not a regular file (a FIFO, socket or device); only "
+                              "files are read")
     with open(path, "rb") as f:
         try:
-            version = fmt.read_magic(f)
+            version = np.lib.format.read_magic(f)
         except ValueError as exc:
             raise NpyFormatError(f"{path} is not a .npy file (no NumPy magic string at its start)") from exc
         try:
-            if version == (1, 0):
-                shape, fortran, dtype = fmt.read_array_header_1_0(f)
-            elif version == (2, 0):
-                shape, fortran, dtype = fmt.read_array_header_2_0(f)
-            else:
-                shape, fortran, dtype = fmt._read_array_header(f, version)
+            shape, fortran, dtype = _header_fields(f, version)
         except Exception as exc:  # noqa: BLE001 - whatever the parser raises, the header is bad
             raise NpyFormatError(f"{path} has a corrupt .npy header ({exc})".splitlines()[0]) from exc
         offset = f.tell()
@@ -118,12 +192,16 @@ def read_header(path: str | os.PathLike) -> NpyHeader:
     if dtype.hasobject:
         raise NpyFormatError(f"{path} holds Python objects ({dtype}), which cannot be memory-mapped")
     header = NpyHeader(tuple(int(s) for s in shape), dtype, bool(fortran), offset)
-    size = path.stat().st_size
+    size = os.stat(path).st_size
     if size < offset + header.nbytes:
         raise NpyFormatError(
             f"{path} is truncated: its header says {header.shape} {dtype} "
-            f"({offset + header.nbytes} bytes with the header), the file has {size} bytes"
+            f"({offset + header.nbytes:,} bytes with the header), the file has {size:,} bytes"
         )
+    if size > offset + header.nbytes and _first_look(path, st):
+        warnings.warn(f"{path} has {size - offset - header.nbytes:,} bytes after the data its "
+                      f"header describes ({header.shape} {dtype}); they are not read",
+                      NpyTrailingDataWarning, stacklevel=2)
     return header
 
 
@@ -335,10 +413,42 @@ def _inputs_of(x: Any) -> list[tuple[str, FileIdentity]]:
 # ---- writing ---------------------------------------------------------------------------------
 
 
-def check_target(path: Path, overwrite: bool) -> None:
+class NoSpaceError(OSError):
+    """The output's file system has too little room for it (checked before any work)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+#: Room asked for beyond an output's bytes: the file system's own metadata, and what other
+#: writers take meanwhile.
+SPACE_MARGIN_BYTES = 64 << 20
+SPACE_MARGIN_SHARE = 0.01
+
+
+def check_space(directory: Path, nbytes: int) -> None:
+    """:class:`NoSpaceError` (``ENOSPC``) where ``directory``'s file system has less room
+    than ``nbytes`` plus a margin (:data:`SPACE_MARGIN_BYTES` or :data:`SPACE_MARGIN_SHARE` of
+    ``nbytes``, the larger) for this user. Outputs are written sparse, into a file first
+    extended to its size: the file system would only fail when the data arrive."""
+    try:
+        fs = os.statvfs(directory)
+    except OSError:
+        return  # no statvfs here (or none for this path): writes will say
+    available = fs.f_bavail * fs.f_frsize
+    need = nbytes + max(SPACE_MARGIN_BYTES, int(SPACE_MARGIN_SHARE * nbytes))
+    if available < need:
+        raise NoSpaceError(errno.ENOSPC, f"{directory} has {format_bytes(available)} free "
+                           f"({available:,} bytes); the output needs {nbytes:,} bytes "
+                           f"({format_bytes(nbytes)}) plus a margin of "
+                           f"{format_bytes(need - nbytes)}; nothing was computed")
+
+
+def check_target(path: Path, overwrite: bool, nbytes: int = 0) -> None:
     """Refuse, before any work, an output ``path`` that cannot be written: a directory, a
-    missing or read-only directory, an existing file without ``overwrite``, or something other
-    than a regular file (``OSError`` subclasses naming the path)."""
+    missing or read-only directory, an existing file without ``overwrite``, something other
+    than a regular file, or a file system without room for ``nbytes`` (:func:`check_space`;
+    ``OSError`` subclasses naming the path)."""
     parent = path.parent
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; give a file name for the output")
@@ -352,8 +462,13 @@ def check_target(path: Path, overwrite: bool) -> None:
     if os.path.lexists(path) and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it")
     refuse_unless_regular(path)
+    if nbytes:
+        check_space(parent, nbytes)
 
 
+def npy_bytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a ``.npy`` file of ``shape`` and ``dtype``, its header included."""
+    return 128 + math.prod(shape) * np.dtype(dtype).itemsize
 
 
 def _create_file(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[NpyHeader, tuple[int, int, int]]:
@@ -424,10 +539,6 @@ def _device_to_file(block: Any, fd: int, header: NpyHeader, region: tuple[slice,
         stream.synchronize()
         with _in_flight("file-writes"):
             _pwrite_region(fd, buf, header, region)
-
-
-def _temporary_name(path: Path) -> Path:
-    return path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.partial"
 
 
 class NoWorkersError(TimeoutError):
@@ -577,7 +688,7 @@ def npy_in_place(target: Path, dtype: np.dtype, shape: tuple[int, ...], overwrit
     block ends, the ``.npy`` inputs that the Dask collection ``reads`` reads are checked
     unchanged and the file is renamed onto ``target``; removed if anything raises (never
     half-written). :func:`to_npy` writes through it."""
-    check_target(target, overwrite)
+    check_target(target, overwrite, npy_bytes(dtype, shape))
     with _file_in_place(target, dtype, shape, overwrite, _inputs_of(reads)) as placed:
         yield placed
 
@@ -592,7 +703,8 @@ def _file_in_place(target: Path, dtype: np.dtype, shape: tuple[int, ...], overwr
     (:func:`dask_gpuchunk.files.publish`: never over a file that appeared meanwhile unless
     ``overwrite``, and then only over a regular file). Removed if anything raises (never
     half-written)."""
-    tmp = _temporary_name(target)
+    remove_stale(target, log=_log.warning)
+    tmp = temporary_name(target)
     key = None
     try:
         header, key = _create_file(tmp, dtype, shape)

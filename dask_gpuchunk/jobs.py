@@ -54,6 +54,7 @@ from .io import (
     NpyHeader,
     check_target,
     from_npy,
+    npy_bytes,
     npy_in_place,
     read_header,
     run_writes,
@@ -255,9 +256,10 @@ def _header(path: str | os.PathLike, what: str) -> NpyHeader:
         raise InputError(f"{what}: {exc}") from None
 
 
-def _check_output(out: str | os.PathLike, inputs: list[str | os.PathLike], overwrite: bool) -> Path:
-    """The output's absolute path, checked as :func:`dask_gpuchunk.to_npy` checks it, and not
-    one of the inputs; :class:`OutputError` otherwise."""
+def _check_output(out: str | os.PathLike, inputs: list[str | os.PathLike], overwrite: bool,
+                  nbytes: int) -> Path:
+    """The output's absolute path, checked as :func:`dask_gpuchunk.to_npy` checks it (room for
+    its ``nbytes`` included), and not one of the inputs; :class:`OutputError` otherwise."""
     target = Path(os.path.abspath(os.fspath(out)))
     # Resolved, so that a symlinked directory (dirlink/a.npy with dirlink -> .) or a link to
     # an input is seen for what it is; the same file under another name (a hard link) too.
@@ -269,7 +271,7 @@ def _check_output(out: str | os.PathLike, inputs: list[str | os.PathLike], overw
         if same:
             raise OutputError(f"output {out} is also an input ({p}); write to another file")
     try:
-        check_target(target, overwrite)
+        check_target(target, overwrite, nbytes)
     except OSError as exc:
         raise OutputError(f"output: {exc}") from None
     return target
@@ -409,7 +411,8 @@ def multiply_job(
         shape = np.broadcast_shapes(ha.shape, hb.shape)
     except ValueError:
         raise InputError(f"shapes {ha.shape} (A) and {hb.shape} (B) do not broadcast together") from None
-    target = _check_output(out, [a, b], overwrite)
+    out_dtype = multiply.result_dtype(ha.dtype, hb.dtype)
+    target = _check_output(out, [a, b], overwrite, npy_bytes(out_dtype, shape))
     # A product is memory-bound: device="auto" runs it on the CPU unless the inputs are
     # already pinned, so only device="gpu" reads them into page-locked memory.
     pinned = device == "gpu"
@@ -501,8 +504,8 @@ def gram_job(
         (check_words_dtype if packed else check_bits_dtype)(h.dtype, f"input {bits}")
     except TypeError as exc:
         raise InputError(str(exc)) from None
-    target = _check_output(out, [bits], overwrite)
     n, k = h.shape
+    target = _check_output(out, [bits], overwrite, npy_bytes(np.int32, (n, n)))
     k_bits = k * h.dtype.itemsize * 8 if packed else k
 
     def packed_words(rows: int) -> Any:

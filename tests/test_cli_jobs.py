@@ -231,6 +231,14 @@ def _setup_bad(d: Path) -> None:
     np.save(d / "trunc.npy", np.ones((100, 100)))
     os.truncate(d / "trunc.npy", 500)
     (d / "corrupt.npy").write_bytes(b"\x93NUMPY\x01\x00\x10\x00{'descr': nonsense")
+    # A header that claims 2**64 bytes (which wraps to 0 in int64) in a 128-byte file.
+    text = repr({"descr": "|u1", "fortran_order": False, "shape": (2**32, 2**32)}).encode()
+    text += b" " * (-(10 + len(text) + 1) % 64) + b"\n"
+    (d / "liar.npy").write_bytes(b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text)
+    os.mkfifo(d / "fifo.npy")
+    (d / "empty.json").write_text("")
+    (d / "garbage.json").write_text("garbage{")
+    (d / "noaddr.json").write_text('{"type": "Scheduler"}')
     (d / "adir").mkdir()
     (d / "readonly").mkdir()
     os.chmod(d / "readonly", 0o500)
@@ -244,6 +252,8 @@ BAD = [
     ("truncated", ["multiply", "trunc.npy", "trunc.npy", "-o", "c.npy"], 3, "truncated"),
     ("corrupt header", ["multiply", "corrupt.npy", "b.npy", "-o", "c.npy"], 3, "corrupt"),
     ("object dtype", ["multiply", "obj.npy", "b.npy", "-o", "c.npy"], 3, "Python objects"),
+    ("header larger than its file", ["gram", "liar.npy", "-o", "c.npy"], 3, "truncated"),
+    ("FIFO input", ["gram", "fifo.npy", "-o", "c.npy"], 3, "not a regular file"),
     ("shape mismatch", ["multiply", "a.npy", "mismatch.npy", "-o", "c.npy"], 3, "broadcast"),
     ("unsupported dtype", ["multiply", "half.npy", "b.npy", "-o", "c.npy"], 3, "float16"),
     ("string dtype", ["multiply", "strings.npy", "b.npy", "-o", "c.npy"], 3, "dtype"),
@@ -264,6 +274,10 @@ BAD = [
      2, "memory size"),
     ("bad device memory limit", ["gram", "bits.npy", "-o", "c.npy", "--device-memory-limit",
                                  "-3GB"], 2, "negative"),
+    ("infinite device memory limit", ["gram", "bits.npy", "-o", "c.npy",
+                                      "--device-memory-limit", "inf"], 2, "not a size"),
+    ("infinite memory limit", ["gram", "bits.npy", "-o", "c.npy", "--memory-limit", "inf"], 2,
+     "not a size"),
     ("bad chunk size", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--chunk-size", "abc"], 2,
      "chunk-size"),
     ("tiny chunk size", ["multiply", "long.npy", "long.npy", "-o", "c.npy", "--chunk-size", "1"],
@@ -280,6 +294,12 @@ BAD = [
                                 "s.json", "--scheduler-address", "tcp://127.0.0.1:1"], 2, "not both"),
     ("missing scheduler file", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--scheduler-file",
                                 "s.json"], 5, "scheduler file"),
+    ("empty scheduler file", ["gram", "bits.npy", "-o", "c.npy", "--scheduler-file",
+                              "empty.json"], 5, "is empty"),
+    ("scheduler file not JSON", ["gram", "bits.npy", "-o", "c.npy", "--scheduler-file",
+                                 "garbage.json"], 5, "not JSON"),
+    ("scheduler file without address", ["gram", "bits.npy", "-o", "c.npy", "--scheduler-file",
+                                        "noaddr.json"], 5, "no scheduler address"),
     ("local option with a joined cluster", ["multiply", "a.npy", "b.npy", "-o", "c.npy",
                                             "--scheduler-file", "s.json", "--gpus", "1"], 2,
      "local cluster"),
@@ -306,6 +326,76 @@ def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, monkeypatch,
     assert "Traceback" not in result.output
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
     os.chmod(tmp_path / "readonly", 0o700)
+
+
+def test_a_bad_setting_is_a_usage_error_naming_it(tmp_path, monkeypatch):
+    _setup_bad(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with dask.config.set({"gpuchunk.file-writes": "abc"}):
+        result = CliRunner().invoke(main, ["gram", "bits.npy", "-o", "c.npy"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == ("error: setting gpuchunk.file-writes (environment: "
+                                     "DASK_GPUCHUNK__FILE_WRITES) is 'abc'; it takes a whole "
+                                     "number, 0 or more")
+    assert not (tmp_path / "c.npy").exists()
+
+
+def test_an_output_without_room_exits_4_before_any_work(tmp_path, monkeypatch):
+    from dask_gpuchunk import io
+
+    _setup_bad(tmp_path)
+    monkeypatch.chdir(tmp_path)
+
+    class Full:  # 10 MB free: less than the 64 MiB margin alone
+        f_bavail, f_frsize = 10_000, 1000
+
+    monkeypatch.setattr(io.os, "statvfs", lambda d: Full)
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy"])
+    assert result.exit_code == 4, result.output
+    message = result.stderr.strip()
+    assert "\n" not in message and message.startswith("error: output: "), message
+    assert "has 9.54 MiB free (10,000,000 bytes); the output needs 448 bytes" in message
+    assert not (tmp_path / "c.npy").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/proc/filesystems").exists() or
+                    "tmpfs" not in Path("/proc/filesystems").read_text(),
+                    reason="mounting a small tmpfs needs root")
+def test_a_small_file_system_exits_4_with_nothing_written(rng, tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+                      capture_output=True, check=False).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        np.save(tmp_path / "bits.npy", random_bits(rng, (2000, 64), 0.5))  # C: 16 MB
+        result = CliRunner().invoke(main, ["gram", str(tmp_path / "bits.npy"), "-o",
+                                           str(small / "g.npy")])
+        assert result.exit_code == 4, result.output
+        assert "needs 16,000,128 bytes" in result.stderr and os.listdir(small) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+@pytest.mark.parametrize("signum, code, said", [
+    (signal.SIGTERM, 143, "error: terminated (SIGTERM); nothing was written"),
+    (signal.SIGINT, 130, "error: interrupted; nothing was written"),
+], ids=["SIGTERM", "Ctrl-C"])
+def test_a_signal_mid_write_ends_the_job_in_one_line_with_nothing_left(rng, tmp_path, signum,
+                                                                        code, said):
+    # Ctrl-C in a terminal reaches the whole process group, workers included: sent so here.
+    np.save(tmp_path / "packed.npy", rng.integers(0, 256, (3000, 25000), dtype=np.uint8))
+    job = subprocess.Popen([*PYTHON, "gram", str(tmp_path / "packed.npy"), "--packed", "-o",
+                            str(tmp_path / "g.npy")], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not _leftovers(tmp_path) and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert job.poll() is None, job.communicate()  # still writing
+    os.killpg(job.pid, signum)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == code and err.strip() == said, (job.returncode, err)
+    assert sorted(os.listdir(tmp_path)) == ["packed.npy"]
 
 
 @pytest.mark.parametrize("args", [

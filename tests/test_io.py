@@ -85,6 +85,13 @@ def test_from_npy_sees_no_whole_array_in_the_graph(rng, tmp_path):
     assert not any(isinstance(v, np.ndarray) for v in graph.values())
 
 
+def _header_only(fields: dict) -> bytes:
+    """A version 1.0 header of ``fields``, padded as NumPy pads it, and no data."""
+    text = repr(fields).encode("latin1")
+    text += b" " * (-(10 + len(text) + 1) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text
+
+
 @pytest.mark.parametrize(
     "make, error, match",
     [
@@ -97,6 +104,16 @@ def test_from_npy_sees_no_whole_array_in_the_graph(rng, tmp_path):
         (lambda p: (np.save(p, np.zeros((100, 10))), os.truncate(p, 1000)), NpyFormatError,
          "truncated"),
         (lambda p: np.save(p, np.array([{}, 1], dtype=object)), NpyFormatError, "Python objects"),
+        # A header that lies: (2**32, 2**32) bytes is 2**64, which wraps to 0 in int64.
+        (lambda p: p.write_bytes(_header_only({"descr": "|u1", "fortran_order": False,
+                                              "shape": (2**32, 2**32)})), NpyFormatError,
+         "truncated"),
+        (lambda p: p.write_bytes(_header_only({"descr": "<f8", "fortran_order": False,
+                                              "shape": (3,), "extra": 1})), NpyFormatError,
+         "corrupt .npy header"),
+        (lambda p: p.write_bytes(b"\x93NUMPY\x04\x00\x10\x00\x00\x00"), NpyFormatError,
+         "version 4.0"),
+        (lambda p: os.mkfifo(p), PermissionError, "not a regular file"),
     ],
 )
 def test_from_npy_rejects_bad_files(tmp_path, make, error, match):
@@ -104,6 +121,70 @@ def test_from_npy_rejects_bad_files(tmp_path, make, error, match):
     make(path)
     with pytest.raises(error, match=match):
         dg.from_npy(path)
+
+
+@pytest.mark.parametrize("version", [(1, 0), (2, 0), (3, 0)])
+def test_every_npy_format_version_reads(rng, tmp_path, version):
+    from numpy.lib import format as npy_format
+
+    # Version 3.0 is what NumPy writes where the header needs UTF-8 (non-ASCII field names).
+    values = np.zeros(7, dtype=[("größe", "<i4"), ("b", "<f8")])
+    values["größe"], values["b"] = rng.integers(1, 99, 7), rng.random(7)
+    path = tmp_path / "v.npy"
+    with open(path, "wb") as f:
+        write = getattr(npy_format, "_write_array_header", None)
+        if write is None:  # NumPy 2 keeps it in the implementation module
+            from numpy.lib._format_impl import _write_array_header as write
+        write(f, npy_format.header_data_from_array_1_0(values), version)
+        values.tofile(f)
+    assert open(path, "rb").read(8)[6:] == bytes(version)
+    np.testing.assert_array_equal(dg.from_npy(path, chunks=3).compute(), values)
+
+
+def test_a_file_longer_than_its_header_warns_once_and_reads_what_it_says(rng, tmp_path):
+    values = rng.random((5, 3))
+    path = tmp_path / "long.npy"
+    np.save(path, values)
+    with open(path, "ab") as f:
+        f.write(b"\0" * 1000)
+    with pytest.warns(dg.io.NpyTrailingDataWarning, match="1,000 bytes after the data"):
+        x = dg.from_npy(path)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per file: a job reads a header more than once
+        read_header(path)
+    np.testing.assert_array_equal(x.compute(), values)
+
+
+def test_to_npy_refuses_an_output_without_room_before_any_work(tmp_path, monkeypatch):
+    from dask_gpuchunk import io
+
+    computed = []
+    x = da.ones((1000, 100), chunks=(100, 100)).map_blocks(
+        lambda b: computed.append(1) or b, dtype=float, meta=np.empty((0, 0)))
+    free = io.npy_bytes(np.float64, (1000, 100)) + io.SPACE_MARGIN_BYTES - 1
+
+    class Small:  # a file system with one byte too few (its margin included)
+        f_bavail, f_frsize = free, 1
+
+    monkeypatch.setattr(io.os, "statvfs", lambda d: Small)
+    with pytest.raises(io.NoSpaceError, match="800,128 bytes") as raised:
+        dg.to_npy(x, tmp_path / "c.npy")
+    assert raised.value.errno == 28 and "nothing was computed" in str(raised.value)
+    assert computed == [] and files(tmp_path) == []
+    Small.f_bavail += 1
+    dg.to_npy(x, tmp_path / "c.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), np.ones((1000, 100)))
+
+
+def test_an_output_name_as_long_as_the_file_system_allows(rng, tmp_path):
+    # Its temporary name is longer; the target's own name is cut in it, never the target's.
+    name = "g" * (255 - len(".npy")) + ".npy"
+    values = rng.random(10)
+    dg.to_npy(da.from_array(values, chunks=3), tmp_path / name)
+    np.testing.assert_array_equal(np.load(tmp_path / name), values)
+    assert files(tmp_path) == [name]
 
 
 def test_to_npy_refuses_existing_output_unless_overwrite(rng, tmp_path):
