@@ -24,6 +24,7 @@ from .elementwise import ElementwiseOp, elementwise, multiply
 from .gram import bitpack, gram
 from .io import from_npy, to_npy
 from .user_kernels import GufuncOp, gufunc, map_blocks
+from .zarr_files import from_zarr, to_zarr
 
 #: The installed distribution's version (``importlib.metadata``).
 __version__ = package_version()
@@ -38,6 +39,7 @@ __all__ = [
     "connect",
     "elementwise",
     "from_npy",
+    "from_zarr",
     "gpu_available",
     "gpu_count",
     "gram",
@@ -47,4 +49,5 @@ __all__ = [
     "multiply",
     "placement_decisions",
     "to_npy",
+    "to_zarr",
 ]

@@ -12,6 +12,7 @@
     The temporary files that killed jobs left in DIR: listed, and removed where their writer
     is gone.
 ``multiply A.npy B.npy -o C.npy``, ``gram BITS.npy -o G.npy``, ``demo``
+    (inputs and outputs ``.npy`` files or Zarr stores, chosen by the name: ``.zarr``)
     Jobs from files to files on a cluster: a local one (every GPU of this machine, or its CPU
     cores) or an existing one (``--scheduler-file`` / ``--scheduler-address``). Exit status:
     0 done; 1 the job failed while running; 2 bad command-line usage; 3 an input is wrong;
@@ -497,17 +498,33 @@ def _print_summary(summary: dict[str, Any]) -> None:
     click.echo(place)
 
 
+def _output_options(func: Callable) -> Callable:
+    options = [
+        click.option("-o", "--output", required=True, type=click.Path(),
+                     help="The .npy file, or Zarr store (a name ending in .zarr), to write."),
+        click.option("--overwrite", is_flag=True, help="Replace the output if it exists (a "
+                     "file, or a Zarr store: never another directory)."),
+        click.option("--compression", default="none", show_default=True,
+                     help="Zarr output: none, zstd, gzip or blosc (NAME or NAME:LEVEL)."),
+        click.option("--zarr-format", type=click.Choice(["2", "3"]), default="3",
+                     show_default=True, help="Zarr output: the format version to write."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
 @main.command()
 @click.argument("a", type=click.Path())
 @click.argument("b", type=click.Path())
-@click.option("-o", "--output", required=True, type=click.Path(), help="The .npy to write.")
+@_output_options
 @click.option("--chunk-size", default="200MB", show_default=True,
               help="Bytes per chunk of each input (whole rows).")
-@click.option("--overwrite", is_flag=True, help="Replace the output if it exists.")
 @_cluster_options
-def multiply(a: str, b: str, output: str, chunk_size: str, overwrite: bool, device: str,
-             as_json: bool, **opts: Any) -> None:
-    """C = A * B (NumPy broadcasting) from two .npy files into OUTPUT, chunk by chunk."""
+def multiply(a: str, b: str, output: str, overwrite: bool, compression: str, zarr_format: str,
+             chunk_size: str, device: str, as_json: bool, **opts: Any) -> None:
+    """C = A * B (NumPy broadcasting) from two .npy files or Zarr stores into OUTPUT, chunk by
+    chunk."""
     from dask.utils import parse_bytes
 
 
@@ -518,12 +535,13 @@ def multiply(a: str, b: str, output: str, chunk_size: str, overwrite: bool, devi
         raise click.BadParameter(f"--chunk-size: {chunk_size!r} is not a positive size "
                                  "(e.g. 200MB)") from None
     _run_job(as_json, opts, lambda: multiply_job(
-        a, b, output, device=device, chunk_size=chunk_size, overwrite=overwrite))
+        a, b, output, device=device, chunk_size=chunk_size, overwrite=overwrite,
+        compression=compression, zarr_format=int(zarr_format)))
 
 
 @main.command("gram")
 @click.argument("bits", type=click.Path())
-@click.option("-o", "--output", required=True, type=click.Path(), help="The .npy to write.")
+@_output_options
 @click.option("--packed", is_flag=True, help="BITS holds packed words (any unsigned dtype, "
               "e.g. np.packbits output), not 0/1 values.")
 @click.option("--method", type=click.Choice(["auto", "popcount", "int8", "bmma"]), default="auto",
@@ -536,14 +554,16 @@ def multiply(a: str, b: str, output: str, chunk_size: str, overwrite: bool, devi
               "rows: each row slab whole in one task; upper: each row slab from the diagonal "
               "rightwards, written also transposed; auto: rows on GPUs with tensor cores "
               "when the packed input is at most 4 GiB, blocks on other GPUs, upper on the CPU.")
-@click.option("--overwrite", is_flag=True, help="Replace the output if it exists.")
 @_cluster_options
-def gram_command(bits: str, output: str, packed: bool, method: str, chunk_rows: int,
-                 layout: str, overwrite: bool, device: str, as_json: bool, **opts: Any) -> None:
-    """G = A · Aᵀ (exact, int32) of the 0/1 matrix in BITS, written to OUTPUT."""
+def gram_command(bits: str, output: str, overwrite: bool, compression: str, zarr_format: str,
+                 packed: bool, method: str, chunk_rows: int, layout: str, device: str,
+                 as_json: bool, **opts: Any) -> None:
+    """G = A · Aᵀ (exact, int32) of the 0/1 matrix in BITS (.npy or .zarr), written to
+    OUTPUT."""
     _run_job(as_json, opts, lambda: gram_job(
         bits, output, packed=packed, method=method, device=device, chunk_rows=chunk_rows,
-        layout=layout, overwrite=overwrite))
+        layout=layout, overwrite=overwrite, compression=compression,
+        zarr_format=int(zarr_format)))
 
 
 @main.command()

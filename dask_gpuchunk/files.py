@@ -28,6 +28,7 @@ __all__ = [
     "InputChangedError",
     "check_unchanged",
     "create_exclusive",
+    "exchange",
     "file_key",
     "identity",
     "open_pinned",
@@ -177,6 +178,36 @@ def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     except FileExistsError:
         raise FileExistsError(errno.EEXIST, f"{os.fspath(dst)} exists; not replaced") from None
     os.unlink(src)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def exchange(a: str | os.PathLike, b: str | os.PathLike) -> None:
+    """Swap the names ``a`` and ``b`` (both must exist) in one step where the file system has
+    ``renameat2(RENAME_EXCHANGE)``; elsewhere in three renames through a third name beside
+    ``a`` (a moment when ``b`` does not exist).
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> _ = (d / "a").write_text("A"), (d / "b").write_text("B")
+    >>> exchange(d / "a", d / "b"); (d / "a").read_text(), (d / "b").read_text()
+    ('B', 'A')
+    """
+    a_b, b_b = os.fsencode(a), os.fsencode(b)
+    renameat2 = _renameat2()
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, a_b, _AT_FDCWD, b_b, _RENAME_EXCHANGE) == 0:  # type: ignore[operator]
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), os.fspath(a))
+    middle = os.fspath(a) + ".exchange"
+    os.rename(b, middle)
+    os.rename(a, b)
+    os.rename(middle, a)
 
 
 def publish(tmp: str | os.PathLike, target: str | os.PathLike, key: tuple[int, int, int],

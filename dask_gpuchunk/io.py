@@ -62,7 +62,8 @@ from .partials import remove_stale, temporary_name
 from .staging import copy_to_host, pinned_pool
 
 __all__ = ["NoSpaceError", "NoWorkersError", "NpyFormatError", "NpyHeader",
-           "NpyTrailingDataWarning", "check_space", "check_target", "from_npy", "npy_bytes",
+           "NpyTrailingDataWarning", "check_space", "check_target", "checked_chunks", "from_npy",
+           "npy_bytes",
            "no_workers_timeout", "npy_in_place", "read_header", "run_writes", "to_npy",
            "write_region"]
 
@@ -348,7 +349,7 @@ def from_npy(path: str | os.PathLike, chunks: Any = "auto", *, pinned: bool | No
     path = os.path.abspath(os.fspath(path))
     header = read_header(path)
     dtype = _native(header.dtype)
-    chunks = _checked_chunks(chunks, header.shape, dtype)
+    chunks = checked_chunks(chunks, header.shape, dtype)
     reader = NpyReader(path, header, pinned, identity(path))
     kwargs = {} if da.array_expr_enabled() else {"name": f"from-npy-{tokenize(reader, chunks)}"}
     return da.from_array(reader, chunks=chunks, asarray=False, fancy=False,
@@ -376,7 +377,7 @@ class NpyReader:
         return ("dask-gpuchunk-npy", self.path, self.pinned_file, self.pinned)
 
 
-def _checked_chunks(chunks: Any, shape: tuple[int, ...], dtype: np.dtype) -> tuple[tuple[int, ...], ...]:
+def checked_chunks(chunks: Any, shape: tuple[int, ...], dtype: np.dtype) -> tuple[tuple[int, ...], ...]:
     """``normalize_chunks``, refusing what does not tile ``shape`` (negative sizes other than
     -1, blocks that do not add up)."""
     if isinstance(chunks, (tuple, list)) and any(

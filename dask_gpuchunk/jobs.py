@@ -11,10 +11,11 @@ cluster's workers when a client is active), and writes the result chunk by chunk
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,18 @@ from .io import (
     run_writes,
     to_npy,
     write_region,
+)
+from .zarr_files import (
+    COMPRESSIONS,
+    ZarrFormatError,
+    ZarrInfo,
+    check_zarr_target,
+    from_zarr,
+    is_zarr_path,
+    read_zarr_info,
+    region_writer,
+    to_zarr,
+    zarr_in_place,
 )
 
 __all__ = [
@@ -153,21 +166,37 @@ def _slab_after(_previous: Any, a: Any, others: list[Any], method: str, device: 
     return gram_slab(a, others, method, device)
 
 
-def _write_upper_strip(strip: Any, path: str, header: NpyHeader, start: int,
-                       key: tuple[int, int, int]) -> np.ndarray:
+def _write_upper_strip(strip: Any, n: int, start: int, writer: Callable[..., np.ndarray]
+                       ) -> np.ndarray:
     """Write the part of a row slab from its diagonal block rightwards (rows ``start`` on,
     columns ``start`` to the end) in its place, and the same strip transposed in its place
-    below the diagonal (columns of the slab's rows), as :func:`dask_gpuchunk.io.write_region`
-    writes a chunk."""
-    rows, n = strip.shape[0], header.shape[0]
-    done = write_region(strip, path, header, (slice(start, start + rows), slice(start, n)), key)
+    below the diagonal (columns of the slab's rows), through ``writer(block, region=)``
+    (:func:`_region_writer`)."""
+    rows = strip.shape[0]
+    done = writer(strip, region=(slice(start, start + rows), slice(start, n)))
     below = strip[:, rows:].T  # C is symmetric: these are the slab's columns under the diagonal
-    return done + write_region(below, path, header,
-                               (slice(start + rows, n), slice(start, start + rows)), key)
+    return done + writer(below, region=(slice(start + rows, n), slice(start, start + rows)))
 
 
-def _gram_slabs_to_npy(words: Any, target: Path, method: str, device: str, overwrite: bool,
-                       progress: Progress, upper: bool) -> None:
+@contextlib.contextmanager
+def _region_writer(target: Path, shape: tuple[int, int], block_rows: int, overwrite: bool,
+                   reads: Any, output: dict[str, Any]) -> Iterator[Callable[..., np.ndarray]]:
+    """An int32 output of ``shape`` written in regions and published whole: ``writer(block,
+    region=)`` for the tasks. A ``.npy`` (:func:`dask_gpuchunk.io.npy_in_place`), or a Zarr
+    store (``output``: its compression and format) of ``block_rows``-square chunks, which the
+    slab writers fill whole."""
+    dtype = np.dtype(np.int32)
+    if is_zarr_path(target):
+        with zarr_in_place(target, dtype, shape, (block_rows, block_rows), overwrite,
+                           **output) as array:
+            yield region_writer(array)
+        return
+    with npy_in_place(target, dtype, shape, overwrite, reads) as (tmp, header, key):
+        yield functools.partial(write_region, path=tmp, header=header, key=key)
+
+
+def _gram_slabs_to_file(words: Any, target: Path, method: str, device: str, overwrite: bool,
+                        progress: Progress, upper: bool, output: dict[str, Any]) -> None:
     """Write the Gram of ``words`` (whole-width row chunks) to ``target`` slab by slab: each
     task computes one row slab (:func:`dask_gpuchunk.gram.gram_slab`), whole (layout ``rows``)
     or from its diagonal block rightwards (``upper``, :func:`_write_upper_strip`), each write
@@ -177,7 +206,8 @@ def _gram_slabs_to_npy(words: Any, target: Path, method: str, device: str, overw
     from dask import delayed
 
     n = words.shape[0]
-    with npy_in_place(target, np.dtype(np.int32), (n, n), overwrite, words) as (tmp, header, key):
+    with _region_writer(target, (n, n), words.chunks[0][0], overwrite, words,
+                        output) as writer:
         # Delayed tasks, not blockwise: slab i waits for the write of slab i - SLABS_AHEAD, a
         # dependency between blocks that no blockwise construct states; the measured
         # pipelining of the row-slab layout (docs/perf-notes.md, item 8) rests on it.
@@ -189,10 +219,10 @@ def _gram_slabs_to_npy(words: Any, target: Path, method: str, device: str, overw
             slab = delayed(_slab_after, pure=True)(previous, chunks[i],
                                                    chunks[i:] if upper else chunks, method, device)
             if upper:
-                write = delayed(_write_upper_strip, pure=True)(slab, tmp, header, start, key)
+                write = delayed(_write_upper_strip, pure=True)(slab, n, start, writer)
             else:
-                write = delayed(write_region, pure=True)(
-                    slab, tmp, header, (slice(start, start + rows), slice(0, n)), key)
+                write = delayed(writer, pure=True)(
+                    slab, region=(slice(start, start + rows), slice(0, n)))
             writes.append(write)
             start += rows
         run_writes(writes, progress)
@@ -249,17 +279,56 @@ class ClusterError(JobError):
     exit_code = 5
 
 
-def _header(path: str | os.PathLike, what: str) -> NpyHeader:
+def _header(path: str | os.PathLike, what: str) -> NpyHeader | ZarrInfo:
+    """What an input's header (``.npy``) or metadata (``.zarr``) says; :class:`InputError`
+    where it cannot be read."""
     try:
-        return read_header(path)
-    except (OSError, NpyFormatError) as exc:
+        return read_zarr_info(path) if is_zarr_path(path) else read_header(path)
+    except (OSError, NpyFormatError, ZarrFormatError, ImportError) as exc:
         raise InputError(f"{what}: {exc}") from None
 
 
+def _read(path: str | os.PathLike, chunks: Any, pinned: bool | None = None) -> Any:
+    """An input file as a Dask array of ``chunks`` (:func:`dask_gpuchunk.from_npy` or
+    :func:`dask_gpuchunk.from_zarr`)."""
+    if is_zarr_path(path):
+        return from_zarr(path, chunks=chunks)
+    return from_npy(path, chunks=chunks, pinned=pinned)
+
+
+def _write(x: Any, target: Path, overwrite: bool, progress: Progress,
+           output: dict[str, Any]) -> None:
+    """``x`` into ``target``: a ``.npy`` file, or a Zarr store (``output``: its compression
+    and format)."""
+    if is_zarr_path(target):
+        to_zarr(x, target, overwrite=overwrite, progress=progress, **output)
+    else:
+        to_npy(x, target, overwrite=overwrite, progress=progress)
+
+
+def _output_options(out: str | os.PathLike, compression: str, zarr_format: int
+                    ) -> dict[str, Any]:
+    """The Zarr output's options, checked; ``ValueError`` where they are given for a
+    ``.npy``."""
+    if not is_zarr_path(out):
+        if compression != "none" or zarr_format != 3:
+            raise ValueError("--compression and --zarr-format apply to Zarr outputs (a name "
+                             f"ending in .zarr), not {out}")
+        return {}
+    if zarr_format not in (2, 3):
+        raise ValueError(f"--zarr-format must be 2 or 3, got {zarr_format}")
+    name = compression.partition(":")[0]
+    if name not in COMPRESSIONS:
+        raise ValueError(f"--compression must be one of {', '.join(COMPRESSIONS)} (NAME or "
+                         f"NAME:LEVEL); got {compression!r}")
+    return {"compression": compression, "zarr_format": zarr_format}
+
+
 def _check_output(out: str | os.PathLike, inputs: list[str | os.PathLike], overwrite: bool,
-                  nbytes: int) -> Path:
-    """The output's absolute path, checked as :func:`dask_gpuchunk.to_npy` checks it (room for
-    its ``nbytes`` included), and not one of the inputs; :class:`OutputError` otherwise."""
+                  nbytes: int, output: dict[str, Any]) -> Path:
+    """The output's absolute path, checked as :func:`dask_gpuchunk.to_npy` (or
+    :func:`dask_gpuchunk.to_zarr`, ``output`` its options) checks it (room for its ``nbytes``
+    included, uncompressed), and not one of the inputs; :class:`OutputError` otherwise."""
     target = Path(os.path.abspath(os.fspath(out)))
     # Resolved, so that a symlinked directory (dirlink/a.npy with dirlink -> .) or a link to
     # an input is seen for what it is; the same file under another name (a hard link) too.
@@ -271,7 +340,11 @@ def _check_output(out: str | os.PathLike, inputs: list[str | os.PathLike], overw
         if same:
             raise OutputError(f"output {out} is also an input ({p}); write to another file")
     try:
-        check_target(target, overwrite, nbytes)
+        if is_zarr_path(target):
+            compressed = output.get("compression", "none") != "none"
+            check_zarr_target(target, overwrite, 0 if compressed else nbytes)
+        else:
+            check_target(target, overwrite, nbytes)
     except OSError as exc:
         raise OutputError(f"output: {exc}") from None
     return target
@@ -395,11 +468,16 @@ def multiply_job(
     device: str = "auto",
     chunk_size: str | int = "200MB",
     overwrite: bool = False,
+    compression: str = "none",
+    zarr_format: int = 3,
 ) -> Job:
     """Check the files of ``out = a * b`` now; return the job, to run as ``job(progress)``.
 
+    Inputs and output are ``.npy`` files or Zarr stores (names ending in ``.zarr``; the
+    output's ``compression`` and ``zarr_format`` as for :func:`dask_gpuchunk.to_zarr`).
     Raises :class:`InputError` or :class:`OutputError` where the files do not fit; the result
-    is written through :func:`dask_gpuchunk.to_npy` (never half-written).
+    is written through :func:`dask_gpuchunk.to_npy` or :func:`dask_gpuchunk.to_zarr` (never
+    half-written).
     """
     ha, hb = _header(a, "input A"), _header(b, "input B")
     for h, what in ((ha, "input A"), (hb, "input B")):
@@ -411,13 +489,14 @@ def multiply_job(
         shape = np.broadcast_shapes(ha.shape, hb.shape)
     except ValueError:
         raise InputError(f"shapes {ha.shape} (A) and {hb.shape} (B) do not broadcast together") from None
+    output = _output_options(out, compression, zarr_format)
     out_dtype = multiply.result_dtype(ha.dtype, hb.dtype)
-    target = _check_output(out, [a, b], overwrite, npy_bytes(out_dtype, shape))
+    target = _check_output(out, [a, b], overwrite, npy_bytes(out_dtype, shape), output)
     # A product is memory-bound: device="auto" runs it on the CPU unless the inputs are
     # already pinned, so only device="gpu" reads them into page-locked memory.
     pinned = device == "gpu"
-    x = from_npy(a, chunks=_row_chunks(ha, chunk_size), pinned=pinned)
-    y = from_npy(b, chunks=_row_chunks(hb, chunk_size), pinned=pinned)
+    x = _read(a, chunks=_row_chunks(ha, chunk_size), pinned=pinned)
+    y = _read(b, chunks=_row_chunks(hb, chunk_size), pinned=pinned)
     # The graph is built when the job runs, where its cluster is known (the submitting process
     # may see no GPU where the workers do); its dtype now, from CPU-side rules.
     out_dtype = multiply.result_dtype(x.dtype, y.dtype)
@@ -429,7 +508,7 @@ def multiply_job(
         _check_gpus_where_it_runs("", device)
         result = multiply(x, y, device=device)
         seconds = _run(
-            lambda: to_npy(result, target, overwrite=overwrite, progress=progress),
+            lambda: _write(result, target, overwrite, progress, output),
             lambda: _start_warmup(_warm_multiply, ha.shape, _native_str(ha.dtype), hb.shape,
                                   _native_str(hb.dtype), device),
         )
@@ -470,6 +549,8 @@ def gram_job(
     chunk_rows: int | None = None,
     layout: str = "auto",
     overwrite: bool = False,
+    compression: str = "none",
+    zarr_format: int = 3,
 ) -> Job:
     """Check the files of a Gram job now; return the job, to run as ``job(progress)``.
 
@@ -505,15 +586,16 @@ def gram_job(
     except TypeError as exc:
         raise InputError(str(exc)) from None
     n, k = h.shape
-    target = _check_output(out, [bits], overwrite, npy_bytes(np.int32, (n, n)))
+    output = _output_options(out, compression, zarr_format)
+    target = _check_output(out, [bits], overwrite, npy_bytes(np.int32, (n, n)), output)
     k_bits = k * h.dtype.itemsize * 8 if packed else k
 
     def packed_words(rows: int) -> Any:
         if packed:
-            return from_npy(bits, chunks=(rows, -1))
+            return _read(bits, chunks=(rows, -1))
         # Column chunks keep each read bounded; the packed words of a row block are then
         # merged into one chunk (64 x smaller), so each output block is one partial product.
-        x = from_npy(bits, chunks=(rows, max(64, (1 << 27) // max(1, rows) // 64 * 64)))
+        x = _read(bits, chunks=(rows, max(64, (1 << 27) // max(1, rows) // 64 * 64)))
         return bitpack(x, device="cpu" if device == "cpu" else "auto").rechunk({1: -1})
 
     words = packed_words(chunk_rows or CHUNK_ROWS)  # checks the input's layout now
@@ -565,19 +647,20 @@ def gram_job(
             chosen = "rows" if rows else "blocks" if budgets else "upper"
         if chosen in ("rows", "upper"):
             def write(progress: Progress) -> None:
-                _gram_slabs_to_npy(words, target, method, device, overwrite, progress,
-                                   upper=chosen == "upper")
+                _gram_slabs_to_file(words, target, method, device, overwrite, progress,
+                                    upper=chosen == "upper", output=output)
 
             return chosen, len(words.chunks[0]), write
         result = gram(words, packed=True, method=method, device=device)
-        if 1 < result.numblocks[1] and rows_per_chunk * n * 4 <= SLAB_BYTES:
+        if (1 < result.numblocks[1] and rows_per_chunk * n * 4 <= SLAB_BYTES
+                and not is_zarr_path(target)):
             # Whole-width row slabs: each is one sequential write, as np.save's is. Square
             # blocks dirty the page cache in short runs all over the file, and its writeback
             # then goes to the disk in small pieces.
             result = result.rechunk({1: -1})
 
         def write_blocks(progress: Progress) -> None:
-            to_npy(result, target, overwrite=overwrite, progress=progress)
+            _write(result, target, overwrite, progress, output)
 
         return chosen, int(np.prod(result.numblocks)), write_blocks
 

@@ -21,10 +21,12 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import secrets
+import shutil
 import socket
 import stat
 from collections.abc import Callable
@@ -139,10 +141,19 @@ def temporary_name(target: Path) -> Path:
     return target.parent / f".{_stem(target.name, target.parent)}.{writer}{SUFFIX}"
 
 
+def _tree_bytes(directory: str) -> int:
+    total = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
 def partials_in(directory: str | os.PathLike, target: str | os.PathLike | None = None
                 ) -> list[Partial]:
-    """The temporary output files in ``directory`` (regular files only), sorted by name; only
-    those of ``target`` where given."""
+    """The temporary output files in ``directory`` (regular files, and directories for Zarr
+    stores), sorted by name; only those of ``target`` where given."""
     directory = Path(directory)
     stem = _stem(Path(target).name, directory) if target is not None else None
     found = []
@@ -158,11 +169,14 @@ def partials_in(directory: str | os.PathLike, target: str | os.PathLike | None =
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if not stat.S_ISREG(st.st_mode):
+            # A Zarr store's temporary is a directory; nothing else but regular files.
+            store = stat.S_ISDIR(st.st_mode) and match["stem"].endswith(".zarr")
+            if not (stat.S_ISREG(st.st_mode) or store):
                 continue
             writer = (Writer(ours["host"], int(ours["pid"], 16), int(ours["start"], 16))
                       if ours else None)
-            found.append(Partial(Path(entry.path), st.st_size, writer))
+            size = _tree_bytes(entry.path) if store else st.st_size
+            found.append(Partial(Path(entry.path), size, writer))
     return sorted(found)
 
 
@@ -178,7 +192,10 @@ def remove_partials(partials: list[Partial], *, unknown: bool = False,
         if not (state == "gone" or (unknown and state == "unknown")):
             continue
         try:
-            partial.path.unlink()
+            if partial.path.is_dir() and not partial.path.is_symlink():
+                shutil.rmtree(partial.path)  # a Zarr store's
+            else:
+                partial.path.unlink()
         except FileNotFoundError:
             continue
         except OSError as exc:  # another user's, in a sticky directory: theirs to remove

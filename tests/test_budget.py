@@ -101,7 +101,7 @@ def _layout_of(rng, tmp_path, monkeypatch, budget_bytes):
     monkeypatch.setattr(gram_module, "resolve_method", int8_on_gpus)
     monkeypatch.setattr(jobs, "resolve_method", int8_on_gpus)  # jobs' own name for it
     captured = {}
-    monkeypatch.setattr(jobs, "_gram_slabs_to_npy",
+    monkeypatch.setattr(jobs, "_gram_slabs_to_file",
                         lambda *a, upper, **k: captured.setdefault("upper" if upper else "rows", 1))
     monkeypatch.setattr(jobs, "to_npy", lambda *a, **k: captured.setdefault("blocks", 1))
     monkeypatch.setattr(jobs, "_start_warmup", lambda *a: [])
