@@ -63,8 +63,7 @@ from .staging import copy_to_host, pinned_pool
 
 __all__ = ["NoSpaceError", "NoWorkersError", "NpyFormatError", "NpyHeader",
            "NpyTrailingDataWarning", "check_space", "check_target", "checked_chunks", "from_npy",
-           "npy_bytes",
-           "no_workers_timeout", "npy_in_place", "read_header", "run_writes", "to_npy",
+           "in_flight", "npy_bytes", "no_workers_timeout", "npy_in_place", "read_header", "run_writes", "to_npy",
            "write_region"]
 
 
@@ -261,7 +260,7 @@ _slots: dict[tuple[str, int], threading.Semaphore] = {}
 _slots_lock = threading.Lock()
 
 
-def _in_flight(setting: str) -> contextlib.AbstractContextManager:
+def in_flight(setting: str) -> contextlib.AbstractContextManager:
     """Hold one of the ``gpuchunk.<setting>`` slots of this process (``file-reads``: region
     reads at once, ``file-writes``: chunk writes at once; 0: no limit), read when used."""
     limit = int(config.get(setting) or 0)
@@ -299,7 +298,7 @@ def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...],
     raw = memoryview(out.reshape(-1).view(np.uint8))
     run, offsets = _region_runs(header, region)
     try:
-        with _in_flight("file-reads"):
+        with in_flight("file-reads"):
             if not _each_run(lambda view, offset: os.preadv(fd, [view], offset), raw, run, offsets):
                 raise NpyFormatError(f"{path} ended before its data (truncated?)")
     finally:
@@ -504,7 +503,7 @@ def write_region(block: Any, path: str, header: NpyHeader, region: tuple[slice, 
     fd = open_same(path, key)
 
     def from_host() -> None:
-        with _in_flight("file-writes"):
+        with in_flight("file-writes"):
             _pwrite_region(fd, np.asarray(block, dtype=header.dtype), header, region)
 
     try:
@@ -538,7 +537,7 @@ def _device_to_file(block: Any, fd: int, header: NpyHeader, region: tuple[slice,
     with pinned_pool.borrow(block.dtype, block.shape) as buf:
         copy_to_host(buf, block, stream)
         stream.synchronize()
-        with _in_flight("file-writes"):
+        with in_flight("file-writes"):
             _pwrite_region(fd, buf, header, region)
 
 

@@ -36,7 +36,7 @@ from dask.base import tokenize
 from .arrays import asarray
 from .config import map_blocks_prefix
 from .files import exchange, rename_noreplace
-from .io import check_space, checked_chunks, run_writes
+from .io import check_space, checked_chunks, in_flight, run_writes
 from .partials import remove_stale, temporary_name
 
 __all__ = ["COMPRESSIONS", "ZarrFormatError", "ZarrInfo", "from_zarr", "is_zarr_path",
@@ -277,7 +277,8 @@ def write_zarr_region(block: Any, region: tuple[slice, ...], array: Any, root: s
         _writing[root] += 1
     try:
         _check_still_there(root)
-        array[region] = np.asarray(block, dtype=array.dtype)
+        with in_flight("file-writes"):  # as .npy chunks: one sequential stream per process
+            array[region] = np.asarray(block, dtype=array.dtype)
         _check_still_there(root)
     finally:
         with _writing_lock:

@@ -143,3 +143,23 @@ def test_the_jobs_take_and_write_zarr(rng, tmp_path):
     with pytest.raises(ValueError, match="apply to Zarr outputs"):
         multiply_files(tmp_path / "a.zarr", tmp_path / "b.npy", tmp_path / "c.npy",
                        compression="zstd")
+
+
+def test_to_zarr_of_device_or_host_chunks(xp, rng, tmp_path):
+    a = random_array(rng, (300, 40), "float32")
+    x = dg.asarray(xp.asarray(a), chunks=(64, 40))
+    dg.to_zarr(dg.multiply(x, 3.0), tmp_path / "c.zarr")
+    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "c.zarr"), mode="r")[:],
+                                  a * np.float32(3.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["auto", "blocks"])
+def test_the_gram_job_to_zarr_on_the_gpu(rng, tmp_path, layout):
+    bits = random_bits(rng, (1501, 3000), 0.3)
+    np.save(tmp_path / "packed.npy", np.packbits(bits, axis=1))
+    summary = gram_files(tmp_path / "packed.npy", tmp_path / "G.zarr", packed=True,
+                         chunk_rows=512, layout=layout, device="gpu")
+    assert summary["layout"] == ("rows" if layout == "auto" else "blocks")
+    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "G.zarr"), mode="r")[:],
+                                  bits.astype(np.int64) @ bits.T)

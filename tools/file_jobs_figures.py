@@ -17,6 +17,8 @@ Usage (on the GPU machine, from the repository root):
    and until an fsync of the file returns ("durable": the bytes on the disk, which the page
    cache cannot flatter). Sampled rows of C are checked against NumPy popcounts; the peak
    device memory is sampled with nvidia-smi.
+3. gram to Zarr: the same job writing a Zarr store (format 3, uncompressed) beside the same job
+   writing a .npy, alternating (npy, zarr, zarr, npy), each made durable by ``sync``.
 """
 
 from __future__ import annotations
@@ -288,6 +290,70 @@ def gram_figures(work: Path, result: dict, rows: int, bits: int) -> None:
     bits_path.unlink()
 
 
+#: The order of the .npy and Zarr gram jobs in their comparison.
+ZARR_ORDER = ["npy", "zarr", "zarr", "npy"]
+
+
+def sync_seconds() -> float:
+    """Seconds until every dirty page of the machine is on the disk (``sync``): a Zarr store is
+    many files, so both sides of the Zarr comparison are made durable this way."""
+    t0 = time.perf_counter()
+    os.sync()
+    return time.perf_counter() - t0
+
+
+def gram_zarr_figures(work: Path, result: dict, rows: int, bits: int) -> None:
+    """The gram job to a Zarr store (uncompressed, format 3) beside the same job to a .npy, in
+    ZARR_ORDER, each from a clean page cache; sampled rows of each checked against NumPy."""
+    rng = np.random.default_rng(2)
+    packed = rng.integers(0, 256, size=(rows, bits // 8), dtype=np.uint8)
+    bits_path = work / "bits_packed.npy"
+    np.save(bits_path, packed)
+    small_bits = work / "small_bits.npy"
+    np.save(small_bits, packed[:8192, :2048])
+    for name in ("small.npy", "small.zarr"):  # compiles, as any earlier job here would have
+        ours_gram(small_bits, work / name, False)
+    small_bits.unlink()
+    runs: list[dict] = []
+    exact: dict[str, bool] = {}
+    with NvidiaSmiPeaks("gpu", "index", "memory.used") as sampler:
+        for kind in ZARR_ORDER:
+            out = work / f"G.{kind}"
+            cold = drop_caches()
+            run = ours_gram(bits_path, out, False)
+            run["durable_s"] = run["seconds"] + sync_seconds()
+            run.update(who=kind, caches_dropped_before=cold)
+            if kind not in exact:
+                if kind == "zarr":
+                    import zarr
+
+                    g = zarr.open_array(str(out), mode="r")
+                    run["zarr_chunks"] = list(g.chunks)
+                else:
+                    g = np.load(out, mmap_mode="r")
+                ok = True
+                for r in np.random.default_rng(3).choice(rows, 4, replace=False):
+                    expected = np.bitwise_count(packed & packed[r]).sum(axis=1, dtype=np.int64)
+                    ok &= bool(np.array_equal(g[int(r)], expected.astype(np.int32)))
+                exact[kind] = ok
+                del g
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+            runs.append({k: v for k, v in run.items() if k not in ("where",)})
+            print(f"gram to {kind}: {run['seconds']:.2f} s buffered, {run['durable_s']:.2f} s "
+                  f"durable, layout {run['layout']}", flush=True)
+    med = {kind: {k: float(np.median([r[k] for r in runs if r["who"] == kind]))
+                  for k in ("seconds", "durable_s")} for kind in ("npy", "zarr")}
+    result["gram_zarr"] = {
+        "runs": runs, "order": ZARR_ORDER, "sampled_rows_exact": exact, "median": med,
+        "ratio_buffered": med["zarr"]["seconds"] / med["npy"]["seconds"],
+        "ratio_durable": med["zarr"]["durable_s"] / med["npy"]["durable_s"],
+        "peak_device_memory_mib": sampler.peak,
+    }
+    print(json.dumps({k: v for k, v in result["gram_zarr"].items() if k != "runs"},
+                     default=str), flush=True)
+    bits_path.unlink()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/file-jobs"))
@@ -320,6 +386,8 @@ def main() -> None:
             multiply_figures(args.workdir, result)
         if "gram" not in args.skip:
             gram_figures(args.workdir, result, args.rows, args.bits)
+        if "gram-zarr" not in args.skip:
+            gram_zarr_figures(args.workdir, result, args.rows, args.bits)
     finally:
         if args.out:
             args.out.write_text(json.dumps(result, indent=1, default=str))
