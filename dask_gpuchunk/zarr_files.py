@@ -104,8 +104,9 @@ def read_zarr_info(path: str | os.PathLike) -> ZarrInfo:
     >>> import tempfile, os, zarr
     >>> path = os.path.join(tempfile.mkdtemp(), "a.zarr")
     >>> _ = zarr.create_array(path, shape=(5, 3), chunks=(2, 3), dtype="f4")
-    >>> read_zarr_info(path)
-    ZarrInfo(shape=(5, 3), dtype=dtype('float32'), chunks=(2, 3))
+    >>> info = read_zarr_info(path)
+    >>> info.shape, str(info.dtype), info.chunks
+    ((5, 3), 'float32', (2, 3))
     """
     zarr = _zarr()
     path = Path(path)
@@ -119,8 +120,10 @@ def read_zarr_info(path: str | os.PathLike) -> ZarrInfo:
     except Exception as exc:  # noqa: BLE001 - whatever zarr raises, the store is not readable
         raise ZarrFormatError(f"{path} is not a readable Zarr array ({exc})".splitlines()[0]
                               ) from None
-    if dtype.hasobject or dtype.kind in "OUSV":
+    if dtype.hasobject or dtype.kind in "OUSTV":
         raise ZarrFormatError(f"{path} holds {dtype} values; the jobs take numbers")
+    if dtype.isnative:  # zarr may spell native little-endian "<": one dtype here
+        dtype = dtype.newbyteorder("=")
     return ZarrInfo(tuple(int(n) for n in array.shape), dtype,
                     tuple(int(c) for c in array.chunks))
 
@@ -340,7 +343,7 @@ def to_zarr(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
     target = Path(os.path.abspath(os.fspath(path)))
     x = asarray(x)
     dtype = np.dtype(x.dtype)
-    if dtype.hasobject or dtype.kind in "OUSV":
+    if dtype.hasobject or dtype.kind in "OUSTV":
         raise TypeError(f"cannot write {dtype} values to a Zarr store here; numbers only")
     chunks = _regular(x.chunks)
     if chunks is None:

@@ -317,12 +317,19 @@ def gram_zarr_figures(work: Path, result: dict, rows: int, bits: int) -> None:
     runs: list[dict] = []
     exact: dict[str, bool] = {}
     with NvidiaSmiPeaks("gpu", "index", "memory.used") as sampler:
-        for kind in ZARR_ORDER:
+        for spec in ZARR_ORDER:
+            # "zarr:N": the job with N file writes at once per process (gpuchunk.file-writes).
+            kind, _, writes = spec.partition(":")
             out = work / f"G.{kind}"
             cold = drop_caches()
-            run = ours_gram(bits_path, out, False)
+            if writes:
+                os.environ["DASK_GPUCHUNK__FILE_WRITES"] = writes
+            try:
+                run = ours_gram(bits_path, out, False)
+            finally:
+                os.environ.pop("DASK_GPUCHUNK__FILE_WRITES", None)
             run["durable_s"] = run["seconds"] + sync_seconds()
-            run.update(who=kind, caches_dropped_before=cold)
+            run.update(who=spec, caches_dropped_before=cold)
             if kind not in exact:
                 if kind == "zarr":
                     import zarr
@@ -339,14 +346,15 @@ def gram_zarr_figures(work: Path, result: dict, rows: int, bits: int) -> None:
                 del g
             shutil.rmtree(out) if out.is_dir() else out.unlink()
             runs.append({k: v for k, v in run.items() if k not in ("where",)})
-            print(f"gram to {kind}: {run['seconds']:.2f} s buffered, {run['durable_s']:.2f} s "
+            print(f"gram to {spec}: {run['seconds']:.2f} s buffered, {run['durable_s']:.2f} s "
                   f"durable, layout {run['layout']}", flush=True)
-    med = {kind: {k: float(np.median([r[k] for r in runs if r["who"] == kind]))
-                  for k in ("seconds", "durable_s")} for kind in ("npy", "zarr")}
+    med = {spec: {k: float(np.median([r[k] for r in runs if r["who"] == spec]))
+                  for k in ("seconds", "durable_s")} for spec in dict.fromkeys(ZARR_ORDER)}
     result["gram_zarr"] = {
         "runs": runs, "order": ZARR_ORDER, "sampled_rows_exact": exact, "median": med,
-        "ratio_buffered": med["zarr"]["seconds"] / med["npy"]["seconds"],
-        "ratio_durable": med["zarr"]["durable_s"] / med["npy"]["durable_s"],
+        "ratio_buffered": {spec: m["seconds"] / med["npy"]["seconds"] for spec, m in med.items()},
+        "ratio_durable": {spec: m["durable_s"] / med["npy"]["durable_s"]
+                          for spec, m in med.items()},
         "peak_device_memory_mib": sampler.peak,
     }
     print(json.dumps({k: v for k, v in result["gram_zarr"].items() if k != "runs"},
@@ -365,6 +373,8 @@ def main() -> None:
     parser.add_argument("--layout", default="auto", help="--layout of the gram job")
     parser.add_argument("--order", nargs="*", default=None,
                         help="gram comparison order, e.g. numpy ours ours numpy (the default)")
+    parser.add_argument("--zarr-order", nargs="*", default=None,
+                        help="Zarr comparison order: npy, zarr, zarr:N (N file writes at once)")
     parser.add_argument("--profile", action="store_true",
                         help="profile the tasks of the first gram job")
     parser.add_argument("--reads", nargs="*", type=int, default=None,
@@ -377,6 +387,8 @@ def main() -> None:
     GRAM_LAYOUT[:] = [args.layout]
     if args.order:
         ORDER[:] = args.order
+    if args.zarr_order:
+        ZARR_ORDER[:] = args.zarr_order
     if args.reads is not None:
         READS_VARIANTS[:] = args.reads
     args.workdir.mkdir(parents=True, exist_ok=True)
