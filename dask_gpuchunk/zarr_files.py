@@ -9,7 +9,9 @@ Dask array's blocks, so that each task writes whole Zarr chunks and no two tasks
 store is renamed onto the target only when every chunk is written (an existing store replaced
 only with ``overwrite``, and only a Zarr store: never another directory). Compression is off by
 default: the jobs' outputs are dense numbers that compress little, and writing them raw runs
-at the disk's rate. Zarr format 3 by default, 2 on request; both are read. Needs the ``zarr``
+at the disk's rate: each whole chunk of such a store is written from the block's memory (from
+a pinned buffer for CuPy blocks) straight into its file, with none of zarr's encoding copies;
+edge chunks (zarr stores them padded) and compressed stores go through zarr. Zarr format 3 by default, 2 on request; both are read. Needs the ``zarr``
 package (``pip install 'dask-gpuchunk[zarr]'``).
 """
 
@@ -273,20 +275,105 @@ _writing_lock = threading.Lock()
 def write_zarr_region(block: Any, region: tuple[slice, ...], array: Any, root: str
                       ) -> np.ndarray:
     """Write one computed block into its region of the Zarr array stored at ``root`` (whole
-    chunks of it): the bytes written, as a one-element array per block."""
-    if hasattr(block, "get") and not isinstance(block, np.ndarray):  # a CuPy block
-        block = block.get()
+    chunks of it): the bytes written, as a one-element array per block. A CuPy block comes to
+    the host through a pinned buffer; chunks stored raw (:func:`_raw_chunks`) are written
+    straight from the block into their files."""
     with _writing_lock:
         _writing[root] += 1
     try:
         _check_still_there(root)
-        with in_flight("file-writes"):  # as .npy chunks: one sequential stream per process
-            array[region] = np.asarray(block, dtype=array.dtype)
+        if hasattr(block, "get") and not isinstance(block, np.ndarray):  # a CuPy block
+            _device_block_to_store(block, region, array, root)
+        else:
+            _host_block_to_store(np.asarray(block, dtype=array.dtype), region, array, root)
         _check_still_there(root)
     finally:
         with _writing_lock:
             _writing[root] -= 1
     return np.full((1,) * len(region), block.size * array.dtype.itemsize, dtype=np.int64)
+
+
+def _device_block_to_store(block: Any, region: tuple[slice, ...], array: Any, root: str) -> None:
+    """D2H into a pinned buffer, then written from there: no other host copy."""
+    import cupy
+
+    from .staging import copy_to_host, pinned_pool
+
+    block = cupy.ascontiguousarray(block.astype(array.dtype, copy=False))
+    stream = cupy.cuda.get_current_stream()
+    with pinned_pool.borrow(block.dtype, block.shape) as buf:
+        copy_to_host(buf, block, stream)
+        stream.synchronize()
+        _host_block_to_store(buf, region, array, root)
+
+
+def _raw_chunks(array: Any) -> bool:
+    """Whether ``array``'s chunks are stored as their bytes, C order, native little-endian, no
+    filter or compressor (what ``to_zarr`` writes uncompressed): then a chunk's file is its
+    values' bytes, and a whole chunk can be written without zarr's encoding copy."""
+    metadata = array.metadata
+    dtype = np.dtype(array.dtype)
+    if dtype.byteorder == ">" or (dtype.byteorder == "=" and not np.little_endian):
+        return False
+    if metadata.zarr_format == 2:
+        return (metadata.compressor is None and not metadata.filters
+                and metadata.order == "C")
+    codecs = getattr(metadata, "codecs", ())
+    return (len(codecs) == 1 and type(codecs[0]).__name__ == "BytesCodec"
+            and str(getattr(codecs[0].endian, "value", "little") or "little") == "little")
+
+
+def _write_file(path: str, data: np.ndarray) -> None:
+    """``data``'s bytes, C order, into a new file at ``path``: rows gathered by ``writev`` where
+    only the leading axes are strided (no copy), else one contiguous write."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if data.ndim >= 2 and not data.flags.c_contiguous and data[0].flags.c_contiguous:
+        pieces = [memoryview(np.ascontiguousarray(row)).cast("B") for row in data]
+    else:
+        pieces = [memoryview(np.ascontiguousarray(data)).cast("B")]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        batch = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+        for start in range(0, len(pieces), batch):
+            group = pieces[start:start + batch]
+            written = os.writev(fd, group)
+            for piece in group:  # a short write: the rest piece by piece
+                if written >= piece.nbytes:
+                    written -= piece.nbytes
+                    continue
+                rest = piece[written:]
+                while rest.nbytes:
+                    rest = rest[os.write(fd, rest):]
+                written = 0
+    finally:
+        os.close(fd)
+
+
+def _host_block_to_store(block: np.ndarray, region: tuple[slice, ...], array: Any, root: str
+                         ) -> None:
+    """Each chunk of ``region`` (aligned to chunk boundaries, as ``to_zarr`` and the slab
+    writers cut them): a whole chunk of a raw store straight into its file, the rest (edge
+    chunks, which zarr stores padded, and other encodings) through zarr."""
+    if block.size == 0:  # the upper layout's last strip has nothing under the diagonal
+        return
+    raw = _raw_chunks(array)
+    with in_flight("file-writes"):  # as .npy chunks: one sequential stream per process
+        if not raw:
+            array[region] = block
+            return
+        chunks, shape = array.chunks, array.shape
+        first = [r.start // c for r, c in zip(region, chunks)]
+        last = [-(-r.stop // c) for r, c in zip(region, chunks)]
+        for coords in np.ndindex(*(b - a for a, b in zip(first, last))):
+            coords = tuple(a + i for a, i in zip(first, coords))
+            lo = [c * size for c, size in zip(coords, chunks)]
+            hi = [min(a + size, n) for a, size, n in zip(lo, chunks, shape)]
+            local = tuple(slice(a - r.start, b - r.start) for a, b, r in zip(lo, hi, region))
+            if any(b - a != size for a, b, size in zip(lo, hi, chunks)):  # an edge chunk
+                array[tuple(slice(a, b) for a, b in zip(lo, hi))] = block[local]
+                continue
+            key = array.metadata.encode_chunk_key(coords)
+            _write_file(os.path.join(root, *key.split("/")), block[local])
 
 
 def _write_block(block: Any, array: Any, root: str, block_info: dict) -> np.ndarray:

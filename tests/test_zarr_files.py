@@ -48,6 +48,10 @@ def test_formats_and_compressions(rng, tmp_path, zarr_format, compression):
                    for f in files if not f.startswith((".z", "zarr.json"))]
     raw = sum(os.path.getsize(f) for f in chunk_files)
     assert (raw < values.nbytes) == (compression != "none"), (raw, values.nbytes)
+    if compression == "none":  # a whole chunk, written straight from the block: its bytes
+        key = stored.metadata.encode_chunk_key((1, 0))
+        written = (tmp_path / "c.zarr" / key).read_bytes()
+        assert written == values[16:32].astype("<i4").tobytes()
 
 
 def test_existing_store_refused_unless_overwrite_and_only_a_store_replaced(rng, tmp_path):
