@@ -146,6 +146,18 @@ def _renameat2() -> object | None:
     return _libc[0]
 
 
+def _renameat2_errno(src: str | os.PathLike, dst: str | os.PathLike, flags: int) -> int | None:
+    """``renameat2(src, dst, flags)``: 0 done, else its errno; ``None`` where the C library has
+    no ``renameat2`` or the file system does not take ``flags`` (the caller falls back)."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return None
+    if renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:  # type: ignore[operator]
+        return 0
+    err = ctypes.get_errno()
+    return None if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) else err
+
+
 def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Rename ``src`` onto ``dst`` only where ``dst`` does not exist, atomically:
     :class:`FileExistsError` otherwise (``dst`` untouched).
@@ -162,16 +174,13 @@ def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     >>> rename_noreplace(d / "a", d / "c"); (d / "c").read_text()
     'new'
     """
-    src_b, dst_b = os.fsencode(src), os.fsencode(dst)
-    renameat2 = _renameat2()
-    if renameat2 is not None:
-        if renameat2(_AT_FDCWD, src_b, _AT_FDCWD, dst_b, _RENAME_NOREPLACE) == 0:  # type: ignore[operator]
-            return
-        err = ctypes.get_errno()
-        if err == errno.EEXIST:
-            raise FileExistsError(err, f"{os.fspath(dst)} exists; not replaced")
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise OSError(err, os.strerror(err), os.fspath(src))
+    err = _renameat2_errno(src, dst, _RENAME_NOREPLACE)
+    if err == 0:
+        return
+    if err == errno.EEXIST:
+        raise FileExistsError(err, f"{os.fspath(dst)} exists; not replaced")
+    if err is not None:
+        raise OSError(err, os.strerror(err), os.fspath(src))
     # No renameat2 for this file system: a hard link fails where dst exists, atomically too.
     try:
         os.link(src, dst, follow_symlinks=False)
@@ -196,14 +205,11 @@ def exchange(a: str | os.PathLike, b: str | os.PathLike) -> None:
     >>> exchange(d / "a", d / "b"); (d / "a").read_text(), (d / "b").read_text()
     ('B', 'A')
     """
-    a_b, b_b = os.fsencode(a), os.fsencode(b)
-    renameat2 = _renameat2()
-    if renameat2 is not None:
-        if renameat2(_AT_FDCWD, a_b, _AT_FDCWD, b_b, _RENAME_EXCHANGE) == 0:  # type: ignore[operator]
-            return
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise OSError(err, os.strerror(err), os.fspath(a))
+    err = _renameat2_errno(a, b, _RENAME_EXCHANGE)
+    if err == 0:
+        return
+    if err is not None:
+        raise OSError(err, os.strerror(err), os.fspath(a))
     middle = os.fspath(a) + ".exchange"
     os.rename(b, middle)
     os.rename(a, b)

@@ -62,9 +62,9 @@ from .partials import remove_stale, temporary_name
 from .staging import copy_to_host, pinned_pool
 
 __all__ = ["NoSpaceError", "NoWorkersError", "NpyFormatError", "NpyHeader",
-           "NpyTrailingDataWarning", "check_space", "check_target", "checked_chunks", "from_npy",
-           "in_flight", "npy_bytes", "no_workers_timeout", "npy_in_place", "read_header", "run_writes", "to_npy",
-           "write_region"]
+           "NpyTrailingDataWarning", "check_output_directory", "check_space", "check_target",
+           "checked_chunks", "from_npy", "in_flight", "no_workers_timeout", "npy_bytes",
+           "npy_in_place", "read_header", "run_writes", "to_npy", "write_region"]
 
 
 _log = logging.getLogger("dask_gpuchunk")
@@ -444,26 +444,31 @@ def check_space(directory: Path, nbytes: int) -> None:
                            f"{format_bytes(need - nbytes)}; nothing was computed")
 
 
+def check_output_directory(directory: Path) -> None:
+    """``FileNotFoundError`` / ``PermissionError`` where an output's ``directory`` is missing or
+    cannot be written in (tried by making a file there: the only sure test, for root too)."""
+    if not directory.is_dir():
+        raise FileNotFoundError(f"output directory {directory} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".dask-gpuchunk-probe-"):
+            pass
+    except OSError:
+        raise PermissionError(f"output directory {directory} is not writable") from None
+
+
 def check_target(path: Path, overwrite: bool, nbytes: int = 0) -> None:
     """Refuse, before any work, an output ``path`` that cannot be written: a directory, a
     missing or read-only directory, an existing file without ``overwrite``, something other
     than a regular file, or a file system without room for ``nbytes`` (:func:`check_space`;
     ``OSError`` subclasses naming the path)."""
-    parent = path.parent
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; give a file name for the output")
-    if not parent.is_dir():
-        raise FileNotFoundError(f"output directory {parent} does not exist")
-    try:  # the only sure test, for root too: make a file there
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".dask-gpuchunk-probe-"):
-            pass
-    except OSError:
-        raise PermissionError(f"output directory {parent} is not writable") from None
+    check_output_directory(path.parent)
     if os.path.lexists(path) and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it")
     refuse_unless_regular(path)
     if nbytes:
-        check_space(parent, nbytes)
+        check_space(path.parent, nbytes)
 
 
 def npy_bytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:

@@ -24,7 +24,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +37,7 @@ from dask.base import tokenize
 from .arrays import asarray
 from .config import map_blocks_prefix
 from .files import exchange, rename_noreplace
-from .io import check_space, checked_chunks, in_flight, run_writes
+from .io import check_output_directory, check_space, checked_chunks, in_flight, run_writes
 from .partials import remove_stale, temporary_name
 
 __all__ = ["COMPRESSIONS", "ZarrFormatError", "ZarrInfo", "from_zarr", "is_zarr_path",
@@ -183,14 +182,7 @@ def check_zarr_target(path: Path, overwrite: bool, nbytes: int = 0) -> None:
     """Refuse, before any work, a Zarr output ``path`` that cannot be written: a missing or
     read-only directory, an existing store without ``overwrite``, anything but a Zarr store
     at ``path`` (never replaced), or a file system without room for ``nbytes``."""
-    parent = path.parent
-    if not parent.is_dir():
-        raise FileNotFoundError(f"output directory {parent} does not exist")
-    try:  # the only sure test, for root too: make a file there
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".dask-gpuchunk-probe-"):
-            pass
-    except OSError:
-        raise PermissionError(f"output directory {parent} is not writable") from None
+    check_output_directory(path.parent)
     if os.path.lexists(path):
         if not overwrite:
             raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace "
@@ -199,7 +191,7 @@ def check_zarr_target(path: Path, overwrite: bool, nbytes: int = 0) -> None:
             raise FileExistsError(f"{path} is not a Zarr store; only a Zarr store "
                                   "is replaced")
     if nbytes:
-        check_space(parent, nbytes)
+        check_space(path.parent, nbytes)
 
 
 def _publish_store(tmp: Path, target: Path, overwrite: bool) -> None:
