@@ -280,7 +280,7 @@ def _cluster_options(func: Callable) -> Callable:
                       help="Join the cluster whose scheduler wrote this file (batch jobs)."),
         click.option("--scheduler-address", help="Join the cluster at this address "
                      "(tcp://host:8786)."),
-        click.option("--workers", type=click.IntRange(min=1),
+        click.option("--workers", "--wait-workers", "workers", type=click.IntRange(min=1),
                      help="Joined cluster: wait until this many workers have joined before "
                      "the job starts [default: 1]."),
         click.option("--worker-timeout", type=click.FloatRange(min=0), default=300.0,

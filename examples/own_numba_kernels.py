@@ -212,9 +212,11 @@ def row_sliced_gram(args: argparse.Namespace, rng: np.random.Generator) -> dict[
     sample = np.sort(rng.choice(rows, size=min(8, len(rows)), replace=False))
     c = c[rows.start:rows.stop]
     t0 = time.perf_counter()
-    # One graph: the sampled rows come from the slabs the digests read, never computed twice.
-    digests, sampled = dask.compute(
-        c.map_blocks(row_digests, dtype=np.uint64, drop_axis=1), c[sample - rows.start])
+    # One graph: the sampled rows come from the slabs the digests read, never computed twice
+    # (each row by its own index: a list of rows is a shuffle under dask's query planning).
+    digests, *sampled = dask.compute(
+        c.map_blocks(row_digests, dtype=np.uint64, drop_axis=1, meta=np.empty(0, np.uint64)),
+        *(c[int(row) - rows.start] for row in sample))
     result["gram_seconds"] = time.perf_counter() - t0
     for row, got in zip(sample, sampled):
         expected_row = np.bitwise_count(words & words[row]).sum(axis=1, dtype=np.int64)
@@ -224,7 +226,8 @@ def row_sliced_gram(args: argparse.Namespace, rng: np.random.Generator) -> dict[
     by_gram = dg.gram(packed.rechunk((args.slab, -1)), packed=True)
     by_gram = by_gram[rows.start:rows.stop].rechunk({1: -1})
     t0 = time.perf_counter()
-    gram_digests = by_gram.map_blocks(row_digests, dtype=np.uint64, drop_axis=1).compute()
+    gram_digests = by_gram.map_blocks(row_digests, dtype=np.uint64, drop_axis=1,
+                                      meta=np.empty(0, np.uint64)).compute()
     result["dg_gram_seconds"] = time.perf_counter() - t0
     np.testing.assert_array_equal(digests, gram_digests)
     result["gram_rows_checked"] = len(rows)

@@ -175,10 +175,11 @@ def test_a_job_joining_a_cluster_waits_for_its_workers(inputs, tmp_path):
         scheduler.wait(timeout=30)
 
 
-def test_workers_option_needs_a_joined_cluster(tmp_path, monkeypatch):
+@pytest.mark.parametrize("option", ["--workers", "--wait-workers"])
+def test_workers_option_needs_a_joined_cluster(tmp_path, monkeypatch, option):
     _setup_bad(tmp_path)
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--workers", "2"])
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy", option, "2"])
     assert result.exit_code == 2 and "joined cluster" in result.output
 
 
