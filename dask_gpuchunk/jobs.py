@@ -63,9 +63,9 @@ from .io import (
     write_region,
 )
 from .zarr_files import (
-    COMPRESSIONS,
     ZarrFormatError,
     ZarrInfo,
+    check_compression,
     check_zarr_target,
     from_zarr,
     is_zarr_path,
@@ -315,12 +315,7 @@ def _output_options(out: str | os.PathLike, compression: str, zarr_format: int
             raise ValueError("--compression and --zarr-format apply to Zarr outputs (a name "
                              f"ending in .zarr), not {out}")
         return {}
-    if zarr_format not in (2, 3):
-        raise ValueError(f"--zarr-format must be 2 or 3, got {zarr_format}")
-    name = compression.partition(":")[0]
-    if name not in COMPRESSIONS:
-        raise ValueError(f"--compression must be one of {', '.join(COMPRESSIONS)} (NAME or "
-                         f"NAME:LEVEL); got {compression!r}")
+    check_compression(compression, zarr_format)
     return {"compression": compression, "zarr_format": zarr_format}
 
 

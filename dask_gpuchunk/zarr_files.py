@@ -40,8 +40,9 @@ from .files import exchange, rename_noreplace
 from .io import check_output_directory, check_space, checked_chunks, in_flight, run_writes
 from .partials import remove_stale, temporary_name
 
-__all__ = ["COMPRESSIONS", "ZarrFormatError", "ZarrInfo", "from_zarr", "is_zarr_path",
-           "read_zarr_info", "region_writer", "to_zarr", "write_zarr_region", "zarr_in_place"]
+__all__ = ["COMPRESSIONS", "ZarrFormatError", "ZarrInfo", "check_compression",
+           "check_zarr_target", "from_zarr", "is_zarr_path", "read_zarr_info", "region_writer",
+           "to_zarr", "write_zarr_region", "zarr_in_place"]
 
 #: The compressions ``to_zarr`` and the jobs' ``--compression`` take (``NAME`` or
 #: ``NAME:LEVEL``).
@@ -153,16 +154,30 @@ def from_zarr(path: str | os.PathLike, chunks: Any = None) -> da.Array:
                          meta=np.empty((0,) * len(info.shape), info.dtype))
 
 
-def _compressors(compression: str, zarr_format: int) -> Any:
-    """Zarr's compressors for ``NAME[:LEVEL]`` (:data:`COMPRESSIONS`)."""
+def check_compression(compression: str, zarr_format: int) -> tuple[str, int | None]:
+    """``(name, level)`` of ``NAME[:LEVEL]`` (:data:`COMPRESSIONS`); ``ValueError`` for an
+    unknown name, a level that is not a whole number or a format other than 2 and 3.
+
+    Examples
+    --------
+    >>> check_compression("zstd:7", 3), check_compression("none", 2)
+    (('zstd', 7), ('none', None))
+    """
+    if zarr_format not in (2, 3):
+        raise ValueError(f"zarr_format must be 2 or 3, got {zarr_format!r}")
     name, _, level = compression.partition(":")
     if name not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)} (NAME or "
                          f"NAME:LEVEL); got {compression!r}")
     try:
-        level_value = int(level) if level else None
+        return name, int(level) if level else None
     except ValueError:
         raise ValueError(f"compression level {level!r} is not a whole number") from None
+
+
+def _compressors(compression: str, zarr_format: int) -> Any:
+    """Zarr's compressors for ``NAME[:LEVEL]`` (:func:`check_compression`)."""
+    name, level_value = check_compression(compression, zarr_format)
     if name == "none":
         return None
     if zarr_format == 2:
@@ -178,6 +193,13 @@ def _compressors(compression: str, zarr_format: int) -> Any:
             "blosc": lambda: codecs.BloscCodec(cname="zstd", clevel=level_value or 5)}[name]()
 
 
+def _refuse_unless_store(path: Path) -> None:
+    """``FileExistsError`` where the existing ``path`` is not a Zarr store (a symlink, a file,
+    another directory): overwrite replaces stores, nothing else."""
+    if path.is_symlink() or not _is_store(path):
+        raise FileExistsError(f"{path} is not a Zarr store; only a Zarr store is replaced")
+
+
 def check_zarr_target(path: Path, overwrite: bool, nbytes: int = 0) -> None:
     """Refuse, before any work, a Zarr output ``path`` that cannot be written: a missing or
     read-only directory, an existing store without ``overwrite``, anything but a Zarr store
@@ -187,9 +209,7 @@ def check_zarr_target(path: Path, overwrite: bool, nbytes: int = 0) -> None:
         if not overwrite:
             raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace "
                                   "it")
-        if path.is_symlink() or not _is_store(path):
-            raise FileExistsError(f"{path} is not a Zarr store; only a Zarr store "
-                                  "is replaced")
+        _refuse_unless_store(path)
     if nbytes:
         check_space(path.parent, nbytes)
 
@@ -201,9 +221,7 @@ def _publish_store(tmp: Path, target: Path, overwrite: bool) -> None:
     if not overwrite or not os.path.lexists(target):
         rename_noreplace(tmp, target)
         return
-    if target.is_symlink() or not _is_store(target):
-        raise FileExistsError(f"{target} is not a Zarr store; only a Zarr store "
-                              "is replaced")
+    _refuse_unless_store(target)
     exchange(tmp, target)
     shutil.rmtree(tmp)  # the old store, now under the temporary name
 
@@ -216,8 +234,6 @@ def zarr_in_place(target: Path, dtype: np.dtype, shape: tuple[int, ...], chunks:
     beside ``target``, for :func:`write_zarr_region`'s tasks; checked first. When the block
     ends, the store is renamed onto ``target``; removed if anything raises."""
     zarr = _zarr()
-    if zarr_format not in (2, 3):
-        raise ValueError(f"zarr_format must be 2 or 3, got {zarr_format!r}")
     compressors = _compressors(compression, zarr_format)
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize if compressors is None else 0
     check_zarr_target(target, overwrite, nbytes)
