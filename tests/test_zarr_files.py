@@ -149,6 +149,23 @@ def test_the_jobs_take_and_write_zarr(rng, tmp_path):
                        compression="zstd")
 
 
+def test_the_gram_job_cuts_equal_slabs_for_a_store(rng, tmp_path, monkeypatch):
+    # Zarr pads every edge chunk to the full chunk shape: slabs of 101, 101, 99 rows (not 128,
+    # 128, 45) where 128 would be the slab's rows for a .npy.
+    import dask_gpuchunk.jobs as jobs
+
+    monkeypatch.setattr(jobs, "CHUNK_ROWS", 128)
+    bits = random_bits(rng, (301, 200), 0.5)
+    np.save(tmp_path / "bits.npy", bits)
+    to_npy = gram_files(tmp_path / "bits.npy", tmp_path / "G.npy", device="cpu")
+    to_store = gram_files(tmp_path / "bits.npy", tmp_path / "G.zarr", device="cpu")
+    assert (to_npy["chunk_rows"], to_store["chunk_rows"]) == (128, 101)
+    stored = zarr.open_array(str(tmp_path / "G.zarr"), mode="r")
+    assert stored.chunks == (101, 101)
+    np.testing.assert_array_equal(stored[:], np.load(tmp_path / "G.npy"))
+    np.testing.assert_array_equal(stored[:], bits.astype(np.int64) @ bits.T)
+
+
 def test_to_zarr_of_device_or_host_chunks(xp, rng, tmp_path):
     a = random_array(rng, (300, 40), "float32")
     x = dg.asarray(xp.asarray(a), chunks=(64, 40))

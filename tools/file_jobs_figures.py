@@ -18,7 +18,8 @@ Usage (on the GPU machine, from the repository root):
    cache cannot flatter). Sampled rows of C are checked against NumPy popcounts; the peak
    device memory is sampled with nvidia-smi.
 3. gram to Zarr: the same job writing a Zarr store (format 3, uncompressed) beside the same job
-   writing a .npy, alternating (npy, zarr, zarr, npy), each made durable by ``sync``.
+   writing a .npy, alternating (npy, zarr, zarr, npy) after a .npy job left out, each made
+   durable by ``sync`` right after the job, with the bytes the disk was sent.
 """
 
 from __future__ import annotations
@@ -30,11 +31,57 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 from nvidia_smi_peaks import NvidiaSmiPeaks
+
+
+class DiskWrites:
+    """What the disk holding ``folder`` was sent while the ``with`` block ran, from
+    /proc/diskstats (sectors written) and /proc/meminfo (Dirty + Writeback) every 0.5 s: bytes,
+    mean and peak rate over 2 s windows, the most dirty memory, seconds the block ran."""
+
+    def __init__(self, folder: Path) -> None:
+        st = os.stat(folder)
+        self.device = (os.major(st.st_dev), os.minor(st.st_dev))
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> tuple[float, int, int]:
+        written = 0
+        for line in Path("/proc/diskstats").read_text().splitlines():
+            f = line.split()
+            if (int(f[0]), int(f[1])) == self.device:
+                written = int(f[9]) * 512
+        meminfo = dict(line.split(":", 1) for line in
+                       Path("/proc/meminfo").read_text().splitlines())
+        dirty = sum(int(meminfo[k].split()[0]) * 1024 for k in ("Dirty", "Writeback"))
+        return time.perf_counter(), written, dirty
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self.samples.append(self._sample())
+
+    def __enter__(self) -> "DiskWrites":
+        self.samples.append(self._sample())
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(self._sample())
+
+    def summary(self) -> dict:
+        (t0, w0, _), (t1, w1, _) = self.samples[0], self.samples[-1]
+        rates = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(self.samples, self.samples[4:])]
+        return {"seconds": t1 - t0, "bytes": w1 - w0, "mean_gb_s": (w1 - w0) / (t1 - t0) / 1e9,
+                "peak_gb_s_2s": max(rates, default=0.0) / 1e9,
+                "max_dirty_gb": max(s[2] for s in self.samples) / 1e9}
 
 
 def drop_caches() -> bool:
@@ -194,10 +241,12 @@ def numpy_write(path: Path, rows: int) -> dict:
     return {"buffered_s": buffered, "durable_s": durable}
 
 
-def ours_in_fresh_cluster(make_job, out_path: Path, profile: bool) -> dict:
+def ours_in_fresh_cluster(make_job, out_path: Path, profile: bool,
+                          sync_all: bool = False) -> dict:
     """A job as the CLI runs it (a new local cluster, so new worker processes that compile
     what they run): buffered (the job's own time, until its last write returns and the file is
-    renamed) and durable (then an fsync of the output, before the cluster closes).
+    renamed) and durable (then an fsync of the output, or with ``sync_all`` a ``sync`` of
+    everything, which a Zarr store of many files needs; before the cluster closes).
     ``make_job()`` returns the job (``dask_gpuchunk.jobs.*_job``)."""
     from dask.utils import key_split
     from distributed import get_task_stream
@@ -215,7 +264,8 @@ def ours_in_fresh_cluster(make_job, out_path: Path, profile: bool) -> dict:
         else:
             summary = job(None)
         summary["buffered_s"] = summary["seconds"]
-        summary["durable_s"] = summary["seconds"] + fsync_seconds(out_path)
+        summary["durable_s"] = summary["seconds"] + (
+            sync_seconds() if sync_all else fsync_seconds(out_path))
     if profile:
         kinds: dict = {}
         for task in ts.data:
@@ -233,12 +283,12 @@ def ours_in_fresh_cluster(make_job, out_path: Path, profile: bool) -> dict:
     return summary
 
 
-def ours_gram(bits_path: Path, g_path: Path, profile: bool) -> dict:
+def ours_gram(bits_path: Path, g_path: Path, profile: bool, sync_all: bool = False) -> dict:
     from dask_gpuchunk.jobs import gram_job
 
     return ours_in_fresh_cluster(
         lambda: gram_job(bits_path, g_path, packed=True, layout=GRAM_LAYOUT[0], overwrite=True),
-        g_path, profile)
+        g_path, profile, sync_all)
 
 
 def gram_figures(work: Path, result: dict, rows: int, bits: int) -> None:
@@ -290,8 +340,9 @@ def gram_figures(work: Path, result: dict, rows: int, bits: int) -> None:
     bits_path.unlink()
 
 
-#: The order of the .npy and Zarr gram jobs in their comparison.
-ZARR_ORDER = ["npy", "zarr", "zarr", "npy"]
+#: The order of the .npy and Zarr gram jobs in their comparison; "warmup" is a .npy job left
+#: out of the figures (the first job after the input is written ran slower in every run).
+ZARR_ORDER = ["warmup", "npy", "zarr", "zarr", "npy"]
 
 
 def sync_seconds() -> float:
@@ -320,15 +371,19 @@ def gram_zarr_figures(work: Path, result: dict, rows: int, bits: int) -> None:
         for spec in ZARR_ORDER:
             # "zarr:N": the job with N file writes at once per process (gpuchunk.file-writes).
             kind, _, writes = spec.partition(":")
+            kind = "npy" if kind == "warmup" else kind
             out = work / f"G.{kind}"
             cold = drop_caches()
             if writes:
                 os.environ["DASK_GPUCHUNK__FILE_WRITES"] = writes
             try:
-                run = ours_gram(bits_path, out, False)
+                with DiskWrites(work) as disk:
+                    # durable: both kinds by one sync inside the cluster, right after the job
+                    run = ours_gram(bits_path, out, PROFILE, sync_all=True)
             finally:
                 os.environ.pop("DASK_GPUCHUNK__FILE_WRITES", None)
-            run["durable_s"] = run["seconds"] + sync_seconds()
+            run["disk"] = disk.summary()
+            print(f"  disk: {json.dumps(run['disk'])}", flush=True)
             run.update(who=spec, caches_dropped_before=cold)
             if kind not in exact:
                 if kind == "zarr":
@@ -349,7 +404,8 @@ def gram_zarr_figures(work: Path, result: dict, rows: int, bits: int) -> None:
             print(f"gram to {spec}: {run['seconds']:.2f} s buffered, {run['durable_s']:.2f} s "
                   f"durable, layout {run['layout']}", flush=True)
     med = {spec: {k: float(np.median([r[k] for r in runs if r["who"] == spec]))
-                  for k in ("seconds", "durable_s")} for spec in dict.fromkeys(ZARR_ORDER)}
+                  for k in ("seconds", "durable_s")}
+           for spec in dict.fromkeys(ZARR_ORDER) if spec != "warmup"}
     result["gram_zarr"] = {
         "runs": runs, "order": ZARR_ORDER, "sampled_rows_exact": exact, "median": med,
         "ratio_buffered": {spec: m["seconds"] / med["npy"]["seconds"] for spec, m in med.items()},

@@ -9,6 +9,11 @@ np.save of one array; os.write of one slab buffer again and again (append); the 
 (header, file extended to full size, one pwrite per slab at its offset) from a pageable and
 from a page-locked slab; the same from two threads; pwrite without the extension; pwrite with
 ``posix_fadvise(DONTNEED)`` after each slab; pwrite from as many distinct buffers as slabs.
+The store variants write the same slabs (``--chunk-rows`` rows of int32 each) as the files of a
+Zarr store would hold them: a file per square chunk (rows gathered by ``writev``, or copied
+contiguous first), or a file per slab (one write, or ``writev`` in square-chunk order, as a
+shard holding the slab's chunks would be laid out). ``--durable`` also times a ``sync`` after
+each variant (the writeback the variant left behind).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -38,6 +44,8 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=40.0)
     parser.add_argument("--slab-gb", type=float, default=1.6)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--chunk-rows", type=int, default=4096)
+    parser.add_argument("--durable", action="store_true")
     parser.add_argument("--only", nargs="*", default=None,
                         help="run only the variants whose name contains one of these")
     args = parser.parse_args()
@@ -95,7 +103,50 @@ def main() -> None:
         os.close(fd)
         return time.perf_counter() - t0
 
+    rows = args.chunk_rows
+    cols = slab_bytes // 4 // rows
+    slab2d = pageable[:rows * cols * 4].view(np.int32).reshape(rows, cols)
+    store = args.dir / "probe.zarr"
+    iov_max = os.sysconf("SC_IOV_MAX")
+
+    def write_pieces(file: Path, pieces: list[memoryview]) -> None:
+        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for start in range(0, len(pieces), iov_max):
+                group = pieces[start:start + iov_max]
+                if os.writev(fd, group) != sum(p.nbytes for p in group):
+                    raise OSError("short writev")
+        finally:
+            os.close(fd)
+
+    def chunk_views(row_slab: np.ndarray) -> list[np.ndarray]:
+        return [row_slab[:, c:c + rows] for c in range(0, cols, rows)]
+
+    def store_files(per: str, how: str) -> float:
+        clean()
+        t0 = time.perf_counter()
+        for s in range(slabs):
+            folder = store / "c" / str(s)
+            folder.mkdir(parents=True, exist_ok=True)
+            if per == "chunk":
+                for c, chunk in enumerate(chunk_views(slab2d)):
+                    if how == "writev":
+                        pieces = [memoryview(r).cast("B") for r in chunk]
+                    else:
+                        pieces = [memoryview(np.ascontiguousarray(chunk)).cast("B")]
+                    write_pieces(folder / str(c), pieces)
+            elif how == "write":
+                write_pieces(folder / "0", [memoryview(slab2d.reshape(-1)).cast("B")])
+            else:  # shard order: each square chunk's rows in turn
+                write_pieces(folder / "0", [memoryview(r).cast("B") for chunk in
+                                            chunk_views(slab2d) for r in chunk])
+        return time.perf_counter() - t0
+
     variants = {
+        "store: file per square chunk, writev of its rows": lambda: store_files("chunk", "writev"),
+        "store: file per square chunk, copied contiguous": lambda: store_files("chunk", "copy"),
+        "store: file per slab, one write": lambda: store_files("slab", "write"),
+        "store: file per slab, writev in chunk order": lambda: store_files("slab", "writev"),
         "np.save of one array": np_save,
         "append, pageable slab": lambda: append(pageable),
         "pwrite per slab into extended file, pageable": lambda: pwrite(pageable, True),
@@ -114,10 +165,17 @@ def main() -> None:
                     args.only and not any(o in name for o in args.only)):
                 continue
             seconds = fn()
-            path.unlink()
+            synced = 0.0
+            if args.durable:
+                t0 = time.perf_counter()
+                os.sync()
+                synced = time.perf_counter() - t0
+            shutil.rmtree(store) if store.exists() else path.unlink()
             results.setdefault(name, []).append(seconds)
-            print(f"round {round_}: {name}: {seconds:.2f} s = {total / seconds / 1e9:.2f} GB/s",
-                  flush=True)
+            if args.durable:
+                results.setdefault(name + " (sync after)", []).append(synced)
+            print(f"round {round_}: {name}: {seconds:.2f} s = {total / seconds / 1e9:.2f} GB/s"
+                  f" (then sync {synced:.2f} s)", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"bytes": total, "slab_bytes": slab_bytes,
                                         "seconds": results}, indent=1))
