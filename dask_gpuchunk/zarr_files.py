@@ -35,6 +35,7 @@ import numpy as np
 from dask.base import tokenize
 
 from .arrays import asarray
+from .backend import ChunkWork, run_chunk
 from .config import map_blocks_prefix
 from .files import exchange, rename_noreplace
 from .io import check_output_directory, check_space, checked_chunks, in_flight, run_writes
@@ -290,10 +291,11 @@ def write_zarr_region(block: Any, region: tuple[slice, ...], array: Any, root: s
         _writing[root] += 1
     try:
         _check_still_there(root)
-        if hasattr(block, "get") and not isinstance(block, np.ndarray):  # a CuPy block
-            _device_block_to_store(block, region, array, root)
-        else:
-            _host_block_to_store(np.asarray(block, dtype=array.dtype), region, array, root)
+        run_chunk(ChunkWork(
+            "a chunk written to a Zarr store", stage=False,
+            on_cpu=lambda: _host_block_to_store(np.asarray(block, dtype=array.dtype), region,
+                                                array, root),
+            on_device=lambda: _device_block_to_store(block, region, array, root)), [block])
         _check_still_there(root)
     finally:
         with _writing_lock:
