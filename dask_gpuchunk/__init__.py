@@ -23,6 +23,7 @@ from .devices import GPUNotAvailableError, gpu_available, gpu_count
 from .elementwise import ElementwiseOp, elementwise, multiply
 from .gram import bitpack, gram
 from .io import from_npy, to_npy
+from .similarity import similarity
 from .user_kernels import GufuncOp, gufunc, map_blocks
 from .zarr_files import from_zarr, to_zarr
 
@@ -48,6 +49,7 @@ __all__ = [
     "map_blocks",
     "multiply",
     "placement_decisions",
+    "similarity",
     "to_npy",
     "to_zarr",
 ]

@@ -43,8 +43,9 @@ from .devices import (
     gpu_available,
 )
 
-__all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "block_bytes", "block_scratch_bytes",
-           "check_block_fits", "check_method", "gram", "gram_slab", "resolve_method"]
+__all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "block_bytes", "block_counts",
+           "block_scratch_bytes", "check_block_fits", "check_method", "gram", "gram_slab",
+           "packed_words", "resolve_method"]
 
 #: ``method=`` values of :func:`gram`.
 METHODS = kernels.METHODS
@@ -425,17 +426,39 @@ def gram(x: Any, *, packed: bool = False, method: str = "auto", device: str = "a
     np.True_
     """
     check_method(method, device)
-    x = asarray(x)
-    if x.ndim != 2:
-        raise ValueError(f"gram takes a 2-D array (rows x bits); got {x.ndim}-D shape {x.shape}")
-    if packed:
-        bits.check_words_dtype(x.dtype, "x")
-        words = x
-    else:
-        words = bitpack(x, device="cpu" if device == "cpu" else "auto")
+    words = packed_words(x, packed, device, "gram")
     if device != "cpu" and gpu_available():
         check_block_fits(words.chunks, words.dtype.itemsize, method)
     return _gram_graph(words, method, device)
+
+
+def packed_words(x: Any, packed: bool, device: str, what: str = "gram", name: str = "x"
+                 ) -> da.Array:
+    """The packed words of ``x`` as :func:`gram` takes it: 2-D, words of an unsigned dtype
+    (``packed``) or 0/1 data packed by :func:`bitpack`."""
+    x = asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"{what} takes 2-D arrays (rows x bits); got {x.ndim}-D shape "
+                         f"{x.shape} for {name}")
+    if packed:
+        bits.check_words_dtype(x.dtype, name)
+        return x
+    return bitpack(x, device="cpu" if device == "cpu" else "auto")
+
+
+def block_counts(a: Any, b: Any, method: str = "auto", device: str = "auto") -> Any:
+    """``popcount(a & b)`` of every row of ``a`` with every row of ``b`` (packed words, the
+    same width): one ``int32`` block ``(len(a), len(b))``, where the chunk dispatch sends it
+    (as :func:`gram`'s blocks).
+
+    Examples
+    --------
+    >>> w = np.packbits(np.array([[1, 0, 1], [0, 1, 1]], dtype=np.uint8), axis=1)
+    >>> block_counts(w, w[:1], device="cpu")
+    array([[2],
+           [1]], dtype=int32)
+    """
+    return _gram_block(a, b, False, method, device)
 
 
 def check_method(method: str, device: str) -> None:

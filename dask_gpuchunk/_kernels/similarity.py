@@ -1,0 +1,189 @@
+"""Binary similarity scores from exact counts, and their best-first selection, on NumPy or CuPy.
+
+With ``c`` the count of columns where both rows hold 1 (a Gram entry) and ``a``, ``b`` the two
+rows' popcounts, the scores are, exactly as written (float32 arithmetic where it says so, each
+operation correctly rounded, the same on the CPU and the GPU):
+
+==============  ================================================  ================================
+metric          score                                             when the denominator is 0
+==============  ================================================  ================================
+``tanimoto``    ``float32(c) / float32(a + b - c)``               0 (both rows empty)
+``jaccard``     the same as ``tanimoto``                          0
+``dice``        ``float32(2 * c) / float32(a + b)``               0 (both rows empty)
+``cosine``      ``float32(c / sqrt(float64(a) * float64(b)))``    0 (either row empty)
+``hamming``     ``a + b - 2 * c`` (int32)                         -
+``counts``      ``c`` (int32)                                     -
+==============  ================================================  ================================
+
+Empty rows score 0 against everything (an empty fingerprint says nothing, so it resembles
+nothing), as RDKit and chemfp define it. Higher is better but for ``hamming``.
+
+Selections work on ``uint64`` keys that sort best first: the score's rank in the high 32 bits
+(the bits of a non-negative float32 order as its values), the column in the low 32, so that
+equal scores order by the smaller column; excluded pairs get :data:`NO_PAIR`, which sorts last.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FLOAT_METRICS", "METRICS", "NO_PAIR", "decode_indices", "decode_scores",
+           "lower_is_better", "pair_rows_cols_scores", "pairs_at_least", "rank_keys",
+           "row_popcounts", "score_dtype", "scores", "smallest_keys", "sorted_pairs"]
+
+#: ``metric=`` values.
+METRICS = ("tanimoto", "jaccard", "dice", "cosine", "hamming", "counts")
+#: Metrics whose scores are float32 in [0, 1].
+FLOAT_METRICS = ("tanimoto", "jaccard", "dice", "cosine")
+#: The key of an excluded pair (or of padding): sorts after every real pair.
+NO_PAIR = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+_LOW = np.uint64(0xFFFF_FFFF)
+_SHIFT = np.uint64(32)
+
+
+def _xp(a: Any) -> Any:
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def score_dtype(metric: str) -> np.dtype:
+    """float32 for the ratios, int32 for ``hamming`` and ``counts``."""
+    return np.dtype(np.float32 if metric in FLOAT_METRICS else np.int32)
+
+
+def lower_is_better(metric: str) -> bool:
+    return metric == "hamming"
+
+
+_popcount_kernel: Any = None
+
+
+def row_popcounts(words64: Any) -> Any:
+    """The popcount of each row of packed ``uint64`` words: ``int32`` ``(rows,)``, NumPy or CuPy
+    as the input."""
+    xp = _xp(words64)
+    if xp is np:
+        return np.bitwise_count(words64).sum(axis=1, dtype=np.int32)
+    global _popcount_kernel
+    if _popcount_kernel is None:
+        _popcount_kernel = xp.ElementwiseKernel("uint64 w", "int32 c", "c = __popcll(w)",
+                                                "dask_gpuchunk_popcount64")
+    return _popcount_kernel(words64).sum(axis=1, dtype=np.int32)
+
+
+def scores(c: Any, a: Any, b: Any, metric: str) -> Any:
+    """The ``metric`` of counts ``c`` ``(r, m)`` with row popcounts ``a`` ``(r,)`` and column
+    popcounts ``b`` ``(m,)``, by the formulas of this module's table.
+
+    Examples
+    --------
+    >>> c = np.array([[2, 0], [1, 3]], dtype=np.int32)
+    >>> scores(c, np.array([2, 3]), np.array([3, 3]), "tanimoto")
+    array([[0.6666667, 0.       ],
+           [0.2      , 1.       ]], dtype=float32)
+    >>> scores(c, np.array([2, 3]), np.array([3, 3]), "hamming")
+    array([[1, 5],
+           [4, 0]], dtype=int32)
+    """
+    xp = _xp(c)
+    a = xp.asarray(a, dtype=np.int32)[:, None]
+    b = xp.asarray(b, dtype=np.int32)[None, :]
+    if metric == "counts":
+        return c.astype(np.int32, copy=False)
+    if metric == "hamming":
+        return (a + b - 2 * c).astype(np.int32, copy=False)
+    if metric in ("tanimoto", "jaccard"):
+        num, den = c.astype(np.float32), (a + b - c).astype(np.float32)
+    elif metric == "dice":
+        num, den = (2 * c).astype(np.float32), (a + b).astype(np.float32)
+    elif metric == "cosine":
+        num = c.astype(np.float64)
+        den = xp.sqrt(a.astype(np.float64) * b.astype(np.float64))
+    else:
+        raise ValueError(f"unknown metric {metric!r}")
+    # A zero denominator comes with c = 0: 0 / 1 gives the defined 0.
+    out = num / xp.where(den == 0, den.dtype.type(1), den)
+    return out.astype(np.float32, copy=False)
+
+
+def rank_keys(s: Any, cols: Any, metric: str, excluded: Any = None) -> Any:
+    """``uint64`` keys of scores ``s`` ``(r, m)`` at columns ``cols`` ``(m,)`` that sort best
+    first, ties by the smaller column; ``excluded`` (a boolean mask) gets :data:`NO_PAIR`."""
+    xp = _xp(s)
+    if s.dtype == np.float32:
+        rank = _LOW - s.view(np.uint32).astype(np.uint64)  # non-negative floats: bits order
+    elif lower_is_better(metric):
+        rank = s.astype(np.uint64)
+    else:
+        rank = _LOW - s.astype(np.uint64)
+    keys = (rank << _SHIFT) | xp.asarray(cols).astype(np.uint64)[None, :]
+    if excluded is not None:
+        keys[excluded] = NO_PAIR
+    return keys
+
+
+def smallest_keys(keys: Any, k: int) -> Any:
+    """The ``k`` smallest keys of each row, sorted (padded with :data:`NO_PAIR` where a row
+    has fewer)."""
+    xp = _xp(keys)
+    if keys.shape[1] > k:
+        keys = xp.partition(keys, k - 1, axis=1)[:, :k]
+    keys = xp.sort(keys, axis=1)
+    if keys.shape[1] < k:
+        pad = xp.full((keys.shape[0], k - keys.shape[1]), NO_PAIR, dtype=np.uint64)
+        keys = xp.concatenate([keys, pad], axis=1)
+    return keys
+
+
+def decode_indices(keys: Any) -> Any:
+    """The columns of keys, int64."""
+    return (keys & _LOW).astype(np.int64)
+
+
+def decode_scores(keys: Any, metric: str) -> Any:
+    """The scores of keys (:func:`rank_keys`), in the metric's dtype."""
+    rank = keys >> _SHIFT
+    if metric in FLOAT_METRICS:
+        return (_LOW - rank).astype(np.uint32).view(np.float32)
+    if lower_is_better(metric):
+        return rank.astype(np.int32)
+    return (_LOW - rank).astype(np.int32)
+
+
+def pairs_at_least(s: Any, rows: Any, cols: Any, threshold: Any, metric: str,
+                   excluded: Any = None) -> Any:
+    """The pairs of scores ``s`` ``(r, m)`` at rows ``rows`` and columns ``cols`` that meet
+    ``threshold`` (at least it; at most for ``hamming``), as ``uint64`` ``(p, 2)``: the key
+    ``row << 32 | col``, and the score's bits."""
+    xp = _xp(s)
+    keep = s <= threshold if lower_is_better(metric) else s >= threshold
+    if excluded is not None:
+        keep &= ~excluded
+    i, j = xp.nonzero(keep)
+    out = xp.empty((i.shape[0], 2), dtype=np.uint64)
+    out[:, 0] = (xp.asarray(rows).astype(np.uint64)[i] << _SHIFT) | xp.asarray(cols).astype(
+        np.uint64)[j]
+    out[:, 1] = s[i, j].view(np.uint32).astype(np.uint64)
+    return out
+
+
+def sorted_pairs(parts: list[Any]) -> Any:
+    """Pairs (:func:`pairs_at_least`) of several blocks joined, in row-then-column order."""
+    if not parts:
+        return np.empty((0, 2), dtype=np.uint64)
+    xp = _xp(parts[0])
+    joined = xp.concatenate(parts) if len(parts) > 1 else parts[0]
+    return joined[xp.argsort(joined[:, 0])]  # keys are unique: any sort will do
+
+
+def pair_rows_cols_scores(pairs: Any, metric: str) -> tuple[Any, Any, Any]:
+    """Rows (int64), columns (int64) and scores (the metric's dtype) of pairs."""
+    rows = (pairs[:, 0] >> _SHIFT).astype(np.int64)
+    cols = (pairs[:, 0] & _LOW).astype(np.int64)
+    score = pairs[:, 1].astype(np.uint32).view(score_dtype(metric))
+    return rows, cols, score

@@ -1,0 +1,244 @@
+"""Binary similarity from the exact bit-packed Gram: ``similarity``, dense, top-k or threshold.
+
+The counts ``c`` of a block are :func:`dask_gpuchunk.gram`'s blocks (all pairs of ``x``: only
+blocks on or above the diagonal computed, those below their transposes) or
+:func:`dask_gpuchunk.gram.block_counts` of a row chunk of ``x`` with one of ``y`` (queries x
+database); the rows' popcounts are computed once per input. Each block's counts become scores
+(:mod:`dask_gpuchunk._kernels.similarity`, on the device that holds the block) and, for top-k
+and threshold, are reduced there to the block's best ``k`` of each row or its pairs over the
+threshold, so that what leaves a block is small; a task per row chunk then merges its blocks'.
+No task holds more than one counts block and the merged results of its row chunk.
+
+Not yet fused into the tensor-core kernel (each counts block is written to memory, then
+scored): the kernel epilogue is the next step.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import dask.array as da
+import numpy as np
+from dask.array.utils import meta_from_array
+
+from ._kernels import bitpack as bits
+from ._kernels import similarity as kernels
+from .arrays import asarray
+from .devices import gpu_available
+from .gram import block_counts, check_block_fits, check_method, gram, packed_words
+
+__all__ = ["METRICS", "similarity"]
+
+#: ``metric=`` values of :func:`similarity`.
+METRICS = kernels.METRICS
+
+
+def _dense_block(c: Any, a: Any, b: Any, metric: str) -> Any:
+    return kernels.scores(c, a, b, metric)
+
+
+def _excluded(rows: Any, cols: Any, exclude_self: bool, like: Any) -> Any:
+    if not exclude_self or not len(rows) or not len(cols) or rows[0] > cols[-1] or (
+            cols[0] > rows[-1]):
+        return None  # no diagonal entry in this block
+    xp = kernels._xp(like)
+    return xp.asarray(rows)[:, None] == xp.asarray(cols)[None, :]
+
+
+def _block_top_keys(c: Any, a: Any, b: Any, rows: Any, cols: Any, metric: str, k: int,
+                    exclude_self: bool) -> Any:
+    s = kernels.scores(c, a, b, metric)
+    keys = kernels.rank_keys(s, cols, metric, _excluded(rows, cols, exclude_self, c))
+    return kernels.smallest_keys(keys, k)
+
+
+def _select_keys(keys: Any, k: int) -> Any:
+    return kernels.smallest_keys(keys, k)
+
+
+def _block_pairs(c: Any, a: Any, b: Any, rows: Any, cols: Any, metric: str, threshold: Any,
+                 exclude_self: bool) -> Any:
+    s = kernels.scores(c, a, b, metric)
+    return kernels.pairs_at_least(s, rows, cols, threshold, metric,
+                                  _excluded(rows, cols, exclude_self, c))
+
+
+def _merge_pairs(parts: list[Any]) -> Any:
+    return kernels.sorted_pairs(list(parts))
+
+
+def _popcounts(words: Any) -> Any:
+    return kernels.row_popcounts(bits.words64(words))
+
+
+def _check_choice(metric: str, top_k: Any, threshold: Any, candidates: int, width: int
+                  ) -> None:
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {', '.join(map(repr, METRICS))}; got "
+                         f"{metric!r}")
+    if top_k is not None and threshold is not None:
+        raise ValueError("give top_k= or threshold=, not both")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+            raise TypeError(f"top_k must be an integer; got {top_k!r}")
+        if not 1 <= top_k <= candidates:
+            raise ValueError(f"top_k must be between 1 and the {candidates:,} candidates of "
+                             f"each row; got {top_k}")
+    if threshold is not None:
+        high = 1.0 if metric in kernels.FLOAT_METRICS else width
+        if (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
+                or not 0 <= threshold <= high):
+            raise ValueError(f"threshold for {metric} must be a number from 0 to {high}; got "
+                             f"{threshold!r}")
+
+
+def _threshold_value(threshold: float, metric: str) -> Any:
+    """The threshold as the scores are compared with it: float32 for the ratios (a pair's
+    float32 score against ``float32(threshold)``), an integer bound for the counts."""
+    if metric in kernels.FLOAT_METRICS:
+        return np.float32(threshold)
+    return np.int32(math.floor(threshold) if kernels.lower_is_better(metric)
+                    else math.ceil(threshold))
+
+
+def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool = False,
+               top_k: int | None = None, threshold: float | None = None,
+               exclude_self: bool | None = None, method: str = "auto", device: str = "auto"
+               ) -> Any:
+    """Similarity of binary rows, exact, from the bit-packed Gram: all pairs of ``x``, or
+    each row of ``x`` (queries) against each row of ``y`` (database).
+
+    Parameters
+    ----------
+    x, y
+        Dask, NumPy or CuPy arrays, as :func:`dask_gpuchunk.gram` takes them: 0/1 data
+        ``(n, bits)`` of a bool or integer dtype, or with ``packed=True`` packed words of an
+        unsigned dtype in any bit order, padding bits zero. ``y=None``: all pairs of ``x``
+        (only the blocks on or above the diagonal computed); else ``y`` has ``x``'s bits
+        (``packed``: its dtype and width).
+    metric
+        ``"tanimoto"`` (= ``"jaccard"``), ``"dice"``, ``"cosine"``, ``"hamming"`` or
+        ``"counts"`` (the shared bits themselves); the formulas and the rule for empty rows
+        are in :mod:`dask_gpuchunk._kernels.similarity` and the README.
+    packed
+        Whether ``x`` and ``y`` hold packed words.
+    top_k
+        Return each row's ``top_k`` best columns: ``(indices, scores)``, both ``(n, top_k)``
+        (indices int64), best first (highest score; lowest for hamming), equal scores by the
+        smaller index.
+    threshold
+        Return every pair whose score is at least ``threshold`` (at most, for hamming):
+        ``(rows, cols, scores)``, three 1-D arrays in row-then-column order, of lengths known
+        only once computed. Float metrics compare each float32 score with
+        ``float32(threshold)``. Not under dask's array query planning (its arrays take no
+        unknown lengths).
+    exclude_self
+        Leave out pairs whose row and column indices are equal (default: ``True`` for all
+        pairs, ``False`` for queries against a database); for top-k and threshold.
+    method, device
+        As for :func:`dask_gpuchunk.gram`.
+
+    Returns
+    -------
+    dask.array.Array or tuple of them
+        Neither ``top_k`` nor ``threshold``: the dense scores ``(n, m)`` (float32; int32 for
+        hamming and counts), chunked as the Gram. CuPy chunks for CuPy input.
+
+    Raises
+    ------
+    ValueError
+        An unknown metric, ``top_k`` and ``threshold`` together, ``top_k`` below 1 or above the
+        candidates of a row, a threshold outside the metric's range, inputs of different bit
+        widths; at compute time, values other than 0 or 1.
+    TypeError
+        A non-integer ``top_k``, wrong dtypes for ``packed``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> fps = np.array([[1, 1, 0, 1], [1, 1, 0, 0], [0, 0, 1, 0]], dtype=np.uint8)
+    >>> similarity(fps).compute()
+    array([[1.       , 0.6666667, 0.       ],
+           [0.6666667, 1.       , 0.       ],
+           [0.       , 0.       , 1.       ]], dtype=float32)
+    >>> indices, scores = similarity(fps, top_k=1)
+    >>> indices.compute().ravel(), scores.compute().ravel()
+    (array([1, 0, 0]), array([0.6666667, 0.6666667, 0.       ], dtype=float32))
+    >>> rows, cols, scores = similarity(fps, threshold=0.5)
+    >>> rows.compute(), cols.compute()
+    (array([0, 1]), array([1, 0]))
+    """
+    check_method(method, device)
+    x = asarray(x)
+    y = None if y is None else asarray(y)
+    wx = packed_words(x, packed, device, "similarity", "x")
+    wy = wx if y is None else packed_words(y, packed, device, "similarity", "y")
+    if y is not None and (wx.dtype != wy.dtype or wx.shape[1] != wy.shape[1]
+                          or (not packed and x.shape[1] != y.shape[1])):
+        what = "words of " if packed else "bits, as "
+        raise ValueError(f"x and y must have the same bits: x has {x.shape[1]} {what}"
+                         f"{x.dtype}, y {y.shape[1]} {what}{y.dtype}")
+    exclude_self = (y is None) if exclude_self is None else bool(exclude_self)
+    n, m = wx.shape[0], wy.shape[0]
+    if max(n, m) >= 2**32:
+        raise ValueError(f"at most 2**32 - 1 rows per input; got {max(n, m):,}")
+    width = wx.shape[1] * wx.dtype.itemsize * 8 if packed else x.shape[1]
+    _check_choice(metric, top_k, threshold, m - 1 if exclude_self else m, width)
+    if threshold is not None and type(wx).__module__.startswith("dask.array._array_expr"):
+        raise NotImplementedError("similarity(threshold=) makes arrays of lengths known only "
+                                  "once computed, which dask's array query planning does "
+                                  "not take; turn it off (array.query-planning: False)")
+    if y is None:
+        counts = gram(wx, packed=True, method=method, device=device)
+    else:
+        wx, wy = wx.rechunk({1: -1}), wy.rechunk({1: -1})
+        if device != "cpu" and gpu_available():
+            check_block_fits(wx.chunks, wx.dtype.itemsize, method)
+            check_block_fits(wy.chunks, wy.dtype.itemsize, method)
+        counts = da.blockwise(block_counts, "ij", wx, "ik", wy, "jk", concatenate=True,
+                              method=method, device=device, dtype=np.int32,
+                              meta=meta_from_array(wx._meta, ndim=2, dtype=np.int32))
+    meta1 = meta_from_array(counts._meta, ndim=1, dtype=np.int32)
+    pop_x = wx.map_blocks(_popcounts, drop_axis=1, dtype=np.int32, meta=meta1)
+    pop_y = pop_x if y is None else wy.map_blocks(_popcounts, drop_axis=1, dtype=np.int32,
+                                                   meta=meta1)
+    pop_x, pop_y = pop_x.rechunk((counts.chunks[0],)), pop_y.rechunk((counts.chunks[1],))
+    dtype = kernels.score_dtype(metric)
+    if top_k is None and threshold is None:
+        return da.blockwise(_dense_block, "ij", counts, "ij", pop_x, "i", pop_y, "j",
+                            metric=metric, dtype=dtype,
+                            meta=meta_from_array(counts._meta, ndim=2, dtype=dtype))
+    rows = da.arange(n, chunks=(counts.chunks[0],), dtype=np.int64)
+    cols = da.arange(m, chunks=(counts.chunks[1],), dtype=np.int64)
+    meta_keys = meta_from_array(counts._meta, ndim=2, dtype=np.uint64)
+    if top_k is not None:
+        k = int(top_k)
+        per_block = da.blockwise(_block_top_keys, "ij", counts, "ij", pop_x, "i", pop_y, "j",
+                                 rows, "i", cols, "j", metric=metric, k=k,
+                                 exclude_self=exclude_self, adjust_chunks={"j": k},
+                                 dtype=np.uint64, meta=meta_keys)
+        keys = da.blockwise(_select_keys, "it", per_block, "ij", new_axes={"t": k},
+                            concatenate=True, k=k, dtype=np.uint64, meta=meta_keys)
+        indices = keys.map_blocks(kernels.decode_indices, dtype=np.int64,
+                                  meta=meta_from_array(meta_keys, ndim=2, dtype=np.int64))
+        scores = keys.map_blocks(kernels.decode_scores, metric, dtype=dtype,
+                                 meta=meta_from_array(meta_keys, ndim=2, dtype=dtype))
+        return indices, scores
+    pairs = da.blockwise(_block_pairs, "ij", counts, "ij", pop_x, "i", pop_y, "j", rows, "i",
+                         cols, "j", metric=metric,
+                         threshold=_threshold_value(threshold, metric),
+                         exclude_self=exclude_self, dtype=np.uint64, meta=meta_keys)
+    merged = da.blockwise(_merge_pairs, "ip", pairs, "ij", new_axes={"p": 2},
+                          adjust_chunks={"i": lambda _: np.nan}, concatenate=False,
+                          dtype=np.uint64, meta=meta_keys)
+    out = []
+    for part, part_dtype in enumerate((np.int64, np.int64, dtype)):
+        out.append(merged.map_blocks(_pair_part, part, metric, drop_axis=1, dtype=part_dtype,
+                                     meta=meta_from_array(meta_keys, ndim=1, dtype=part_dtype)))
+    return tuple(out)
+
+
+def _pair_part(pairs: Any, part: int, metric: str) -> Any:
+    return kernels.pair_rows_cols_scores(pairs, metric)[part]

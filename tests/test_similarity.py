@@ -1,0 +1,167 @@
+"""``dg.similarity``: dense, top-k and threshold outputs against a brute-force NumPy reference
+of the documented formulas on exact counts (equal to the last bit), with ties, empty rows, odd
+shapes and uneven chunks, all pairs and queries x database."""
+
+from __future__ import annotations
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from helpers import random_bits
+
+import dask_gpuchunk as dg
+from dask_gpuchunk.similarity import METRICS
+
+QUERY_PLANNING = type(da.ones(1)).__module__.startswith("dask.array._array_expr")
+
+
+def reference(x: np.ndarray, y: np.ndarray, metric: str) -> np.ndarray:
+    """The metric's formula (dask_gpuchunk._kernels.similarity) on exact int64 counts."""
+    c = x.astype(np.int64) @ y.T.astype(np.int64)
+    a = x.sum(axis=1, dtype=np.int64)[:, None]
+    b = y.sum(axis=1, dtype=np.int64)[None, :]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if metric in ("tanimoto", "jaccard"):
+            s = np.float32(c) / np.float32(a + b - c)
+        elif metric == "dice":
+            s = np.float32(2 * c) / np.float32(a + b)
+        elif metric == "cosine":
+            s = (c / np.sqrt(a.astype(np.float64) * b)).astype(np.float32)
+        elif metric == "hamming":
+            return (a + b - 2 * c).astype(np.int32)
+        else:
+            return c.astype(np.int32)
+    return np.where(np.isnan(s), np.float32(0), s).astype(np.float32)
+
+
+def brute_top_k(s: np.ndarray, k: int, lower: bool, exclude_self: bool):
+    """Best first, equal scores by the smaller column (a stable sort by score)."""
+    s = s.astype(np.float64)
+    if exclude_self:
+        np.fill_diagonal(s, np.inf if lower else -np.inf)
+    order = np.argsort(s if lower else -s, axis=1, kind="stable")[:, :k]
+    return order, np.take_along_axis(s, order, axis=1)
+
+
+def fingerprints(rng, n: int, bits: int) -> np.ndarray:
+    """0/1 rows at ~10 % density, with repeated rows (ties) and two empty rows."""
+    x = random_bits(rng, (n, bits), 0.1)
+    x[3] = x[1]
+    x[n - 2] = x[1]
+    x[5] = 0
+    x[n - 1] = 0
+    return x
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_dense_scores_are_the_formula_to_the_last_bit(rng, metric):
+    x = fingerprints(rng, 83, 150)
+    y = random_bits(rng, (41, 150), 0.3)
+    dense = dg.similarity(da.from_array(x, chunks=(30, 150)), metric=metric).compute()
+    assert dense.dtype == (np.int32 if metric in ("hamming", "counts") else np.float32)
+    np.testing.assert_array_equal(dense, reference(x, x, metric))
+    cross = dg.similarity(da.from_array(x, chunks=(40, 150)), da.from_array(y, chunks=17),
+                          metric=metric).compute()
+    np.testing.assert_array_equal(cross, reference(x, y, metric))
+
+
+def test_empty_rows_score_zero_and_packed_words_of_any_dtype(rng):
+    x = fingerprints(rng, 20, 70)
+    expected = reference(x, x, "tanimoto")
+    assert expected[5].max() == 0 and expected[19, 19] == 0
+    for words in (np.packbits(x, axis=1), np.packbits(x, axis=1, bitorder="little")):
+        got = dg.similarity(words, packed=True).compute()
+        np.testing.assert_array_equal(got, expected)
+    wide = np.zeros((20, 16), dtype=np.uint8)
+    wide[:, :9] = np.packbits(x, axis=1)
+    got = dg.similarity(wide.view(np.uint64), packed=True, metric="cosine").compute()
+    np.testing.assert_array_equal(got, reference(x, x, "cosine"))
+
+
+@pytest.mark.parametrize("metric, k", [("tanimoto", 1), ("dice", 7), ("hamming", 5),
+                                       ("counts", 3), ("cosine", 82)])
+def test_top_k_matches_brute_force_with_ties(rng, metric, k):
+    x = fingerprints(rng, 83, 150)
+    indices, scores = dg.similarity(da.from_array(x, chunks=(30, 150)), metric=metric,
+                                    top_k=k)
+    assert indices.shape == scores.shape == (83, k) and indices.dtype == np.int64
+    got_i, got_s = dask.compute(indices, scores)
+    want_i, want_s = brute_top_k(reference(x, x, metric), k, metric == "hamming", True)
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_s.astype(np.float64), want_s)
+    assert got_s.dtype == reference(x, x, metric).dtype
+
+
+def test_top_k_of_queries_against_a_database_keeps_equal_indices(rng):
+    x = fingerprints(rng, 30, 99)
+    db = np.concatenate([x[:10], random_bits(rng, (47, 99), 0.1)])  # queries 0-9 in it
+    indices, scores = dg.similarity(da.from_array(x, chunks=11), da.from_array(db, chunks=20),
+                                    top_k=4)
+    want_i, want_s = brute_top_k(reference(x, db, "tanimoto"), 4, False, False)
+    np.testing.assert_array_equal(indices.compute(), want_i)
+    np.testing.assert_array_equal(scores.compute(), want_s.astype(np.float32))
+    assert (indices.compute()[:10, 0] <= np.arange(10)).all()  # each finds itself (or a twin)
+
+
+@pytest.mark.skipif(QUERY_PLANNING, reason="threshold= is refused under array query planning")
+@pytest.mark.parametrize("metric, threshold, exclude_self", [
+    ("tanimoto", 0.3, None), ("hamming", 30, None), ("cosine", 0.2, False)])
+def test_threshold_pairs_in_row_then_column_order(rng, metric, threshold, exclude_self):
+    x = fingerprints(rng, 61, 130)
+    rows, cols, scores = dg.similarity(da.from_array(x, chunks=(25, 60)), metric=metric,
+                                       threshold=threshold, exclude_self=exclude_self)
+    rows, cols, scores = dask.compute(rows, cols, scores)
+    s = reference(x, x, metric)
+    keep = s <= threshold if metric == "hamming" else s >= np.float32(threshold)
+    if exclude_self is not False:
+        np.fill_diagonal(keep, False)
+    want_r, want_c = np.nonzero(keep)
+    assert 0 < len(want_r) < keep.size
+    np.testing.assert_array_equal(rows, want_r)
+    np.testing.assert_array_equal(cols, want_c)
+    np.testing.assert_array_equal(scores, s[want_r, want_c])
+
+
+def test_threshold_under_query_planning_is_refused_clearly():
+    if not QUERY_PLANNING:
+        pytest.skip("array query planning is off")
+    with pytest.raises(NotImplementedError, match="query planning"):
+        dg.similarity(np.eye(4, dtype=np.uint8), threshold=0.5)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"metric": "euclid"}, ValueError, "metric must be one of"),
+    ({"top_k": 2, "threshold": 0.5}, ValueError, "not both"),
+    ({"top_k": 0}, ValueError, "between 1 and the 5 candidates"),
+    ({"top_k": 6}, ValueError, "between 1 and the 5 candidates"),
+    ({"top_k": True}, TypeError, "integer"),
+    ({"threshold": 1.5}, ValueError, "from 0 to 1.0"),
+    ({"threshold": -1, "metric": "hamming"}, ValueError, "from 0 to 10"),
+    ({"y": np.zeros((3, 11), np.uint8)}, ValueError, "same bits"),
+    ({"method": "fast"}, ValueError, "method must be one of"),
+])
+def test_bad_input_is_refused_before_any_work(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        dg.similarity(np.zeros((6, 10), dtype=np.uint8), **kwargs)
+
+
+def test_values_other_than_zero_or_one_are_refused():
+    with pytest.raises(ValueError, match="0 or 1|0/1"):
+        dg.similarity(np.full((4, 8), 2, dtype=np.uint8)).compute()
+
+
+def test_on_the_device_or_the_host(xp, rng):
+    def host(a):
+        return a if isinstance(a, np.ndarray) else a.get()
+
+    x = fingerprints(rng, 70, 200)
+    words = xp.asarray(np.packbits(x, axis=1))
+    w = dg.asarray(words, chunks=(32, 25))
+    dense = dg.similarity(w, packed=True).compute()
+    assert type(dense) is type(words)
+    np.testing.assert_array_equal(host(dense), reference(x, x, "tanimoto"))
+    indices, scores = dask.compute(*dg.similarity(w, packed=True, top_k=5))
+    want_i, want_s = brute_top_k(reference(x, x, "tanimoto"), 5, False, True)
+    np.testing.assert_array_equal(host(indices), want_i)
+    np.testing.assert_array_equal(host(scores), want_s.astype(np.float32))
