@@ -1,23 +1,24 @@
 """Binary similarity from the exact bit-packed Gram: ``similarity``, dense, top-k or threshold.
 
-The counts ``c`` of a block are :func:`dask_gpuchunk.gram`'s blocks (all pairs of ``x``: only
-blocks on or above the diagonal computed, those below their transposes) or
+Dense scores are :func:`dask_gpuchunk.gram`'s blocks (all pairs of ``x``: only blocks on or
+above the diagonal computed, those below their transposes), or
 :func:`dask_gpuchunk.gram.block_counts` of a row chunk of ``x`` with one of ``y`` (queries x
-database); the rows' popcounts are computed once per input. Each block's counts become scores
-(:mod:`dask_gpuchunk._kernels.similarity`, on the device that holds the block) and, for top-k
-and threshold, are reduced there to the block's best ``k`` of each row or its pairs over the
-threshold, so that what leaves a block is small; a task per row chunk then merges its blocks'.
-No task holds more than one counts block and the merged results of its row chunk.
+database), scored block by block. For top-k and threshold, one task per block computes its
+counts, scores them (:mod:`dask_gpuchunk._kernels.similarity`, on the device that holds them,
+within the device budget) and keeps only each row's best ``k`` or the pairs over the threshold;
+for all pairs, a block above the diagonal also keeps them for its columns (its transpose), so
+that each block is computed once and no counts outlive their task. A task per row chunk then
+merges what its blocks kept. The rows' popcounts are computed once per input.
 
-Not yet fused into the tensor-core kernel (each counts block is written to memory, then
-scored): the kernel epilogue is the next step.
+Not yet fused into the tensor-core kernel (each block's counts are written to device memory,
+then scored): the kernel epilogue is the next step.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import dask.array as da
 import numpy as np
@@ -26,6 +27,8 @@ from dask.array.utils import meta_from_array
 from ._kernels import bitpack as bits
 from ._kernels import similarity as kernels
 from .arrays import asarray
+from .backend import is_cupy
+from .budget import run_reserved
 from .devices import gpu_available
 from .gram import block_counts, check_block_fits, check_method, gram, packed_words
 
@@ -39,34 +42,93 @@ def _dense_block(c: Any, a: Any, b: Any, metric: str) -> Any:
     return kernels.scores(c, a, b, metric)
 
 
-def _excluded(rows: Any, cols: Any, exclude_self: bool, like: Any) -> Any:
-    if not exclude_self or not len(rows) or not len(cols) or rows[0] > cols[-1] or (
-            cols[0] > rows[-1]):
-        return None  # no diagonal entry in this block
-    xp = kernels._xp(like)
-    return xp.asarray(rows)[:, None] == xp.asarray(cols)[None, :]
+#: Device bytes the scoring of a block allocates per pair at most (scores, their keys and the
+#: selection's copies), reserved from the device budget while it runs.
+SCORING_BYTES_PER_PAIR = 40
 
 
-def _block_top_keys(c: Any, a: Any, b: Any, rows: Any, cols: Any, metric: str, k: int,
-                    exclude_self: bool) -> Any:
-    s = kernels.scores(c, a, b, metric)
-    keys = kernels.rank_keys(s, cols, metric, _excluded(rows, cols, exclude_self, c))
-    return kernels.smallest_keys(keys, k)
+class _Selection(NamedTuple):
+    """What each block keeps of its scores: the best ``k`` of each row (``k`` set) or the pairs
+    meeting ``threshold``."""
+
+    metric: str
+    k: int | None
+    threshold: Any
+    exclude_self: bool
+
+    def keep(self, s: Any, rows: Any, cols: Any, diagonal: bool) -> Any:
+        excluded = None
+        if self.exclude_self and diagonal:
+            xp = kernels._xp(s)
+            excluded = xp.asarray(rows)[:, None] == xp.asarray(cols)[None, :]
+        if self.k is None:
+            return kernels.pairs_at_least(s, rows, cols, self.threshold, self.metric, excluded)
+        keys = kernels.rank_keys(s, cols, self.metric, excluded)
+        return kernels.smallest_keys(keys, self.k)
 
 
-def _select_keys(keys: Any, k: int) -> Any:
-    return kernels.smallest_keys(keys, k)
+def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
+                  selection: _Selection, both: bool, diagonal: bool, method: str, device: str
+                  ) -> tuple[Any, Any]:
+    """The counts of one block (``a``'s rows against ``b``'s), scored and reduced to what
+    ``selection`` keeps, for the block's rows and, with ``both``, for its columns too (the
+    transposed block, below the diagonal of all pairs); the counts are gone when it returns.
+    On the device the scoring holds its bytes of the device budget."""
+    counts = block_counts(a, b, method, device)
+
+    def select() -> tuple[Any, Any]:
+        s = kernels.scores(counts, pop_a, pop_b, selection.metric)
+        mine = selection.keep(s, rows, cols, diagonal)
+        theirs = selection.keep(s.T, cols, rows, diagonal) if both else None
+        return mine, theirs
+
+    if not is_cupy(counts):
+        return select()
+    return run_reserved(select, counts.size * SCORING_BYTES_PER_PAIR,
+                        f"the scores of a similarity block of {counts.shape[0]} x "
+                        f"{counts.shape[1]} rows")
 
 
-def _block_pairs(c: Any, a: Any, b: Any, rows: Any, cols: Any, metric: str, threshold: Any,
-                 exclude_self: bool) -> Any:
-    s = kernels.scores(c, a, b, metric)
-    return kernels.pairs_at_least(s, rows, cols, threshold, metric,
-                                  _excluded(rows, cols, exclude_self, c))
+def _upper_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
+                 selection: _Selection, method: str, device: str) -> tuple[Any, Any] | None:
+    """:func:`_scored_block` of a block of all pairs on or above the diagonal, for both its
+    rows and its columns (``None`` below the diagonal: its rows are the columns of a block
+    above)."""
+    if len(rows) and len(cols) and rows[0] > cols[0]:
+        return None
+    diagonal = len(rows) == len(cols) and (not len(rows) or rows[0] == cols[0])
+    return _scored_block(a, b, pop_a, pop_b, rows, cols, selection, not diagonal, diagonal,
+                         method, device)
 
 
-def _merge_pairs(parts: list[Any]) -> Any:
-    return kernels.sorted_pairs(list(parts))
+def _cross_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
+                 selection: _Selection, method: str, device: str) -> Any:
+    """:func:`_scored_block` of queries ``a`` against a database chunk ``b``: for its rows."""
+    diagonal = selection.exclude_self and bool(len(rows) and len(cols)) and not (
+        rows[0] > cols[-1] or cols[0] > rows[-1])
+    return _scored_block(a, b, pop_a, pop_b, rows, cols, selection, False, diagonal, method,
+                         device)[0]
+
+
+def _row_parts(row_blocks: list[Any], column_blocks: list[Any] | None) -> list[Any]:
+    """What the blocks of one row chunk kept: from its own blocks on or above the diagonal,
+    and (all pairs) from the blocks above it in its column, their transposed halves."""
+    if column_blocks is None:
+        return list(row_blocks)
+    parts = [block[0] for block in row_blocks if block is not None]
+    parts += [block[1] for block in column_blocks if block is not None and block[1] is not None]
+    return parts
+
+
+def _merged_keys(row_blocks: list[Any], column_blocks: list[Any] | None = None, *, k: int
+                 ) -> Any:
+    parts = _row_parts(row_blocks, column_blocks)
+    xp = kernels._xp(parts[0])
+    return kernels.smallest_keys(xp.concatenate(parts, axis=1), k)
+
+
+def _merged_pairs(row_blocks: list[Any], column_blocks: list[Any] | None = None) -> Any:
+    return kernels.sorted_pairs(_row_parts(row_blocks, column_blocks))
 
 
 def _popcounts(words: Any) -> Any:
@@ -190,53 +252,54 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
         raise NotImplementedError("similarity(threshold=) makes arrays of lengths known only "
                                   "once computed, which dask's array query planning does "
                                   "not take; turn it off (array.query-planning: False)")
-    if y is None:
-        counts = gram(wx, packed=True, method=method, device=device)
-    else:
-        wx, wy = wx.rechunk({1: -1}), wy.rechunk({1: -1})
-        if device != "cpu" and gpu_available():
-            check_block_fits(wx.chunks, wx.dtype.itemsize, method)
-            check_block_fits(wy.chunks, wy.dtype.itemsize, method)
-        counts = da.blockwise(block_counts, "ij", wx, "ik", wy, "jk", concatenate=True,
-                              method=method, device=device, dtype=np.int32,
-                              meta=meta_from_array(wx._meta, ndim=2, dtype=np.int32))
-    meta1 = meta_from_array(counts._meta, ndim=1, dtype=np.int32)
+    wx = wx.rechunk({1: -1})
+    wy = wx if y is None else wy.rechunk({1: -1})
+    if device != "cpu" and gpu_available():
+        check_block_fits(wx.chunks, wx.dtype.itemsize, method)
+        check_block_fits(wy.chunks, wy.dtype.itemsize, method)
+    meta1 = meta_from_array(wx._meta, ndim=1, dtype=np.int32)
     pop_x = wx.map_blocks(_popcounts, drop_axis=1, dtype=np.int32, meta=meta1)
     pop_y = pop_x if y is None else wy.map_blocks(_popcounts, drop_axis=1, dtype=np.int32,
                                                    meta=meta1)
-    pop_x, pop_y = pop_x.rechunk((counts.chunks[0],)), pop_y.rechunk((counts.chunks[1],))
     dtype = kernels.score_dtype(metric)
     if top_k is None and threshold is None:
+        if y is None:
+            counts = gram(wx, packed=True, method=method, device=device)
+        else:
+            counts = da.blockwise(block_counts, "ij", wx, "ik", wy, "jk", concatenate=True,
+                                  method=method, device=device, dtype=np.int32,
+                                  meta=meta_from_array(wx._meta, ndim=2, dtype=np.int32))
         return da.blockwise(_dense_block, "ij", counts, "ij", pop_x, "i", pop_y, "j",
                             metric=metric, dtype=dtype,
                             meta=meta_from_array(counts._meta, ndim=2, dtype=dtype))
-    rows = da.arange(n, chunks=(counts.chunks[0],), dtype=np.int64)
-    cols = da.arange(m, chunks=(counts.chunks[1],), dtype=np.int64)
-    meta_keys = meta_from_array(counts._meta, ndim=2, dtype=np.uint64)
-    if top_k is not None:
-        k = int(top_k)
-        per_block = da.blockwise(_block_top_keys, "ij", counts, "ij", pop_x, "i", pop_y, "j",
-                                 rows, "i", cols, "j", metric=metric, k=k,
-                                 exclude_self=exclude_self, adjust_chunks={"j": k},
-                                 dtype=np.uint64, meta=meta_keys)
-        keys = da.blockwise(_select_keys, "it", per_block, "ij", new_axes={"t": k},
-                            concatenate=True, k=k, dtype=np.uint64, meta=meta_keys)
+    k = None if top_k is None else int(top_k)
+    selection = _Selection(metric, k, None if threshold is None
+                           else _threshold_value(threshold, metric), exclude_self)
+    rows = da.arange(n, chunks=(wx.chunks[0],), dtype=np.int64)
+    cols = rows if y is None else da.arange(m, chunks=(wy.chunks[0],), dtype=np.int64)
+    meta2 = meta_from_array(wx._meta, ndim=2, dtype=np.uint64)
+    block = _upper_block if y is None else _cross_block
+    kept = da.blockwise(block, "ij", wx, "iw", wy, "jw", pop_x, "i", pop_y, "j", rows, "i",
+                        cols, "j", concatenate=True, selection=selection, method=method,
+                        device=device, dtype=np.uint64, meta=meta2)
+    # Each row chunk's task merges what its blocks kept (and, for all pairs, the transposed
+    # halves of the blocks above it in its column): lists of small arrays, never counts.
+    mirrored = (kept, "ji") if y is None else ()
+    if k is not None:
+        keys = da.blockwise(_merged_keys, "it", kept, "ij", *mirrored, new_axes={"t": k},
+                            concatenate=False, k=k, dtype=np.uint64, meta=meta2)
         indices = keys.map_blocks(kernels.decode_indices, dtype=np.int64,
-                                  meta=meta_from_array(meta_keys, ndim=2, dtype=np.int64))
+                                  meta=meta_from_array(meta2, ndim=2, dtype=np.int64))
         scores = keys.map_blocks(kernels.decode_scores, metric, dtype=dtype,
-                                 meta=meta_from_array(meta_keys, ndim=2, dtype=dtype))
+                                 meta=meta_from_array(meta2, ndim=2, dtype=dtype))
         return indices, scores
-    pairs = da.blockwise(_block_pairs, "ij", counts, "ij", pop_x, "i", pop_y, "j", rows, "i",
-                         cols, "j", metric=metric,
-                         threshold=_threshold_value(threshold, metric),
-                         exclude_self=exclude_self, dtype=np.uint64, meta=meta_keys)
-    merged = da.blockwise(_merge_pairs, "ip", pairs, "ij", new_axes={"p": 2},
+    merged = da.blockwise(_merged_pairs, "ip", kept, "ij", *mirrored, new_axes={"p": 2},
                           adjust_chunks={"i": lambda _: np.nan}, concatenate=False,
-                          dtype=np.uint64, meta=meta_keys)
+                          dtype=np.uint64, meta=meta2)
     out = []
     for part, part_dtype in enumerate((np.int64, np.int64, dtype)):
         out.append(merged.map_blocks(_pair_part, part, metric, drop_axis=1, dtype=part_dtype,
-                                     meta=meta_from_array(meta_keys, ndim=1, dtype=part_dtype)))
+                                     meta=meta_from_array(meta2, ndim=1, dtype=part_dtype)))
     return tuple(out)
 
 

@@ -56,7 +56,7 @@ def figures(n: int, bits: int, density: float, chunk_rows: int, k: int, threshol
     twins = n // 64
     flips = (rng.random((twins, bits), dtype=cupy.float32) < 0.01).astype(cupy.uint8)
     bits01[twins:2 * twins] = bits01[:twins] ^ flips
-    words = cupy.packbits(bits01, axis=1)
+    words = cupy.packbits(bits01.ravel()).reshape(n, bits // 8)  # bits: a multiple of 8
     x = dg.asarray(words, chunks=(chunk_rows, -1))
     out: dict = {"rows": n, "bits": bits, "density": density, "chunk_rows": chunk_rows, "k": k,
                  "pairs": n * (n - 1)}
