@@ -82,7 +82,7 @@ def figures(n: int, bits: int, density: float, chunk_rows: int, k: int, threshol
         def corner(a, b, ra, rb):
             if ra[0] > rb[0]:
                 return cupy.zeros((1, 1), dtype=cupy.int32)
-            return block_counts(a, b)[:1, :1]
+            return block_counts(a, b)[:1, :1].copy()  # a view would keep the block
 
         return da.blockwise(corner, "ij", x, "ik", x, "jk", rows, "i", rows, "j",
                             concatenate=True, adjust_chunks={"i": 1, "j": 1}, dtype=np.int32,
