@@ -75,8 +75,16 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
     transposed block, below the diagonal of all pairs); the counts are gone when it returns.
     On the device the scoring holds its bytes of the device budget."""
     counts = block_counts(a, b, method, device)
+    one_pass = (is_cupy(counts) and selection.k is not None
+                and selection.k <= kernels.CUDA_TOP_K_MAX)
 
     def select() -> tuple[Any, Any]:
+        if one_pass:  # the best keys straight from the counts, no scores in memory
+            exclude = selection.exclude_self and diagonal
+            best = [kernels.best_keys_cuda(counts, pop_a, pop_b, rows, cols, selection.k,
+                                           selection.metric, exclude, for_rows)
+                    for for_rows in ((True, False) if both else (True,))]
+            return best[0], (best[1] if both else None)
         s = kernels.scores(counts, pop_a, pop_b, selection.metric)
         mine = selection.keep(s, rows, cols, diagonal)
         theirs = selection.keep(s.T, cols, rows, diagonal) if both else None
@@ -84,7 +92,9 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
 
     if not is_cupy(counts):
         return select()
-    return run_reserved(select, counts.size * SCORING_BYTES_PER_PAIR,
+    per_pair = 0 if one_pass else SCORING_BYTES_PER_PAIR
+    kept = sum(counts.shape) * (selection.k or 0) * 8
+    return run_reserved(select, counts.size * per_pair + kept,
                         f"the scores of a similarity block of {counts.shape[0]} x "
                         f"{counts.shape[1]} rows")
 

@@ -161,7 +161,8 @@ def test_on_the_device_or_the_host(xp, rng):
     dense = dg.similarity(w, packed=True).compute()
     assert type(dense) is type(words)
     np.testing.assert_array_equal(host(dense), reference(x, x, "tanimoto"))
-    indices, scores = dask.compute(*dg.similarity(w, packed=True, top_k=5))
-    want_i, want_s = brute_top_k(reference(x, x, "tanimoto"), 5, False, True)
-    np.testing.assert_array_equal(host(indices), want_i)
-    np.testing.assert_array_equal(host(scores), want_s.astype(np.float32))
+    for k in (5, 40):  # on a GPU: in one pass over each block; beyond 32, through scores
+        indices, scores = dask.compute(*dg.similarity(w, packed=True, top_k=k))
+        want_i, want_s = brute_top_k(reference(x, x, "tanimoto"), k, False, True)
+        np.testing.assert_array_equal(host(indices), want_i)
+        np.testing.assert_array_equal(host(scores), want_s.astype(np.float32))

@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FLOAT_METRICS", "METRICS", "NO_PAIR", "decode_indices", "decode_scores",
+__all__ = ["CUDA_TOP_K_MAX", "FLOAT_METRICS", "METRICS", "NO_PAIR", "best_keys_cuda",
+           "decode_indices", "decode_scores",
            "lower_is_better", "pair_rows_cols_scores", "pairs_at_least", "rank_keys",
            "row_popcounts", "score_dtype", "scores", "smallest_keys", "sorted_pairs"]
 
@@ -187,3 +188,100 @@ def pair_rows_cols_scores(pairs: Any, metric: str) -> tuple[Any, Any, Any]:
     cols = (pairs[:, 0] & _LOW).astype(np.int64)
     score = pairs[:, 1].astype(np.uint32).view(score_dtype(metric))
     return rows, cols, score
+
+
+# ---- one pass over a block of counts on the GPU --------------------------------------------
+
+#: The largest ``k`` that :func:`best_keys_cuda` keeps (each thread's best keys in its own
+#: registers and local memory); larger ``k`` go through :func:`scores` and
+#: :func:`smallest_keys`.
+CUDA_TOP_K_MAX = 32
+
+_BEST_KEYS_SOURCE = r"""
+extern "C" __global__ void best_keys(
+    const int* __restrict__ counts, const int* __restrict__ pop_target,
+    const int* __restrict__ pop_candidate, const long long* __restrict__ id_target,
+    const long long* __restrict__ id_candidate, long long targets, long long candidates,
+    long long stride_target, long long stride_candidate, int k, int metric, int exclude,
+    unsigned long long* __restrict__ out)
+{
+    // One thread per target (a row of the block, or a column): it walks the candidates and
+    // keeps the k smallest keys (rank << 32 | candidate id), the formulas of _kernels.similarity.
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= targets) return;
+    unsigned long long best[MAX_K];
+    for (int i = 0; i < k; ++i) best[i] = ~0ull;
+    const int b = pop_target[t];
+    const long long self = id_target[t];
+    const int* row = counts + t * stride_target;
+    for (long long j = 0; j < candidates; ++j) {
+        const long long id = id_candidate[j];
+        if (exclude && id == self) continue;
+        const int c = row[j * stride_candidate];
+        const int a = pop_candidate[j];
+        unsigned int rank;
+        if (metric == 0) {          // tanimoto: float32(c) / float32(a + b - c)
+            const float den = (float)(a + b - c);
+            rank = 0xFFFFFFFFu - __float_as_uint((float)c / (den == 0.0f ? 1.0f : den));
+        } else if (metric == 1) {   // dice: float32(2c) / float32(a + b)
+            const float den = (float)(a + b);
+            rank = 0xFFFFFFFFu - __float_as_uint((float)(2 * c) / (den == 0.0f ? 1.0f : den));
+        } else if (metric == 2) {   // cosine: float32(c / sqrt(float64(a) * float64(b)))
+            const double den = sqrt((double)a * (double)b);
+            rank = 0xFFFFFFFFu - __float_as_uint((float)((double)c / (den == 0.0 ? 1.0 : den)));
+        } else if (metric == 3) {   // hamming: lower is better
+            rank = (unsigned int)(a + b - 2 * c);
+        } else {                    // counts
+            rank = 0xFFFFFFFFu - (unsigned int)c;
+        }
+        const unsigned long long key = ((unsigned long long)rank << 32) | (unsigned int)id;
+        if (key >= best[k - 1]) continue;
+        int i = k - 1;
+        while (i > 0 && best[i - 1] > key) { best[i] = best[i - 1]; --i; }
+        best[i] = key;
+    }
+    for (int i = 0; i < k; ++i) out[t * k + i] = best[i];
+}
+"""
+
+_METRIC_CODES = {"tanimoto": 0, "jaccard": 0, "dice": 1, "cosine": 2, "hamming": 3,
+                 "counts": 4}
+_best_keys_kernel: Any = None
+
+
+def best_keys_cuda(counts: Any, pop_rows: Any, pop_cols: Any, row_ids: Any, col_ids: Any,
+                   k: int, metric: str, exclude: bool, for_rows: bool) -> Any:
+    """The ``k`` best keys (:func:`rank_keys`, sorted) of each row of a CuPy block of counts
+    ``(r, m)`` over its columns (``for_rows``), or of each column over its rows, in one pass
+    over the block on the current stream; pairs with equal row and column ids left out where
+    ``exclude``. ``k`` at most :data:`CUDA_TOP_K_MAX`; rows or columns with fewer than ``k``
+    candidates are padded with :data:`NO_PAIR`. Scores equal :func:`scores` to the bit."""
+    import cupy
+
+    global _best_keys_kernel
+    if _best_keys_kernel is None:
+        _best_keys_kernel = cupy.RawKernel(_BEST_KEYS_SOURCE, "best_keys",
+                                           options=(f"-DMAX_K={CUDA_TOP_K_MAX}",))
+    if not 1 <= k <= CUDA_TOP_K_MAX:
+        raise ValueError(f"k must be from 1 to {CUDA_TOP_K_MAX}; got {k}")
+    counts = cupy.ascontiguousarray(counts, dtype=np.int32)
+    r, m = counts.shape
+    pop_rows = cupy.ascontiguousarray(pop_rows, dtype=np.int32)
+    pop_cols = cupy.ascontiguousarray(pop_cols, dtype=np.int32)
+    row_ids = cupy.asarray(row_ids, dtype=np.int64)
+    col_ids = cupy.asarray(col_ids, dtype=np.int64)
+    if for_rows:
+        targets, candidates, strides = r, m, (m, 1)
+        pops, ids = (pop_rows, pop_cols), (row_ids, col_ids)
+    else:
+        targets, candidates, strides = m, r, (1, m)
+        pops, ids = (pop_cols, pop_rows), (col_ids, row_ids)
+    out = cupy.empty((targets, k), dtype=np.uint64)
+    if targets:
+        threads = 128
+        _best_keys_kernel(
+            ((targets + threads - 1) // threads,), (threads,),
+            (counts, pops[0], pops[1], ids[0], ids[1], np.int64(targets),
+             np.int64(candidates), np.int64(strides[0]), np.int64(strides[1]), np.int32(k),
+             np.int32(_METRIC_CODES[metric]), np.int32(bool(exclude)), out))
+    return out
