@@ -56,14 +56,13 @@ class _Selection(NamedTuple):
     threshold: Any
     exclude_self: bool
 
-    def keep(self, s: Any, rows: Any, cols: Any, diagonal: bool) -> Any:
-        excluded = None
-        if self.exclude_self and diagonal:
-            xp = kernels._xp(s)
-            excluded = xp.asarray(rows)[:, None] == xp.asarray(cols)[None, :]
+    def keep(self, s: Any, first_row: int, first_col: int, diagonal: bool) -> Any:
+        excluded = (kernels.same_ids(s, first_row, first_col)
+                    if self.exclude_self and diagonal else None)
         if self.k is None:
-            return kernels.pairs_at_least(s, rows, cols, self.threshold, self.metric, excluded)
-        keys = kernels.rank_keys(s, cols, self.metric, excluded)
+            return kernels.pairs_at_least(s, first_row, first_col, self.threshold,
+                                          self.metric, excluded)
+        keys = kernels.rank_keys(s, first_col, self.metric, excluded)
         return kernels.smallest_keys(keys, self.k)
 
 
@@ -78,16 +77,20 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
     one_pass = (is_cupy(counts) and selection.k is not None
                 and selection.k <= kernels.CUDA_TOP_K_MAX)
 
+    # Rows and columns are consecutive ids (blocks of aranges): their first ones name them all,
+    # and nothing is copied to the device for them.
+    first_row, first_col = (int(ids[0]) if len(ids) else 0 for ids in (rows, cols))
+
     def select() -> tuple[Any, Any]:
         if one_pass:  # the best keys straight from the counts, no scores in memory
             exclude = selection.exclude_self and diagonal
-            best = [kernels.best_keys_cuda(counts, pop_a, pop_b, rows, cols, selection.k,
-                                           selection.metric, exclude, for_rows)
+            best = [kernels.best_keys_cuda(counts, pop_a, pop_b, first_row, first_col,
+                                           selection.k, selection.metric, exclude, for_rows)
                     for for_rows in ((True, False) if both else (True,))]
             return best[0], (best[1] if both else None)
         s = kernels.scores(counts, pop_a, pop_b, selection.metric)
-        mine = selection.keep(s, rows, cols, diagonal)
-        theirs = selection.keep(s.T, cols, rows, diagonal) if both else None
+        mine = selection.keep(s, first_row, first_col, diagonal)
+        theirs = selection.keep(s.T, first_col, first_row, diagonal) if both else None
         return mine, theirs
 
     if not is_cupy(counts):

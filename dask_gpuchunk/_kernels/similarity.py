@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["CUDA_TOP_K_MAX", "FLOAT_METRICS", "METRICS", "NO_PAIR", "best_keys_cuda",
-           "decode_indices", "decode_scores",
+           "decode_indices", "decode_scores", "same_ids",
            "lower_is_better", "pair_rows_cols_scores", "pairs_at_least", "rank_keys",
            "row_popcounts", "score_dtype", "scores", "smallest_keys", "sorted_pairs"]
 
@@ -112,17 +112,18 @@ def scores(c: Any, a: Any, b: Any, metric: str) -> Any:
     return out.astype(np.float32, copy=False)
 
 
-def rank_keys(s: Any, cols: Any, metric: str, excluded: Any = None) -> Any:
-    """``uint64`` keys of scores ``s`` ``(r, m)`` at columns ``cols`` ``(m,)`` that sort best
+def rank_keys(s: Any, first_col: int, metric: str, excluded: Any = None) -> Any:
+    """``uint64`` keys of scores ``s`` ``(r, m)`` of columns ``first_col`` on that sort best
     first, ties by the smaller column; ``excluded`` (a boolean mask) gets :data:`NO_PAIR`."""
     xp = _xp(s)
+    cols = xp.arange(first_col, first_col + s.shape[1], dtype=np.uint64)
     if s.dtype == np.float32:
         rank = _LOW - s.view(np.uint32).astype(np.uint64)  # non-negative floats: bits order
     elif lower_is_better(metric):
         rank = s.astype(np.uint64)
     else:
         rank = _LOW - s.astype(np.uint64)
-    keys = (rank << _SHIFT) | xp.asarray(cols).astype(np.uint64)[None, :]
+    keys = (rank << _SHIFT) | cols[None, :]
     if excluded is not None:
         keys[excluded] = NO_PAIR
     return keys
@@ -156,19 +157,30 @@ def decode_scores(keys: Any, metric: str) -> Any:
     return (_LOW - rank).astype(np.int32)
 
 
-def pairs_at_least(s: Any, rows: Any, cols: Any, threshold: Any, metric: str,
+def same_ids(like: Any, first_row: int, first_col: int) -> Any:
+    """The boolean mask of a block ``like`` ``(r, m)`` (rows ``first_row`` on, columns
+    ``first_col`` on) where the row's id equals the column's; ``None`` where none does."""
+    r, m = like.shape
+    if not (r and m) or first_row >= first_col + m or first_col >= first_row + r:
+        return None
+    xp = _xp(like)
+    return (xp.arange(first_row, first_row + r)[:, None]
+            == xp.arange(first_col, first_col + m)[None, :])
+
+
+def pairs_at_least(s: Any, first_row: int, first_col: int, threshold: Any, metric: str,
                    excluded: Any = None) -> Any:
-    """The pairs of scores ``s`` ``(r, m)`` at rows ``rows`` and columns ``cols`` that meet
-    ``threshold`` (at least it; at most for ``hamming``), as ``uint64`` ``(p, 2)``: the key
-    ``row << 32 | col``, and the score's bits."""
+    """The pairs of scores ``s`` ``(r, m)`` (rows ``first_row`` on, columns ``first_col`` on)
+    that meet ``threshold`` (at least it; at most for ``hamming``), as ``uint64`` ``(p, 2)``:
+    the key ``row << 32 | col``, and the score's bits."""
     xp = _xp(s)
     keep = s <= threshold if lower_is_better(metric) else s >= threshold
     if excluded is not None:
         keep &= ~excluded
     i, j = xp.nonzero(keep)
     out = xp.empty((i.shape[0], 2), dtype=np.uint64)
-    out[:, 0] = (xp.asarray(rows).astype(np.uint64)[i] << _SHIFT) | xp.asarray(cols).astype(
-        np.uint64)[j]
+    out[:, 0] = ((i.astype(np.uint64) + np.uint64(first_row)) << _SHIFT) | (
+        j.astype(np.uint64) + np.uint64(first_col))
     out[:, 1] = s[i, j].view(np.uint32).astype(np.uint64)
     return out
 
@@ -200,22 +212,23 @@ CUDA_TOP_K_MAX = 32
 _BEST_KEYS_SOURCE = r"""
 extern "C" __global__ void best_keys(
     const int* __restrict__ counts, const int* __restrict__ pop_target,
-    const int* __restrict__ pop_candidate, const long long* __restrict__ id_target,
-    const long long* __restrict__ id_candidate, long long targets, long long candidates,
+    const int* __restrict__ pop_candidate, long long first_target, long long first_candidate,
+    long long targets, long long candidates,
     long long stride_target, long long stride_candidate, int k, int metric, int exclude,
     unsigned long long* __restrict__ out)
 {
     // One thread per target (a row of the block, or a column): it walks the candidates and
     // keeps the k smallest keys (rank << 32 | candidate id), the formulas of _kernels.similarity.
+    // Ids are consecutive from first_target and first_candidate: no id array to copy.
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= targets) return;
     unsigned long long best[MAX_K];
     for (int i = 0; i < k; ++i) best[i] = ~0ull;
     const int b = pop_target[t];
-    const long long self = id_target[t];
+    const long long self = first_target + t;
     const int* row = counts + t * stride_target;
     for (long long j = 0; j < candidates; ++j) {
-        const long long id = id_candidate[j];
+        const long long id = first_candidate + j;
         if (exclude && id == self) continue;
         const int c = row[j * stride_candidate];
         const int a = pop_candidate[j];
@@ -249,12 +262,13 @@ _METRIC_CODES = {"tanimoto": 0, "jaccard": 0, "dice": 1, "cosine": 2, "hamming":
 _best_keys_kernel: Any = None
 
 
-def best_keys_cuda(counts: Any, pop_rows: Any, pop_cols: Any, row_ids: Any, col_ids: Any,
+def best_keys_cuda(counts: Any, pop_rows: Any, pop_cols: Any, first_row: int, first_col: int,
                    k: int, metric: str, exclude: bool, for_rows: bool) -> Any:
     """The ``k`` best keys (:func:`rank_keys`, sorted) of each row of a CuPy block of counts
     ``(r, m)`` over its columns (``for_rows``), or of each column over its rows, in one pass
-    over the block on the current stream; pairs with equal row and column ids left out where
-    ``exclude``. ``k`` at most :data:`CUDA_TOP_K_MAX`; rows or columns with fewer than ``k``
+    over the block on the current stream (no copy between host and device, so no wait); row
+    ``i`` has id ``first_row + i``, column ``j`` id ``first_col + j``, and pairs of equal ids
+    are left out where ``exclude``. ``k`` at most :data:`CUDA_TOP_K_MAX`; rows or columns with fewer than ``k``
     candidates are padded with :data:`NO_PAIR`. Scores equal :func:`scores` to the bit."""
     import cupy
 
@@ -268,20 +282,19 @@ def best_keys_cuda(counts: Any, pop_rows: Any, pop_cols: Any, row_ids: Any, col_
     r, m = counts.shape
     pop_rows = cupy.ascontiguousarray(pop_rows, dtype=np.int32)
     pop_cols = cupy.ascontiguousarray(pop_cols, dtype=np.int32)
-    row_ids = cupy.asarray(row_ids, dtype=np.int64)
-    col_ids = cupy.asarray(col_ids, dtype=np.int64)
     if for_rows:
         targets, candidates, strides = r, m, (m, 1)
-        pops, ids = (pop_rows, pop_cols), (row_ids, col_ids)
+        pops, firsts = (pop_rows, pop_cols), (first_row, first_col)
     else:
         targets, candidates, strides = m, r, (1, m)
-        pops, ids = (pop_cols, pop_rows), (col_ids, row_ids)
+        pops, firsts = (pop_cols, pop_rows), (first_col, first_row)
     out = cupy.empty((targets, k), dtype=np.uint64)
     if targets:
         threads = 128
         _best_keys_kernel(
             ((targets + threads - 1) // threads,), (threads,),
-            (counts, pops[0], pops[1], ids[0], ids[1], np.int64(targets),
+            (counts, pops[0], pops[1], np.int64(firsts[0]), np.int64(firsts[1]),
+             np.int64(targets),
              np.int64(candidates), np.int64(strides[0]), np.int64(strides[1]), np.int32(k),
              np.int32(_METRIC_CODES[metric]), np.int32(bool(exclude)), out))
     return out

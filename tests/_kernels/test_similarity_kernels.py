@@ -22,7 +22,7 @@ def _block(rng, rows: int, cols: int):
 def test_host_selection_keeps_the_best_first_with_ties_by_index(rng):
     counts, a, b = _block(rng, 9, 12)
     s = kernels.scores(counts, a, b, "tanimoto")
-    keys = kernels.smallest_keys(kernels.rank_keys(s, np.arange(12), "tanimoto"), 4)
+    keys = kernels.smallest_keys(kernels.rank_keys(s, 0, "tanimoto"), 4)
     order = np.argsort(-s.astype(np.float64), axis=1, kind="stable")[:, :4]
     np.testing.assert_array_equal(kernels.decode_indices(keys), order)
     np.testing.assert_array_equal(kernels.decode_scores(keys, "tanimoto"),
@@ -42,7 +42,9 @@ def test_best_keys_on_the_gpu_equal_the_host_path(rng, metric, k):
                              else (counts.T, b, a, cols, rows))
         s = kernels.scores(c, pa, pb, metric)
         excluded = ri[:, None] == ci[None, :]
-        want = kernels.smallest_keys(kernels.rank_keys(s, ci, metric, excluded), k)
+        assert excluded.any()
+        np.testing.assert_array_equal(kernels.same_ids(s, ri[0], ci[0]), excluded)
+        want = kernels.smallest_keys(kernels.rank_keys(s, ci[0], metric, excluded), k)
         got = kernels.best_keys_cuda(cupy.asarray(counts), cupy.asarray(a), cupy.asarray(b),
-                                     rows, cols, k, metric, True, for_rows)
+                                     100, 130, k, metric, True, for_rows)
         np.testing.assert_array_equal(got.get(), want)
