@@ -95,7 +95,7 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
 
     if not is_cupy(counts):
         return select()
-    per_pair = 0 if one_pass else SCORING_BYTES_PER_PAIR
+    per_pair = 4 if one_pass else SCORING_BYTES_PER_PAIR  # one pass: a transposed copy
     kept = sum(counts.shape) * (selection.k or 0) * 8
     return run_reserved(select, counts.size * per_pair + kept,
                         f"the scores of a similarity block of {counts.shape[0]} x "

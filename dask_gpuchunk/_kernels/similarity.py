@@ -213,49 +213,75 @@ _BEST_KEYS_SOURCE = r"""
 extern "C" __global__ void best_keys(
     const int* __restrict__ counts, const int* __restrict__ pop_target,
     const int* __restrict__ pop_candidate, long long first_target, long long first_candidate,
-    long long targets, long long candidates,
-    long long stride_target, long long stride_candidate, int k, int metric, int exclude,
+    long long targets, long long candidates, int k, int metric, int exclude,
     unsigned long long* __restrict__ out)
 {
-    // One thread per target (a row of the block, or a column): it walks the candidates and
-    // keeps the k smallest keys (rank << 32 | candidate id), the formulas of _kernels.similarity.
-    // Ids are consecutive from first_target and first_candidate: no id array to copy.
-    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= targets) return;
+    // counts: candidates x targets, row-major. A block holds 32 consecutive targets (x: reads
+    // of a row coalesced) and blockDim.y slices of the candidates (y); each thread keeps the k
+    // smallest keys (rank << 32 | candidate id, the formulas of _kernels.similarity) of its
+    // slice, then the first slice merges the slices' lists through shared memory. Ids are
+    // consecutive from first_target and first_candidate: no id array to copy.
+    extern __shared__ unsigned long long lists[];
+    const int lane = threadIdx.x, slice = threadIdx.y, slices = blockDim.y;
+    const long long t = (long long)blockIdx.x * 32 + lane;
     unsigned long long best[MAX_K];
     for (int i = 0; i < k; ++i) best[i] = ~0ull;
-    const int b = pop_target[t];
-    const long long self = first_target + t;
-    const int* row = counts + t * stride_target;
-    for (long long j = 0; j < candidates; ++j) {
-        const long long id = first_candidate + j;
-        if (exclude && id == self) continue;
-        const int c = row[j * stride_candidate];
-        const int a = pop_candidate[j];
-        unsigned int rank;
-        if (metric == 0) {          // tanimoto: float32(c) / float32(a + b - c)
-            const float den = (float)(a + b - c);
-            rank = 0xFFFFFFFFu - __float_as_uint((float)c / (den == 0.0f ? 1.0f : den));
-        } else if (metric == 1) {   // dice: float32(2c) / float32(a + b)
-            const float den = (float)(a + b);
-            rank = 0xFFFFFFFFu - __float_as_uint((float)(2 * c) / (den == 0.0f ? 1.0f : den));
-        } else if (metric == 2) {   // cosine: float32(c / sqrt(float64(a) * float64(b)))
-            const double den = sqrt((double)a * (double)b);
-            rank = 0xFFFFFFFFu - __float_as_uint((float)((double)c / (den == 0.0 ? 1.0 : den)));
-        } else if (metric == 3) {   // hamming: lower is better
-            rank = (unsigned int)(a + b - 2 * c);
-        } else {                    // counts
-            rank = 0xFFFFFFFFu - (unsigned int)c;
+    if (t < targets) {
+        const int b = pop_target[t];
+        const long long self = first_target + t;
+        for (long long j = slice; j < candidates; j += slices) {
+            const long long id = first_candidate + j;
+            if (exclude && id == self) continue;
+            const int c = counts[j * targets + t];
+            const int a = pop_candidate[j];
+            unsigned int rank;
+            if (metric == 0) {          // tanimoto: float32(c) / float32(a + b - c)
+                const float den = (float)(a + b - c);
+                rank = 0xFFFFFFFFu - __float_as_uint((float)c / (den == 0.0f ? 1.0f : den));
+            } else if (metric == 1) {   // dice: float32(2c) / float32(a + b)
+                const float den = (float)(a + b);
+                rank = 0xFFFFFFFFu
+                       - __float_as_uint((float)(2 * c) / (den == 0.0f ? 1.0f : den));
+            } else if (metric == 2) {   // cosine: float32(c / sqrt(float64(a) * float64(b)))
+                const double den = sqrt((double)a * (double)b);
+                rank = 0xFFFFFFFFu
+                       - __float_as_uint((float)((double)c / (den == 0.0 ? 1.0 : den)));
+            } else if (metric == 3) {   // hamming: lower is better
+                rank = (unsigned int)(a + b - 2 * c);
+            } else {                    // counts
+                rank = 0xFFFFFFFFu - (unsigned int)c;
+            }
+            const unsigned long long key = ((unsigned long long)rank << 32) | (unsigned int)id;
+            if (key >= best[k - 1]) continue;
+            int i = k - 1;
+            while (i > 0 && best[i - 1] > key) { best[i] = best[i - 1]; --i; }
+            best[i] = key;
         }
-        const unsigned long long key = ((unsigned long long)rank << 32) | (unsigned int)id;
-        if (key >= best[k - 1]) continue;
-        int i = k - 1;
-        while (i > 0 && best[i - 1] > key) { best[i] = best[i - 1]; --i; }
-        best[i] = key;
     }
-    for (int i = 0; i < k; ++i) out[t * k + i] = best[i];
+    unsigned long long* mine = lists + ((long long)slice * 32 + lane) * k;
+    for (int i = 0; i < k; ++i) mine[i] = best[i];
+    __syncthreads();
+    if (slice != 0 || t >= targets) return;
+    int head[MAX_SLICES];
+    for (int s = 0; s < slices; ++s) head[s] = 0;
+    for (int i = 0; i < k; ++i) {
+        int pick = 0;
+        unsigned long long low = ~0ull;
+        for (int s = 0; s < slices; ++s) {
+            if (head[s] >= k) continue;
+            const unsigned long long h = lists[((long long)s * 32 + lane) * k + head[s]];
+            if (h < low) { low = h; pick = s; }
+        }
+        out[t * k + i] = low;
+        head[pick] += 1;
+    }
 }
 """
+
+#: Slices of the candidates per target in :func:`best_keys_cuda` (threads per target), at most.
+_MAX_SLICES = 16
+#: Shared memory a block of :func:`best_keys_cuda` may use for its lists.
+_LIST_BYTES = 48 * 1024
 
 _METRIC_CODES = {"tanimoto": 0, "jaccard": 0, "dice": 1, "cosine": 2, "hamming": 3,
                  "counts": 4}
@@ -266,35 +292,36 @@ def best_keys_cuda(counts: Any, pop_rows: Any, pop_cols: Any, first_row: int, fi
                    k: int, metric: str, exclude: bool, for_rows: bool) -> Any:
     """The ``k`` best keys (:func:`rank_keys`, sorted) of each row of a CuPy block of counts
     ``(r, m)`` over its columns (``for_rows``), or of each column over its rows, in one pass
-    over the block on the current stream (no copy between host and device, so no wait); row
-    ``i`` has id ``first_row + i``, column ``j`` id ``first_col + j``, and pairs of equal ids
-    are left out where ``exclude``. ``k`` at most :data:`CUDA_TOP_K_MAX`; rows or columns with fewer than ``k``
-    candidates are padded with :data:`NO_PAIR`. Scores equal :func:`scores` to the bit."""
+    over the block on the current stream (no copy between host and device, so no wait; the
+    rows' orientation reads a transposed copy of the block); row ``i`` has id
+    ``first_row + i``, column ``j`` id ``first_col + j``, and pairs of equal ids are left out
+    where ``exclude``. ``k`` at most :data:`CUDA_TOP_K_MAX`; rows or columns with fewer than
+    ``k`` candidates are padded with :data:`NO_PAIR`. Scores equal :func:`scores` to the bit."""
     import cupy
 
     global _best_keys_kernel
     if _best_keys_kernel is None:
-        _best_keys_kernel = cupy.RawKernel(_BEST_KEYS_SOURCE, "best_keys",
-                                           options=(f"-DMAX_K={CUDA_TOP_K_MAX}",))
+        _best_keys_kernel = cupy.RawKernel(
+            _BEST_KEYS_SOURCE, "best_keys",
+            options=(f"-DMAX_K={CUDA_TOP_K_MAX}", f"-DMAX_SLICES={_MAX_SLICES}"))
     if not 1 <= k <= CUDA_TOP_K_MAX:
         raise ValueError(f"k must be from 1 to {CUDA_TOP_K_MAX}; got {k}")
-    counts = cupy.ascontiguousarray(counts, dtype=np.int32)
-    r, m = counts.shape
     pop_rows = cupy.ascontiguousarray(pop_rows, dtype=np.int32)
     pop_cols = cupy.ascontiguousarray(pop_cols, dtype=np.int32)
-    if for_rows:
-        targets, candidates, strides = r, m, (m, 1)
+    if for_rows:  # the rows become the columns that the kernel reads across
+        matrix = cupy.ascontiguousarray(cupy.asarray(counts, dtype=np.int32).T)
         pops, firsts = (pop_rows, pop_cols), (first_row, first_col)
     else:
-        targets, candidates, strides = m, r, (1, m)
+        matrix = cupy.ascontiguousarray(counts, dtype=np.int32)
         pops, firsts = (pop_cols, pop_rows), (first_col, first_row)
+    candidates, targets = matrix.shape
     out = cupy.empty((targets, k), dtype=np.uint64)
     if targets:
-        threads = 128
+        slices = max(1, min(_MAX_SLICES, _LIST_BYTES // (32 * k * 8)))
         _best_keys_kernel(
-            ((targets + threads - 1) // threads,), (threads,),
-            (counts, pops[0], pops[1], np.int64(firsts[0]), np.int64(firsts[1]),
-             np.int64(targets),
-             np.int64(candidates), np.int64(strides[0]), np.int64(strides[1]), np.int32(k),
-             np.int32(_METRIC_CODES[metric]), np.int32(bool(exclude)), out))
+            ((targets + 31) // 32,), (32, slices),
+            (matrix, pops[0], pops[1], np.int64(firsts[0]), np.int64(firsts[1]),
+             np.int64(targets), np.int64(candidates), np.int32(k),
+             np.int32(_METRIC_CODES[metric]), np.int32(bool(exclude)), out),
+            shared_mem=slices * 32 * k * 8)
     return out
