@@ -88,6 +88,16 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
                                            selection.k, selection.metric, exclude, for_rows)
                     for for_rows in ((True, False) if both else (True,))]
             return best[0], (best[1] if both else None)
+        exclude = selection.exclude_self and diagonal
+        if selection.k is None:  # pairs: the transposed block's are the same, swapped
+            if is_cupy(counts):
+                mine = kernels.pairs_at_least_cuda(counts, pop_a, pop_b, first_row, first_col,
+                                                   selection.threshold, selection.metric,
+                                                   exclude)
+            else:
+                s = kernels.scores(counts, pop_a, pop_b, selection.metric)
+                mine = selection.keep(s, first_row, first_col, diagonal)
+            return mine, (kernels.swapped_pairs(mine) if both else None)
         s = kernels.scores(counts, pop_a, pop_b, selection.metric)
         mine = selection.keep(s, first_row, first_col, diagonal)
         theirs = selection.keep(s.T, first_col, first_row, diagonal) if both else None
@@ -95,7 +105,8 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
 
     if not is_cupy(counts):
         return select()
-    per_pair = 4 if one_pass else SCORING_BYTES_PER_PAIR  # one pass: a transposed copy
+    # One pass of top-k: a transposed copy; of a threshold: a mask and the kept pairs' own.
+    per_pair = 4 if one_pass or selection.k is None else SCORING_BYTES_PER_PAIR
     kept = sum(counts.shape) * (selection.k or 0) * 8
     return run_reserved(select, counts.size * per_pair + kept,
                         f"the scores of a similarity block of {counts.shape[0]} x "

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["CUDA_TOP_K_MAX", "FLOAT_METRICS", "METRICS", "NO_PAIR", "best_keys_cuda",
-           "decode_indices", "decode_scores", "same_ids",
+           "decode_indices", "decode_scores", "pairs_at_least_cuda", "rank_limit", "same_ids",
+           "swapped_pairs",
            "lower_is_better", "pair_rows_cols_scores", "pairs_at_least", "rank_keys",
            "row_popcounts", "score_dtype", "scores", "smallest_keys", "sorted_pairs"]
 
@@ -77,9 +78,10 @@ def row_popcounts(words64: Any) -> Any:
     return _popcount_kernel(words64).sum(axis=1, dtype=np.int32)
 
 
-def scores(c: Any, a: Any, b: Any, metric: str) -> Any:
+def scores(c: Any, a: Any, b: Any, metric: str, pairwise: bool = False) -> Any:
     """The ``metric`` of counts ``c`` ``(r, m)`` with row popcounts ``a`` ``(r,)`` and column
-    popcounts ``b`` ``(m,)``, by the formulas of this module's table.
+    popcounts ``b`` ``(m,)``, by the formulas of this module's table; ``pairwise``: ``c``,
+    ``a`` and ``b`` of one shape, a pair each.
 
     Examples
     --------
@@ -92,8 +94,10 @@ def scores(c: Any, a: Any, b: Any, metric: str) -> Any:
            [4, 0]], dtype=int32)
     """
     xp = _xp(c)
-    a = xp.asarray(a, dtype=np.int32)[:, None]
-    b = xp.asarray(b, dtype=np.int32)[None, :]
+    a = xp.asarray(a, dtype=np.int32)
+    b = xp.asarray(b, dtype=np.int32)
+    if not pairwise:
+        a, b = a[:, None], b[None, :]
     if metric == "counts":
         return c.astype(np.int32, copy=False)
     if metric == "hamming":
@@ -194,6 +198,23 @@ def sorted_pairs(parts: list[Any]) -> Any:
     return joined[xp.argsort(joined[:, 0])]  # keys are unique: any sort will do
 
 
+def swapped_pairs(pairs: Any) -> Any:
+    """Pairs (:func:`pairs_at_least`) with rows and columns exchanged (a block's transpose)."""
+    out = pairs.copy()
+    out[:, 0] = ((pairs[:, 0] & _LOW) << _SHIFT) | (pairs[:, 0] >> _SHIFT)
+    return out
+
+
+def rank_limit(threshold: Any, metric: str) -> int:
+    """The largest rank (:func:`rank_keys`) of a score that meets ``threshold`` (as
+    :func:`pairs_at_least` compares: float32 for the ratios, an integer bound else)."""
+    if metric in FLOAT_METRICS:
+        return int(_LOW) - int(np.float32(threshold).view(np.uint32))
+    if lower_is_better(metric):
+        return int(threshold)
+    return int(_LOW) - int(threshold)
+
+
 def pair_rows_cols_scores(pairs: Any, metric: str) -> tuple[Any, Any, Any]:
     """Rows (int64), columns (int64) and scores (the metric's dtype) of pairs."""
     rows = (pairs[:, 0] >> _SHIFT).astype(np.int64)
@@ -209,7 +230,28 @@ def pair_rows_cols_scores(pairs: Any, metric: str) -> tuple[Any, Any, Any]:
 #: :func:`smallest_keys`.
 CUDA_TOP_K_MAX = 32
 
-_BEST_KEYS_SOURCE = r"""
+_RANK_SOURCE = r"""
+__device__ __forceinline__ unsigned int rank_of(int c, int a, int b, int metric)
+{
+    // The score's rank (smaller is better), by the formulas of _kernels.similarity.
+    if (metric == 0) {          // tanimoto: float32(c) / float32(a + b - c)
+        const float den = (float)(a + b - c);
+        return 0xFFFFFFFFu - __float_as_uint((float)c / (den == 0.0f ? 1.0f : den));
+    }
+    if (metric == 1) {          // dice: float32(2c) / float32(a + b)
+        const float den = (float)(a + b);
+        return 0xFFFFFFFFu - __float_as_uint((float)(2 * c) / (den == 0.0f ? 1.0f : den));
+    }
+    if (metric == 2) {          // cosine: float32(c / sqrt(float64(a) * float64(b)))
+        const double den = sqrt((double)a * (double)b);
+        return 0xFFFFFFFFu - __float_as_uint((float)((double)c / (den == 0.0 ? 1.0 : den)));
+    }
+    if (metric == 3) return (unsigned int)(a + b - 2 * c);   // hamming: lower is better
+    return 0xFFFFFFFFu - (unsigned int)c;                     // counts
+}
+"""
+
+_BEST_KEYS_SOURCE = _RANK_SOURCE + r"""
 extern "C" __global__ void best_keys(
     const int* __restrict__ counts, const int* __restrict__ pop_target,
     const int* __restrict__ pop_candidate, long long first_target, long long first_candidate,
@@ -232,25 +274,8 @@ extern "C" __global__ void best_keys(
         for (long long j = slice; j < candidates; j += slices) {
             const long long id = first_candidate + j;
             if (exclude && id == self) continue;
-            const int c = counts[j * targets + t];
-            const int a = pop_candidate[j];
-            unsigned int rank;
-            if (metric == 0) {          // tanimoto: float32(c) / float32(a + b - c)
-                const float den = (float)(a + b - c);
-                rank = 0xFFFFFFFFu - __float_as_uint((float)c / (den == 0.0f ? 1.0f : den));
-            } else if (metric == 1) {   // dice: float32(2c) / float32(a + b)
-                const float den = (float)(a + b);
-                rank = 0xFFFFFFFFu
-                       - __float_as_uint((float)(2 * c) / (den == 0.0f ? 1.0f : den));
-            } else if (metric == 2) {   // cosine: float32(c / sqrt(float64(a) * float64(b)))
-                const double den = sqrt((double)a * (double)b);
-                rank = 0xFFFFFFFFu
-                       - __float_as_uint((float)((double)c / (den == 0.0 ? 1.0 : den)));
-            } else if (metric == 3) {   // hamming: lower is better
-                rank = (unsigned int)(a + b - 2 * c);
-            } else {                    // counts
-                rank = 0xFFFFFFFFu - (unsigned int)c;
-            }
+            const unsigned int rank = rank_of(counts[j * targets + t], pop_candidate[j], b,
+                                              metric);
             const unsigned long long key = ((unsigned long long)rank << 32) | (unsigned int)id;
             if (key >= best[k - 1]) continue;
             int i = k - 1;
@@ -282,6 +307,40 @@ extern "C" __global__ void best_keys(
 _MAX_SLICES = 16
 #: Shared memory a block of :func:`best_keys_cuda` may use for its lists.
 _LIST_BYTES = 48 * 1024
+
+_KEEP_SOURCE = "keep = rank_of(c, a, b, metric) <= limit;"
+_keep_kernel: Any = None
+
+
+def pairs_at_least_cuda(counts: Any, pop_rows: Any, pop_cols: Any, first_row: int,
+                        first_col: int, threshold: Any, metric: str, exclude: bool) -> Any:
+    """:func:`pairs_at_least` of a CuPy block of counts, the scores computed in one pass over
+    it (a mask of the pairs that meet ``threshold``, by rank: :func:`rank_limit`) and again
+    for those pairs only; pairs of equal ids left out where ``exclude``."""
+    import cupy
+
+    global _keep_kernel
+    if _keep_kernel is None:
+        _keep_kernel = cupy.ElementwiseKernel(
+            "int32 c, int32 a, int32 b, uint32 limit, int32 metric", "bool keep", _KEEP_SOURCE,
+            "dask_gpuchunk_similarity_keep", preamble=_RANK_SOURCE)
+    counts = cupy.asarray(counts, dtype=np.int32)
+    pop_rows = cupy.asarray(pop_rows, dtype=np.int32)
+    pop_cols = cupy.asarray(pop_cols, dtype=np.int32)
+    keep = _keep_kernel(counts, pop_rows[:, None], pop_cols[None, :],
+                        np.uint32(rank_limit(threshold, metric)),
+                        np.int32(_METRIC_CODES[metric]))
+    excluded = same_ids(counts, first_row, first_col) if exclude else None
+    if excluded is not None:
+        keep &= ~excluded
+    i, j = cupy.nonzero(keep)
+    s = scores(counts[i, j], pop_rows[i], pop_cols[j], metric, pairwise=True)
+    out = cupy.empty((i.shape[0], 2), dtype=np.uint64)
+    out[:, 0] = ((i.astype(np.uint64) + np.uint64(first_row)) << _SHIFT) | (
+        j.astype(np.uint64) + np.uint64(first_col))
+    out[:, 1] = s.view(np.uint32).astype(np.uint64)
+    return out
+
 
 _METRIC_CODES = {"tanimoto": 0, "jaccard": 0, "dice": 1, "cosine": 2, "hamming": 3,
                  "counts": 4}

@@ -48,3 +48,25 @@ def test_best_keys_on_the_gpu_equal_the_host_path(rng, metric, k):
         got = kernels.best_keys_cuda(cupy.asarray(counts), cupy.asarray(a), cupy.asarray(b),
                                      100, 130, k, metric, True, for_rows)
         np.testing.assert_array_equal(got.get(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric, threshold", [("tanimoto", 0.25), ("jaccard", 1.0),
+                                               ("dice", 0.4), ("cosine", 0.3),
+                                               ("hamming", 60), ("counts", 20)])
+def test_threshold_pairs_on_the_gpu_equal_the_host_path(rng, metric, threshold):
+    import cupy
+
+    counts, a, b = _block(rng, 70, 45)
+    s = kernels.scores(counts, a, b, metric)
+    limit = np.float32(threshold) if metric in kernels.FLOAT_METRICS else threshold
+    excluded = kernels.same_ids(s, 100, 130)
+    want = kernels.pairs_at_least(s, 100, 130, limit, metric, excluded)
+    assert 0 < len(want) < s.size
+    got = kernels.pairs_at_least_cuda(cupy.asarray(counts), cupy.asarray(a), cupy.asarray(b),
+                                      100, 130, limit, metric, True)
+    np.testing.assert_array_equal(got.get(), want)
+    swapped = kernels.pair_rows_cols_scores(kernels.swapped_pairs(want), metric)
+    mine = kernels.pair_rows_cols_scores(want, metric)
+    np.testing.assert_array_equal(swapped[0], mine[1])
+    np.testing.assert_array_equal(swapped[1], mine[0])
