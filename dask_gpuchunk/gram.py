@@ -33,6 +33,7 @@ from . import backend
 from ._kernels import bitpack as bits
 from ._kernels import gram as kernels
 from ._kernels.bmma import BMMA_MIN_CC, TILE, bmma_cuda
+from ._kernels.launch import numba_stream
 from .arrays import asarray
 from .budget import check_fits
 from .config import listed_graphs
@@ -44,7 +45,8 @@ from .devices import (
 )
 
 __all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "block_bytes", "block_counts",
-           "block_scratch_bytes", "check_block_fits", "check_method", "gram", "gram_slab",
+           "block_scratch_bytes", "check_block_fits", "check_method", "device_block_counts",
+           "device_block_scratch", "gram", "gram_slab",
            "packed_words", "resolve_method"]
 
 #: ``method=`` values of :func:`gram`.
@@ -459,6 +461,28 @@ def block_counts(a: Any, b: Any, method: str = "auto", device: str = "auto") -> 
            [1]], dtype=int32)
     """
     return _gram_block(a, b, False, method, device)
+
+
+def device_block_counts(a: Any, b: Any, method: str = "auto") -> Any:
+    """:func:`block_counts` of two CuPy blocks, queued on the current stream, for a caller that
+    holds the device budget it needs (:func:`device_block_scratch` and the ``int32`` block)
+    and goes on to use the counts within the same reservation."""
+    import cupy
+
+    resolved = resolve_method(method, on_gpu=True)
+    inputs = [bits.words64(a), bits.words64(b)]
+    out = cupy.empty((a.shape[0], b.shape[0]), dtype=np.int32)
+    if out.size:
+        _launcher(resolved, False)(out, inputs, numba_stream(cupy.cuda.get_current_stream()))
+    return out
+
+
+def device_block_scratch(a: Any, b: Any, method: str = "auto") -> int:
+    """Device bytes :func:`device_block_counts` of ``a`` and ``b`` allocates besides its
+    output."""
+    resolved = resolve_method(method, on_gpu=True)
+    words = -(-a.shape[1] * a.dtype.itemsize // 8)
+    return block_scratch_bytes(resolved, a.shape[0], b.shape[0], words)
 
 
 def check_method(method: str, device: str) -> None:

@@ -30,7 +30,15 @@ from .arrays import asarray
 from .backend import is_cupy
 from .budget import run_reserved
 from .devices import gpu_available
-from .gram import block_counts, check_block_fits, check_method, gram, packed_words
+from .gram import (
+    block_counts,
+    check_block_fits,
+    check_method,
+    device_block_counts,
+    device_block_scratch,
+    gram,
+    packed_words,
+)
 
 __all__ = ["METRICS", "similarity"]
 
@@ -72,23 +80,22 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
     """The counts of one block (``a``'s rows against ``b``'s), scored and reduced to what
     ``selection`` keeps, for the block's rows and, with ``both``, for its columns too (the
     transposed block, below the diagonal of all pairs); the counts are gone when it returns.
-    On the device the scoring holds its bytes of the device budget."""
-    counts = block_counts(a, b, method, device)
-    one_pass = (is_cupy(counts) and selection.k is not None
-                and selection.k <= kernels.CUDA_TOP_K_MAX)
-
+    On the device the counts and their scoring hold their bytes of the device budget as one
+    reservation (two, one waiting for the other, let every thread hold a block of counts while
+    it waits: out of memory under a cap)."""
     # Rows and columns are consecutive ids (blocks of aranges): their first ones name them all,
     # and nothing is copied to the device for them.
     first_row, first_col = (int(ids[0]) if len(ids) else 0 for ids in (rows, cols))
+    exclude = selection.exclude_self and diagonal
 
-    def select() -> tuple[Any, Any]:
-        if one_pass:  # the best keys straight from the counts, no scores in memory
-            exclude = selection.exclude_self and diagonal
+    def select(counts: Any) -> tuple[Any, Any]:
+        if is_cupy(counts) and selection.k is not None and (
+                selection.k <= kernels.CUDA_TOP_K_MAX):
+            # The best keys straight from the counts, in one pass; no scores in memory.
             best = [kernels.best_keys_cuda(counts, pop_a, pop_b, first_row, first_col,
                                            selection.k, selection.metric, exclude, for_rows)
                     for for_rows in ((True, False) if both else (True,))]
             return best[0], (best[1] if both else None)
-        exclude = selection.exclude_self and diagonal
         if selection.k is None:  # pairs: the transposed block's are the same, swapped
             if is_cupy(counts):
                 mine = kernels.pairs_at_least_cuda(counts, pop_a, pop_b, first_row, first_col,
@@ -103,14 +110,19 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
         theirs = selection.keep(s.T, first_col, first_row, diagonal) if both else None
         return mine, theirs
 
-    if not is_cupy(counts):
-        return select()
-    # One pass of top-k: a transposed copy; of a threshold: a mask and the kept pairs' own.
-    per_pair = 4 if one_pass or selection.k is None else SCORING_BYTES_PER_PAIR
-    kept = sum(counts.shape) * (selection.k or 0) * 8
-    return run_reserved(select, counts.size * per_pair + kept,
-                        f"the scores of a similarity block of {counts.shape[0]} x "
-                        f"{counts.shape[1]} rows")
+    if not (is_cupy(a) and is_cupy(b)) or device == "cpu":
+        # Host chunks: counts on the CPU or staged through a GPU, back on the host.
+        return select(block_counts(a, b, method, device))
+    pairs = a.shape[0] * b.shape[0]
+    # Beyond the counts: top-k in one pass reads a transposed copy; a threshold, a mask and the
+    # kept pairs; larger k, the scores and their keys.
+    one_pass = selection.k is None or selection.k <= kernels.CUDA_TOP_K_MAX
+    per_pair = 4 + (4 if one_pass else SCORING_BYTES_PER_PAIR)
+    kept = (a.shape[0] + b.shape[0]) * (selection.k or 0) * 8
+    return run_reserved(
+        lambda: select(device_block_counts(a, b, method)),
+        pairs * per_pair + kept + device_block_scratch(a, b, method),
+        f"a similarity block of {a.shape[0]} x {b.shape[0]} rows")
 
 
 def _upper_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
