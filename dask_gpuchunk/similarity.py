@@ -8,7 +8,10 @@ counts, scores them (:mod:`dask_gpuchunk._kernels.similarity`, on the device tha
 within the device budget) and keeps only each row's best ``k`` or the pairs over the threshold;
 for all pairs, a block above the diagonal also keeps them for its columns (its transpose), so
 that each block is computed once and no counts outlive their task. A task per row chunk then
-merges what its blocks kept. The rows' popcounts are computed once per input.
+merges what its blocks kept, on the host (for device blocks too: ``n`` rows in chunks of ``r``
+keep about ``8 k n² / r`` bytes until their merges, 4.9 GB for 10**6 rows, k = 10, r = 16,384),
+and the result goes back to the device for device input. The rows' popcounts are computed
+once per input.
 
 Not yet fused into the tensor-core kernel (each block's counts are written to device memory,
 then scored): the kernel epilogue is the next step.
@@ -119,10 +122,14 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
     one_pass = selection.k is None or selection.k <= kernels.CUDA_TOP_K_MAX
     per_pair = 4 + (4 if one_pass else SCORING_BYTES_PER_PAIR)
     kept = (a.shape[0] + b.shape[0]) * (selection.k or 0) * 8
-    return run_reserved(
+    mine, theirs = run_reserved(
         lambda: select(device_block_counts(a, b, method)),
         pairs * per_pair + kept + device_block_scratch(a, b, method),
         f"a similarity block of {a.shape[0]} x {b.shape[0]} rows")
+    # What a block keeps waits on the host for its row chunks' merges: kept on the device, the
+    # blocks' best keys of 10**6 rows in 16,384-row chunks filled an 8 GiB card (4.9 GB, most of
+    # it held until the last merges), where each block's counts need 2 GiB of it.
+    return tuple(None if part is None else part.get() for part in (mine, theirs))
 
 
 def _upper_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
@@ -314,6 +321,7 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     rows = da.arange(n, chunks=(wx.chunks[0],), dtype=np.int64)
     cols = rows if y is None else da.arange(m, chunks=(wy.chunks[0],), dtype=np.int64)
     meta2 = meta_from_array(wx._meta, ndim=2, dtype=np.uint64)
+    on_device = is_cupy(wx._meta)
     block = _upper_block if y is None else _cross_block
     kept = da.blockwise(block, "ij", wx, "iw", wy, "jw", pop_x, "i", pop_y, "j", rows, "i",
                         cols, "j", concatenate=True, selection=selection, method=method,
@@ -324,19 +332,31 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     if k is not None:
         keys = da.blockwise(_merged_keys, "it", kept, "ij", *mirrored, new_axes={"t": k},
                             concatenate=False, k=k, dtype=np.uint64, meta=meta2)
-        indices = keys.map_blocks(kernels.decode_indices, dtype=np.int64,
+        indices = keys.map_blocks(_placed, kernels.decode_indices, on_device, dtype=np.int64,
                                   meta=meta_from_array(meta2, ndim=2, dtype=np.int64))
-        scores = keys.map_blocks(kernels.decode_scores, metric, dtype=dtype,
-                                 meta=meta_from_array(meta2, ndim=2, dtype=dtype))
+        scores = keys.map_blocks(_placed, kernels.decode_scores, on_device, metric,
+                                 dtype=dtype, meta=meta_from_array(meta2, ndim=2, dtype=dtype))
         return indices, scores
     merged = da.blockwise(_merged_pairs, "ip", kept, "ij", *mirrored, new_axes={"p": 2},
                           adjust_chunks={"i": lambda _: np.nan}, concatenate=False,
                           dtype=np.uint64, meta=meta2)
     out = []
     for part, part_dtype in enumerate((np.int64, np.int64, dtype)):
-        out.append(merged.map_blocks(_pair_part, part, metric, drop_axis=1, dtype=part_dtype,
+        out.append(merged.map_blocks(_placed, _pair_part, on_device, part, metric,
+                                     drop_axis=1, dtype=part_dtype,
                                      meta=meta_from_array(meta2, ndim=1, dtype=part_dtype)))
     return tuple(out)
+
+
+def _placed(block: Any, decode: Any, on_device: bool, *args: Any) -> Any:
+    """``decode(block, *args)`` as a CuPy array where the input was on the device (the merges
+    ran on the host), else as it comes."""
+    out = decode(block, *args)
+    if on_device and not is_cupy(out):
+        import cupy
+
+        return cupy.asarray(out)
+    return out
 
 
 def _pair_part(pairs: Any, part: int, metric: str) -> Any:
