@@ -53,13 +53,14 @@ def best_of(repeats: int, fn) -> tuple[float, object]:
 PIECE = 65536
 
 
-def reference_rows(bits01: cupy.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Tanimoto of ``rows`` against every row, by the documented formula on exact counts."""
-    q = bits01[rows].astype(cupy.float32)
-    a = bits01[rows].sum(axis=1, dtype=cupy.int32)[:, None]
+def reference_rows(bits01: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Tanimoto of ``rows`` against every row (0/1 on the host, compared on the device a piece
+    at a time), by the documented formula on exact counts."""
+    q = cupy.asarray(bits01[rows]).astype(cupy.float32)
+    a = q.sum(axis=1, dtype=cupy.int32)[:, None]
     out = []
     for start in range(0, bits01.shape[0], PIECE):
-        part = bits01[start:start + PIECE]
+        part = cupy.asarray(bits01[start:start + PIECE])
         c = (q @ part.T.astype(cupy.float32)).astype(cupy.int32)
         b = part.sum(axis=1, dtype=cupy.int32)[None, :]
         den = (a + b - c).astype(cupy.float32)
@@ -70,16 +71,21 @@ def reference_rows(bits01: cupy.ndarray, rows: np.ndarray) -> np.ndarray:
 
 def figures(n: int, bits: int, density: float, chunk_rows: int, k: int, threshold: float,
             repeats: int, seed: int) -> dict:
+    # Made on the device a piece at a time, kept on the host (only the words stay on the
+    # device, as a user's would).
     rng = cupy.random.default_rng(seed)
-    bits01 = cupy.concatenate([
+    bits01 = np.concatenate([
         (rng.random((min(PIECE, n - start), bits), dtype=cupy.float32) < density).astype(
-            cupy.uint8) for start in range(0, n, PIECE)])
+            cupy.uint8).get() for start in range(0, n, PIECE)])
     # Near twins (1 % of the bits flipped) of the first n/64 rows, so that the threshold finds
     # pairs: random fingerprints at this density score ~0.04 against each other.
     twins = n // 64
-    flips = (rng.random((twins, bits), dtype=cupy.float32) < 0.01).astype(cupy.uint8)
+    flips = (rng.random((twins, bits), dtype=cupy.float32) < 0.01).astype(cupy.uint8).get()
     bits01[twins:2 * twins] = bits01[:twins] ^ flips
-    words = cupy.packbits(bits01.ravel()).reshape(n, bits // 8)  # bits: a multiple of 8
+    words = cupy.concatenate([  # np.packbits order; bits: a multiple of 8
+        cupy.packbits(cupy.asarray(bits01[start:start + PIECE]).ravel()).reshape(-1, bits // 8)
+        for start in range(0, n, PIECE)])
+    cupy.get_default_memory_pool().free_all_blocks()
     x = dg.asarray(words, chunks=(chunk_rows, -1))
     out: dict = {"rows": n, "bits": bits, "density": density, "chunk_rows": chunk_rows, "k": k,
                  "pairs": n * (n - 1)}
