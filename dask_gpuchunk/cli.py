@@ -47,7 +47,15 @@ from .config import check_settings
 from .devices import GPUNotAvailableError, _probe_gpus, gpu_available
 from .gram import _compute_capability, resolve_method
 from .partials import partials_in, remove_partials
-from .jobs import ClusterError, JobError, gram_job, multiply_job, watch_device_memory, where_it_ran
+from .jobs import (
+    ClusterError,
+    JobError,
+    gram_job,
+    multiply_job,
+    similarity_job,
+    watch_device_memory,
+    where_it_ran,
+)
 
 __all__ = ["main", "environment"]
 
@@ -486,6 +494,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     for s in parts:
         out = s["output"]
         rate = (f"{s['gb_per_s']:.2f} GB/s moved" if "gb_per_s" in s
+                else f"{s['pairs_per_s']:.3g} pairs/s" if "pairs_per_s" in s
                 else f"{s['bit_macs_per_s']:.3g} bit-MAC/s")
         click.echo(f"{s['command']}: {out['path']} {tuple(out['shape'])} {out['dtype']} in "
                    f"{s['seconds']:.2f} s ({rate})")
@@ -564,6 +573,48 @@ def gram_command(bits: str, output: str, overwrite: bool, compression: str, zarr
         bits, output, packed=packed, method=method, device=device, chunk_rows=chunk_rows,
         layout=layout, overwrite=overwrite, compression=compression,
         zarr_format=int(zarr_format)))
+
+
+@main.command("similarity")
+@click.argument("fingerprints", type=click.Path())
+@click.option("--queries", type=click.Path(), default=None,
+              help="Score each row of QUERIES (.npy or .zarr) against FINGERPRINTS; without "
+              "it, all pairs of FINGERPRINTS.")
+@click.option("--metric", type=click.Choice(["tanimoto", "jaccard", "dice", "cosine", "hamming",
+                                             "counts"]),
+              default="tanimoto", show_default=True)
+@click.option("--top-k", type=click.IntRange(min=1), default=None,
+              help="Each row's K best: OUTPUT a .npz of indices and scores (n x K).")
+@click.option("--threshold", type=float, default=None,
+              help="Every pair scoring at least T (at most T for hamming): OUTPUT a .npz of "
+              "rows, cols and scores.")
+@click.option("--dense", is_flag=True, help="Every score: OUTPUT a .npy or Zarr store (the "
+              "default where neither --top-k nor --threshold is given).")
+@click.option("--include-self", is_flag=True, help="All pairs: keep each row's pair with "
+              "itself (left out by default).")
+@_output_options
+@click.option("--packed", is_flag=True, help="The inputs hold packed words (any unsigned "
+              "dtype, e.g. np.packbits output), not 0/1 values.")
+@click.option("--method", type=click.Choice(["auto", "popcount", "int8", "bmma"]), default="auto",
+              show_default=True)
+@click.option("--chunk-rows", type=click.IntRange(min=1),
+              help="Rows per chunk of each input [default: 16384 on GPUs, halved while a "
+              "block would not fit their memory budget; 4096 on the CPU].")
+@_cluster_options
+def similarity_command(fingerprints: str, queries: str | None, metric: str, top_k: int | None,
+                       threshold: float | None, dense: bool, include_self: bool, output: str,
+                       overwrite: bool, compression: str, zarr_format: str, packed: bool,
+                       method: str, chunk_rows: int | None, device: str, as_json: bool,
+                       **opts: Any) -> None:
+    """Similarity of the binary rows in FINGERPRINTS (.npy or .zarr): each row's top K, the
+    pairs over a threshold, or every score, exact, written to OUTPUT."""
+    if sum((top_k is not None, threshold is not None, dense)) > 1:
+        raise click.UsageError("give one of --top-k, --threshold and --dense")
+    _run_job(as_json, opts, lambda: similarity_job(
+        fingerprints, output, queries=queries, metric=metric, top_k=top_k,
+        threshold=threshold, packed=packed,
+        exclude_self=(not include_self) if queries is None else None, method=method, device=device, chunk_rows=chunk_rows,
+        overwrite=overwrite, compression=compression, zarr_format=int(zarr_format)))
 
 
 @main.command()

@@ -570,3 +570,24 @@ def test_a_cluster_left_without_workers_ends_the_job_with_exit_5(inputs, monkeyp
     message = result.stderr.strip()
     assert "no workers for 2 s" in message and "\n" not in message, message
     assert seen == [2.0] and dask.config.get("gpuchunk.no-workers-timeout") == 300
+
+
+def test_similarity_top_k_through_the_command_line(rng, tmp_path):
+    fps = random_bits(rng, (90, 200), 0.2)
+    np.save(tmp_path / "fps.npy", np.packbits(fps, axis=1))
+    r = run_cli("similarity", str(tmp_path / "fps.npy"), "--packed", "--top-k", "3",
+                "--chunk-rows", "32", "-o", str(tmp_path / "top.npz"), "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["command"] == "similarity" and summary["output"]["shape"] == [90, 3]
+    c = fps.astype(np.int64) @ fps.T
+    a = fps.sum(axis=1)
+    s = np.float32(c) / np.float32(a[:, None] + a[None, :] - c)
+    np.fill_diagonal(s, -1)
+    with np.load(tmp_path / "top.npz") as got:
+        order = np.argsort(-s.astype(np.float64), axis=1, kind="stable")[:, :3]
+        np.testing.assert_array_equal(got["indices"], order)
+    both = CliRunner().invoke(main, ["similarity", str(tmp_path / "fps.npy"), "--top-k", "3",
+                                     "--threshold", "0.5", "-o", str(tmp_path / "x.npz")])
+    assert both.exit_code == 2 and "one of --top-k, --threshold and --dense" in both.output
+    assert sorted(os.listdir(tmp_path)) == ["fps.npy", "top.npz"]

@@ -1,4 +1,5 @@
-"""dask_gpuchunk.jobs in this process: the CLI's multiply and gram jobs without the CLI.
+"""dask_gpuchunk.jobs in this process: the CLI's multiply, gram and similarity jobs without the
+CLI.
 
 tests/test_cli_jobs.py runs them through the command line, in processes with their own
 clusters; these run in every CI job (that file only in the first: its processes take minutes).
@@ -6,7 +7,9 @@ clusters; these run in every CI job (that file only in the first: its processes 
 
 from __future__ import annotations
 
+import dask.array as da
 import numpy as np
+import pytest
 from helpers import random_bits
 
 from dask_gpuchunk.jobs import gram_files, multiply_files
@@ -56,3 +59,80 @@ def test_gram_on_the_cpu_holds_strips_not_the_output(rng, tmp_path):
     # Strips of 100 x 3001 int32 (1.2 MB), a few at a time; dask's blocks hold those above
     # the diagonal until their transposes are written: half the output and more.
     assert peaks["upper"] < output_bytes / 5 < output_bytes / 2 < peaks["blocks"], peaks
+
+
+def _similarity_reference(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    c = x.astype(np.int64) @ y.T.astype(np.int64)
+    a, b = x.sum(axis=1)[:, None], y.sum(axis=1)[None, :]
+    den = np.float32(a + b - c)
+    return np.float32(c) / np.where(den == 0, np.float32(1), den)
+
+
+def test_similarity_files_top_k_threshold_and_dense(rng, tmp_path):
+    from dask_gpuchunk.jobs import OutputError, similarity_job
+
+    fps = random_bits(rng, (157, 300), 0.15)
+    fps[7] = fps[2]  # a tie
+    queries = random_bits(rng, (23, 300), 0.15)
+    np.save(tmp_path / "fps.npy", np.packbits(fps, axis=1))
+    np.save(tmp_path / "q.npy", queries)
+    np.save(tmp_path / "fps01.npy", fps)
+    s = _similarity_reference(fps, fps)
+    np.fill_diagonal(s, -1)
+    summary = similarity_job(tmp_path / "fps.npy", tmp_path / "top.npz", packed=True,
+                             top_k=5, chunk_rows=40, device="cpu")(None)
+    assert summary["output"]["shape"] == [157, 5] and summary["chunk_rows"] == 40
+    with np.load(tmp_path / "top.npz") as got:
+        order = np.argsort(-s.astype(np.float64), axis=1, kind="stable")[:, :5]
+        np.testing.assert_array_equal(got["indices"], order)
+        np.testing.assert_array_equal(got["scores"], np.take_along_axis(s, order, axis=1))
+    cross = _similarity_reference(queries, fps)
+    pairs_job = similarity_job(tmp_path / "fps01.npy", tmp_path / "pairs.npz",
+                               queries=tmp_path / "q.npy", threshold=0.2, chunk_rows=50,
+                               device="cpu")
+    if type(da.ones(1)).__module__.startswith("dask.array._array_expr"):
+        with pytest.raises(NotImplementedError, match="query planning"):
+            pairs_job(None)
+        np.savez(tmp_path / "pairs.npz", rows=[], cols=[], scores=[])
+        return
+    pairs_job(None)
+    with np.load(tmp_path / "pairs.npz") as got:
+        rows, cols = np.nonzero(cross >= np.float32(0.2))
+        assert 0 < len(rows) < cross.size
+        np.testing.assert_array_equal(got["rows"], rows)
+        np.testing.assert_array_equal(got["cols"], cols)
+        np.testing.assert_array_equal(got["scores"], cross[rows, cols])
+    similarity_job(tmp_path / "fps01.npy", tmp_path / "dense.npy", queries=tmp_path / "q.npy",
+                   chunk_rows=50, device="cpu")(None)
+    np.testing.assert_array_equal(np.load(tmp_path / "dense.npy"), cross)
+    for out, kwargs, match in [("top.npz", {"top_k": 5}, "exists"),
+                               ("x.npy", {"top_k": 5}, "to a .npz"),
+                               ("x.npz", {}, "dense scores go to")]:
+        with pytest.raises((OutputError, FileExistsError), match=match):
+            similarity_job(tmp_path / "fps.npy", tmp_path / out, packed=True, **kwargs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "dense.npy", "fps.npy", "fps01.npy", "pairs.npz", "q.npy", "top.npz"]
+
+
+@pytest.mark.gpu
+def test_similarity_files_on_the_gpu(rng, tmp_path):
+    from dask_gpuchunk.jobs import similarity_job
+
+    fps = random_bits(rng, (1000, 2048), 0.075)
+    fps[9] = fps[4]
+    np.save(tmp_path / "fps.npy", np.packbits(fps, axis=1))
+    s = _similarity_reference(fps, fps)
+    summary = similarity_job(tmp_path / "fps.npy", tmp_path / "top.npz", packed=True,
+                             top_k=10, chunk_rows=256, device="gpu")(None)
+    assert summary["chunk_rows"] == 256
+    np.fill_diagonal(s, -1)
+    with np.load(tmp_path / "top.npz") as got:
+        order = np.argsort(-s.astype(np.float64), axis=1, kind="stable")[:, :10]
+        np.testing.assert_array_equal(got["indices"], order)
+        np.testing.assert_array_equal(got["scores"], np.take_along_axis(s, order, axis=1))
+    similarity_job(tmp_path / "fps.npy", tmp_path / "dense.npy", packed=True, metric="dice",
+                   chunk_rows=300, device="gpu")(None)
+    c = fps.astype(np.int64) @ fps.T
+    a = fps.sum(axis=1)
+    dice = np.float32(2 * c) / np.float32(a[:, None] + a[None, :])
+    np.testing.assert_array_equal(np.load(tmp_path / "dense.npy"), dice)
