@@ -507,6 +507,11 @@ def _print_summary(summary: dict[str, Any]) -> None:
     click.echo(place)
 
 
+#: ``--method`` of the jobs that count shared bits (gram, similarity).
+_method_option = click.option("--method", type=click.Choice(["auto", "popcount", "int8", "bmma"]),
+                              default="auto", show_default=True)
+
+
 def _output_options(func: Callable) -> Callable:
     options = [
         click.option("-o", "--output", required=True, type=click.Path(),
@@ -553,8 +558,7 @@ def multiply(a: str, b: str, output: str, overwrite: bool, compression: str, zar
 @_output_options
 @click.option("--packed", is_flag=True, help="BITS holds packed words (any unsigned dtype, "
               "e.g. np.packbits output), not 0/1 values.")
-@click.option("--method", type=click.Choice(["auto", "popcount", "int8", "bmma"]), default="auto",
-              show_default=True)
+@_method_option
 @click.option("--chunk-rows", type=click.IntRange(min=1),
               help="Rows per chunk (and per output block) [default: 4096, halved while a "
               "block would not fit the GPUs' memory budget].")
@@ -595,8 +599,7 @@ def gram_command(bits: str, output: str, overwrite: bool, compression: str, zarr
 @_output_options
 @click.option("--packed", is_flag=True, help="The inputs hold packed words (any unsigned "
               "dtype, e.g. np.packbits output), not 0/1 values.")
-@click.option("--method", type=click.Choice(["auto", "popcount", "int8", "bmma"]), default="auto",
-              show_default=True)
+@_method_option
 @click.option("--chunk-rows", type=click.IntRange(min=1),
               help="Rows per chunk of each input [default: 16384 on GPUs, halved while a "
               "block would not fit their memory budget; 4096 on the CPU].")
