@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import dask.array as da
 import numpy as np
 import pytest
 
@@ -68,3 +69,11 @@ def test_own_numba_kernels_on_gpu():
     result = load("own_numba_kernels").main(["--rows", "400000", "--cols", "100",
                                               "--bit-rows", "3000", "--bit-cols", "20000"])
     assert result["product_error"] < 1e-12 and result["rk4_error"] < 1e-5
+
+
+@pytest.mark.skipif(type(da.ones(1)).__module__.startswith("dask.array._array_expr"),
+                    reason="threshold= needs dask's classic arrays")
+def test_fingerprint_neighbours_checks_its_rows():
+    result = load("fingerprint_neighbours").main(["--rows", "1500", "--chunk-rows", "400",
+                                                  "--samples", "4"])
+    assert result["pairs_found"] >= 2 * (1500 // 100) - 2  # the planted near-duplicates
