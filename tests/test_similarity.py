@@ -166,3 +166,18 @@ def test_on_the_device_or_the_host(xp, rng):
         want_i, want_s = brute_top_k(reference(x, x, "tanimoto"), k, False, True)
         np.testing.assert_array_equal(host(indices), want_i)
         np.testing.assert_array_equal(host(scores), want_s.astype(np.float32))
+
+
+def test_dense_scores_agree_with_scipy_on_non_empty_rows(rng):
+    # scipy's distances on booleans, as similarities; scipy computes in float64, we round to
+    # float32 (hamming: scipy gives the fraction of differing bits). Empty rows differ by
+    # definition (scipy: jaccard distance 0 between two empty rows; here Tanimoto 0).
+    distance = pytest.importorskip("scipy.spatial.distance")
+    x = random_bits(rng, (57, 333), 0.2).astype(bool)
+    y = random_bits(rng, (31, 333), 0.3).astype(bool)
+    assert x.any(axis=1).all() and y.any(axis=1).all()
+    for metric, to_score in [("jaccard", lambda d: 1 - d), ("dice", lambda d: 1 - d),
+                             ("cosine", lambda d: 1 - d), ("hamming", lambda d: d * 333)]:
+        got = dg.similarity(x.astype(np.uint8), y.astype(np.uint8), metric=metric).compute()
+        want = to_score(distance.cdist(x, y, metric))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=metric)
