@@ -117,14 +117,10 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
         # Host chunks: counts on the CPU or staged through a GPU, back on the host.
         return select(block_counts(a, b, method, device))
     pairs = a.shape[0] * b.shape[0]
-    # Beyond the counts: a threshold, a mask and the kept pairs; larger k than one pass keeps,
-    # the scores and their keys.
-    if selection.k is None:
-        per_pair = 4 + 4
-    elif selection.k <= kernels.CUDA_TOP_K_MAX:
-        per_pair = 4
-    else:
-        per_pair = 4 + SCORING_BYTES_PER_PAIR
+    # Beyond the counts: top-k in one pass reads a transposed copy; a threshold, a mask and the
+    # kept pairs; larger k, the scores and their keys.
+    one_pass = selection.k is None or selection.k <= kernels.CUDA_TOP_K_MAX
+    per_pair = 4 + (4 if one_pass else SCORING_BYTES_PER_PAIR)
     kept = (a.shape[0] + b.shape[0]) * (selection.k or 0) * 8
     mine, theirs = run_reserved(
         lambda: select(device_block_counts(a, b, method)),

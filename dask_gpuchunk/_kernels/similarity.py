@@ -301,71 +301,6 @@ extern "C" __global__ void best_keys(
         head[pick] += 1;
     }
 }
-
-extern "C" __global__ void best_keys_rows(
-    const int* __restrict__ counts, const int* __restrict__ pop_target,
-    const int* __restrict__ pop_candidate, long long first_target, long long first_candidate,
-    long long targets, long long candidates, int k, int metric, int exclude,
-    unsigned long long* __restrict__ out)
-{
-    // counts: targets x candidates, row-major: as best_keys, but each warp (a slice) stages
-    // 32 x 32 tiles (32 targets x 32 candidates) through shared memory, so that its reads run
-    // along the rows (coalesced) while each lane walks its own target's candidates; no
-    // transposed copy of the block. The tiles' memory then holds the lists for the merge.
-    extern __shared__ unsigned long long shared[];
-    const int lane = threadIdx.x, slice = threadIdx.y, slices = blockDim.y;
-    int* tile = (int*)shared + slice * 32 * 33;
-    const long long t0 = (long long)blockIdx.x * 32;
-    const long long t = t0 + lane;
-    unsigned long long best[MAX_K];
-    for (int i = 0; i < k; ++i) best[i] = ~0ull;
-    const int b = t < targets ? pop_target[t] : 0;
-    const long long self = first_target + t;
-    for (long long j0 = (long long)slice * 32; j0 < candidates; j0 += (long long)slices * 32) {
-        const long long col = j0 + lane;
-        for (int r = 0; r < 32; ++r) {
-            const long long row = t0 + r;
-            tile[r * 33 + lane] = (row < targets && col < candidates)
-                                  ? counts[row * candidates + col] : 0;
-        }
-        __syncwarp();
-        if (t < targets) {
-            const int width = candidates - j0 < 32 ? (int)(candidates - j0) : 32;
-            for (int jj = 0; jj < width; ++jj) {
-                const long long id = first_candidate + j0 + jj;
-                if (exclude && id == self) continue;
-                const unsigned int rank = rank_of(tile[lane * 33 + jj], pop_candidate[j0 + jj],
-                                                  b, metric);
-                const unsigned long long key =
-                    ((unsigned long long)rank << 32) | (unsigned int)id;
-                if (key >= best[k - 1]) continue;
-                int i = k - 1;
-                while (i > 0 && best[i - 1] > key) { best[i] = best[i - 1]; --i; }
-                best[i] = key;
-            }
-        }
-        __syncwarp();
-    }
-    __syncthreads();
-    unsigned long long* lists = shared;
-    unsigned long long* mine = lists + ((long long)slice * 32 + lane) * k;
-    for (int i = 0; i < k; ++i) mine[i] = best[i];
-    __syncthreads();
-    if (slice != 0 || t >= targets) return;
-    int head[MAX_SLICES];
-    for (int s = 0; s < slices; ++s) head[s] = 0;
-    for (int i = 0; i < k; ++i) {
-        int pick = 0;
-        unsigned long long low = ~0ull;
-        for (int s = 0; s < slices; ++s) {
-            if (head[s] >= k) continue;
-            const unsigned long long h = lists[((long long)s * 32 + lane) * k + head[s]];
-            if (h < low) { low = h; pick = s; }
-        }
-        out[t * k + i] = low;
-        head[pick] += 1;
-    }
-}
 """
 
 #: Slices of the candidates per target in :func:`best_keys_cuda` (threads per target), at most.
@@ -416,39 +351,36 @@ def best_keys_cuda(counts: Any, pop_rows: Any, pop_cols: Any, first_row: int, fi
                    k: int, metric: str, exclude: bool, for_rows: bool) -> Any:
     """The ``k`` best keys (:func:`rank_keys`, sorted) of each row of a CuPy block of counts
     ``(r, m)`` over its columns (``for_rows``), or of each column over its rows, in one pass
-    over the block on the current stream (no copy between host and device, so no wait; no
-    copy of the block: the rows' orientation reads it through shared-memory tiles); row ``i``
-    has id ``first_row + i``, column ``j`` id ``first_col + j``, and pairs of equal ids are
-    left out where ``exclude``. ``k`` at most :data:`CUDA_TOP_K_MAX`; rows or columns with fewer than
+    over the block on the current stream (no copy between host and device, so no wait; the
+    rows' orientation reads a transposed copy of the block); row ``i`` has id
+    ``first_row + i``, column ``j`` id ``first_col + j``, and pairs of equal ids are left out
+    where ``exclude``. ``k`` at most :data:`CUDA_TOP_K_MAX`; rows or columns with fewer than
     ``k`` candidates are padded with :data:`NO_PAIR`. Scores equal :func:`scores` to the bit."""
     import cupy
 
     global _best_keys_kernel
     if _best_keys_kernel is None:
-        module = cupy.RawModule(
-            code=_BEST_KEYS_SOURCE,
+        _best_keys_kernel = cupy.RawKernel(
+            _BEST_KEYS_SOURCE, "best_keys",
             options=(f"-DMAX_K={CUDA_TOP_K_MAX}", f"-DMAX_SLICES={_MAX_SLICES}"))
-        _best_keys_kernel = (module.get_function("best_keys"),
-                             module.get_function("best_keys_rows"))
     if not 1 <= k <= CUDA_TOP_K_MAX:
         raise ValueError(f"k must be from 1 to {CUDA_TOP_K_MAX}; got {k}")
-    counts = cupy.ascontiguousarray(counts, dtype=np.int32)
     pop_rows = cupy.ascontiguousarray(pop_rows, dtype=np.int32)
     pop_cols = cupy.ascontiguousarray(pop_cols, dtype=np.int32)
-    if for_rows:  # targets along the rows: read through shared-memory tiles
-        kernel, (targets, candidates) = _best_keys_kernel[1], counts.shape
+    if for_rows:  # the rows become the columns that the kernel reads across
+        matrix = cupy.ascontiguousarray(cupy.asarray(counts, dtype=np.int32).T)
         pops, firsts = (pop_rows, pop_cols), (first_row, first_col)
-        per_slice = max(32 * 33 * 4, 32 * k * 8)
-    else:  # targets along the columns: each lane reads its own column, coalesced
-        kernel, (candidates, targets) = _best_keys_kernel[0], counts.shape
+    else:
+        matrix = cupy.ascontiguousarray(counts, dtype=np.int32)
         pops, firsts = (pop_cols, pop_rows), (first_col, first_row)
-        per_slice = 32 * k * 8
+    candidates, targets = matrix.shape
     out = cupy.empty((targets, k), dtype=np.uint64)
     if targets:
-        slices = max(1, min(_MAX_SLICES, _LIST_BYTES // per_slice))
-        kernel(((targets + 31) // 32,), (32, slices),
-               (counts, pops[0], pops[1], np.int64(firsts[0]), np.int64(firsts[1]),
-                np.int64(targets), np.int64(candidates), np.int32(k),
-                np.int32(_METRIC_CODES[metric]), np.int32(bool(exclude)), out),
-               shared_mem=slices * per_slice)
+        slices = max(1, min(_MAX_SLICES, _LIST_BYTES // (32 * k * 8)))
+        _best_keys_kernel(
+            ((targets + 31) // 32,), (32, slices),
+            (matrix, pops[0], pops[1], np.int64(firsts[0]), np.int64(firsts[1]),
+             np.int64(targets), np.int64(candidates), np.int32(k),
+             np.int32(_METRIC_CODES[metric]), np.int32(bool(exclude)), out),
+            shared_mem=slices * 32 * k * 8)
     return out
