@@ -538,6 +538,33 @@ def multiply_job(
     return run
 
 
+def _check_counting_options(method: str, device: str, chunk_rows: int | None) -> None:
+    """``ValueError`` for a ``method``, ``device`` or ``chunk_rows`` that the jobs counting
+    shared bits (gram, similarity) cannot take, before any work."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
+    if method in GPU_METHODS and device == "cpu":
+        raise ValueError(f"method={method!r} runs on a GPU only; use --device auto or gpu")
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk rows must be positive, got {chunk_rows}")
+
+
+def _bits_header(path: str | os.PathLike, packed: bool, command: str) -> NpyHeader | ZarrInfo:
+    """The header of a 0/1 (or, ``packed``, packed-words) input of ``command``, checked: 2-D,
+    a dtype the kernels take; :class:`InputError` otherwise."""
+    h = _header(path, "input")
+    if len(h.shape) != 2:
+        raise InputError(f"input {path}: {command} needs a 2-D array (rows x bits), got shape "
+                         f"{h.shape}")
+    try:
+        (check_words_dtype if packed else check_bits_dtype)(h.dtype, f"input {path}")
+    except TypeError as exc:
+        raise InputError(str(exc)) from None
+    return h
+
+
 def gram_files(bits: str | os.PathLike, out: str | os.PathLike, *, progress: Progress = None,
                **options: Any) -> dict[str, Any]:
     """The exact Gram matrix ``A · Aᵀ`` (int32) of a ``.npy`` of 0/1 data into another ``.npy``.
@@ -576,23 +603,10 @@ def gram_job(
     other than 0/1 raise
     :class:`InputError` when found, with nothing written.
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
-    if method in GPU_METHODS and device == "cpu":
-        raise ValueError(f"method={method!r} runs on a GPU only; use --device auto or gpu")
+    _check_counting_options(method, device, chunk_rows)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
-    if chunk_rows is not None and chunk_rows < 1:
-        raise ValueError(f"chunk rows must be positive, got {chunk_rows}")
-    h = _header(bits, "input")
-    if len(h.shape) != 2:
-        raise InputError(f"input {bits}: gram needs a 2-D array (rows x bits), got shape {h.shape}")
-    try:
-        (check_words_dtype if packed else check_bits_dtype)(h.dtype, f"input {bits}")
-    except TypeError as exc:
-        raise InputError(str(exc)) from None
+    h = _bits_header(bits, packed, "gram")
     n, k = h.shape
     output = _output_options(out, compression, zarr_format)
     target = _check_output(out, [bits], overwrite, npy_bytes(np.int32, (n, n)), output)
@@ -756,28 +770,14 @@ def similarity_job(
     :data:`SIMILARITY_CHUNK_ROWS` on GPUs, halved while a block would not fit the workers'
     budget, 4,096 on the CPU. On GPUs the packed words are moved to the devices once.
     """
+    from ._kernels.similarity import score_dtype
     from .similarity import METRICS, similarity
 
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
-    if chunk_rows is not None and chunk_rows < 1:
-        raise ValueError(f"chunk rows must be positive, got {chunk_rows}")
+    _check_counting_options(method, device, chunk_rows)
     paths = [fingerprints] if queries is None else [queries, fingerprints]
-    headers = []
-    for path in paths:
-        h = _header(path, "input")
-        if len(h.shape) != 2:
-            raise InputError(f"input {path}: similarity needs a 2-D array (rows x bits), got "
-                             f"shape {h.shape}")
-        try:
-            (check_words_dtype if packed else check_bits_dtype)(h.dtype, f"input {path}")
-        except TypeError as exc:
-            raise InputError(str(exc)) from None
-        headers.append(h)
+    headers = [_bits_header(path, packed, "similarity") for path in paths]
     n, m = headers[0].shape[0], headers[-1].shape[0]
     dense = top_k is None and threshold is None
     suffix = Path(out).suffix
@@ -786,7 +786,7 @@ def similarity_job(
                           "top-k and threshold results to a .npz")
     if not dense and suffix != ".npz":
         raise OutputError(f"output {out}: top-k and threshold results go to a .npz file")
-    dtype = np.dtype(np.int32 if metric in ("hamming", "counts") else np.float32)
+    dtype = score_dtype(metric)
     output = _output_options(out, compression, zarr_format) if dense else {}
     nbytes = (npy_bytes(dtype, (n, m)) if dense
               else n * int(top_k) * 12 if top_k is not None else 0)
@@ -803,9 +803,8 @@ def similarity_job(
         _check_gpus_where_it_runs(method, device)
         budgets = _budgets_where_it_runs() if device != "cpu" else []
         rows = chunk_rows or (SIMILARITY_CHUNK_ROWS if budgets else CHUNK_ROWS)
-        width = -(-headers[0].shape[1] * headers[0].dtype.itemsize // 8)
-        if not packed:
-            width = -(-headers[0].shape[1] // 64)
+        h = headers[0]  # 64-bit words per row
+        width = -(-h.shape[1] * h.dtype.itemsize // 8) if packed else -(-h.shape[1] // 64)
         if budgets and chunk_rows is None:
             # A block's counts, their transposed copy and both chunks of words.
             while rows > MIN_CHUNK_ROWS and rows * rows * 8 + 2 * rows * width * 8 > min(
