@@ -19,6 +19,7 @@ then scored): the kernel epilogue is the next step.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any, NamedTuple
@@ -26,12 +27,16 @@ from typing import Any, NamedTuple
 import dask.array as da
 import numpy as np
 from dask.array.utils import meta_from_array
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
 
 from ._kernels import bitpack as bits
 from ._kernels import similarity as kernels
+from ._kernels.bmma_select import pairs_at_least_bmma, top_k_candidates, top_k_scratch_bytes
 from .arrays import asarray
 from .backend import is_cupy
 from .budget import run_reserved
+from .config import listed_graphs
 from .devices import gpu_available
 from .gram import (
     block_counts,
@@ -41,12 +46,16 @@ from .gram import (
     device_block_scratch,
     gram,
     packed_words,
+    resolve_method,
 )
 
 __all__ = ["METRICS", "similarity"]
 
 #: ``metric=`` values of :func:`similarity`.
 METRICS = kernels.METRICS
+
+
+_SHIFT, _LOW = np.uint64(32), np.uint64(0xFFFF_FFFF)
 
 
 def _dense_block(c: Any, a: Any, b: Any, metric: str) -> Any:
@@ -78,58 +87,98 @@ class _Selection(NamedTuple):
 
 
 def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
-                  selection: _Selection, both: bool, diagonal: bool, method: str, device: str
-                  ) -> tuple[Any, Any]:
+                  selection: _Selection, both: bool, diagonal: bool, method: str, device: str,
+                  symmetric: bool = False) -> tuple[Any, Any]:
     """The counts of one block (``a``'s rows against ``b``'s), scored and reduced to what
     ``selection`` keeps, for the block's rows and, with ``both``, for its columns too (the
-    transposed block, below the diagonal of all pairs); the counts are gone when it returns.
-    On the device the counts and their scoring hold their bytes of the device budget as one
-    reservation (two, one waiting for the other, let every thread hold a block of counts while
-    it waits: out of memory under a cap)."""
+    transposed block, below the diagonal of all pairs), on the host; the counts are gone when
+    it returns. ``diagonal``: the block holds pairs of equal ids; ``symmetric``: ``b`` is
+    ``a``."""
     # Rows and columns are consecutive ids (blocks of aranges): their first ones name them all,
     # and nothing is copied to the device for them.
     first_row, first_col = (int(ids[0]) if len(ids) else 0 for ids in (rows, cols))
-    exclude = selection.exclude_self and diagonal
-
-    def select(counts: Any) -> tuple[Any, Any]:
-        if is_cupy(counts) and selection.k is not None and (
-                selection.k <= kernels.CUDA_TOP_K_MAX):
-            # The best keys straight from the counts, in one pass; no scores in memory.
-            best = [kernels.best_keys_cuda(counts, pop_a, pop_b, first_row, first_col,
-                                           selection.k, selection.metric, exclude, for_rows)
-                    for for_rows in ((True, False) if both else (True,))]
-            return best[0], (best[1] if both else None)
-        if selection.k is None:  # pairs: the transposed block's are the same, swapped
-            if is_cupy(counts):
-                mine = kernels.pairs_at_least_cuda(counts, pop_a, pop_b, first_row, first_col,
-                                                   selection.threshold, selection.metric,
-                                                   exclude)
-            else:
-                s = kernels.scores(counts, pop_a, pop_b, selection.metric)
-                mine = selection.keep(s, first_row, first_col, diagonal)
+    if not (is_cupy(a) and is_cupy(b)) or device == "cpu":
+        # Host chunks: counts on the CPU or staged through a GPU, back on the host.
+        counts = block_counts(a, b, method, device)
+        if selection.k is None:
+            s = kernels.scores(counts, pop_a, pop_b, selection.metric)
+            mine = selection.keep(s, first_row, first_col, diagonal)
             return mine, (kernels.swapped_pairs(mine) if both else None)
         s = kernels.scores(counts, pop_a, pop_b, selection.metric)
         mine = selection.keep(s, first_row, first_col, diagonal)
         theirs = selection.keep(s.T, first_col, first_row, diagonal) if both else None
         return mine, theirs
-
-    if not (is_cupy(a) and is_cupy(b)) or device == "cpu":
-        # Host chunks: counts on the CPU or staged through a GPU, back on the host.
-        return select(block_counts(a, b, method, device))
-    pairs = a.shape[0] * b.shape[0]
-    # Beyond the counts: top-k in one pass reads a transposed copy; a threshold, a mask and the
-    # kept pairs; larger k, the scores and their keys.
-    one_pass = selection.k is None or selection.k <= kernels.CUDA_TOP_K_MAX
-    per_pair = 4 + (4 if one_pass else SCORING_BYTES_PER_PAIR)
-    kept = (a.shape[0] + b.shape[0]) * (selection.k or 0) * 8
-    mine, theirs = run_reserved(
-        lambda: select(device_block_counts(a, b, method)),
-        pairs * per_pair + kept + device_block_scratch(a, b, method),
-        f"a similarity block of {a.shape[0]} x {b.shape[0]} rows")
+    mine, theirs = _device_selected(a, b, pop_a, pop_b, first_row, first_col, selection, both,
+                                    diagonal, symmetric, method)
     # What a block keeps waits on the host for its row chunks' merges: kept on the device, the
     # blocks' best keys of 10**6 rows in 16,384-row chunks filled an 8 GiB card (4.9 GB, most of
     # it held until the last merges), where each block's counts need 2 GiB of it.
     return tuple(None if part is None else part.get() for part in (mine, theirs))
+
+
+def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, first_col: int,
+                     selection: _Selection, both: bool, diagonal: bool, symmetric: bool,
+                     method: str) -> tuple[Any, Any]:
+    """:func:`_scored_block` of CuPy blocks, what it keeps left on the device. A threshold on
+    the 1-bit tensor cores is selected in the kernel's epilogue (no counts in memory); else
+    the counts and their scoring hold their bytes of the device budget as one reservation
+    (two, one waiting for the other, let every thread hold a block of counts while it waits:
+    out of memory under a cap)."""
+    exclude = selection.exclude_self and diagonal
+    pairs = a.shape[0] * b.shape[0]
+    what = f"a similarity block of {a.shape[0]} x {b.shape[0]} rows"
+    if selection.k is None and resolve_method(method, on_gpu=True) == "bmma":
+        def fused() -> tuple[Any, Any]:
+            found = pairs_at_least_bmma(bits.words64(a), bits.words64(b), pop_a, pop_b,
+                                        first_row, first_col, selection.threshold,
+                                        selection.metric, exclude, upper=symmetric)
+            if symmetric:  # the pairs below the diagonal are those above, swapped
+                ids = found[:, 0]
+                above = found[(ids >> _SHIFT) != (ids & _LOW)]
+                found = kernels.sorted_pairs([found, kernels.swapped_pairs(above)])
+            return found, (kernels.swapped_pairs(found) if both else None)
+
+        # The pairs' buffer grows to what the block holds: reserved as if half its pairs met it.
+        return run_reserved(fused, pairs * 8 + device_block_scratch(a, b, method), what)
+    if selection.k is None:
+        def plain() -> tuple[Any, Any]:
+            mine = kernels.pairs_at_least_cuda(device_block_counts(a, b, method), pop_a, pop_b,
+                                               first_row, first_col, selection.threshold,
+                                               selection.metric, exclude)
+            return mine, (kernels.swapped_pairs(mine) if both else None)
+
+        return run_reserved(plain, pairs * 8 + device_block_scratch(a, b, method), what)
+    if selection.k <= kernels.CUDA_TOP_K_MAX:
+        def best() -> tuple[Any, Any]:
+            # Each orientation reads its own counts: the block, then (for the rows, where the
+            # kernel reads across columns) the block of b against a; a second Gram of the
+            # block costs less than a transposed copy of it.
+            k, metric = selection.k, selection.metric
+            theirs = None
+            if both or symmetric:
+                counts = device_block_counts(a, b, method)
+                theirs = kernels.best_keys_cuda(counts, pop_a, pop_b, first_row, first_col, k,
+                                                metric, exclude, for_rows=False)
+                del counts
+                if symmetric:  # a symmetric block's columns are its rows
+                    return theirs, None
+            counts = device_block_counts(b, a, method)
+            mine = kernels.best_keys_cuda(counts, pop_b, pop_a, first_col, first_row, k, metric,
+                                          exclude, for_rows=False)
+            return mine, theirs
+
+        kept = (a.shape[0] + b.shape[0]) * selection.k * 8
+        return run_reserved(best, pairs * 4 + kept + device_block_scratch(a, b, method), what)
+
+    def scored() -> tuple[Any, Any]:
+        counts = device_block_counts(a, b, method)
+        s = kernels.scores(counts, pop_a, pop_b, selection.metric)
+        mine = selection.keep(s, first_row, first_col, diagonal)
+        theirs = selection.keep(s.T, first_col, first_row, diagonal) if both else None
+        return mine, theirs
+
+    return run_reserved(scored, pairs * (4 + SCORING_BYTES_PER_PAIR)
+                        + device_block_scratch(a, b, method), what)
 
 
 def _upper_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
@@ -141,16 +190,136 @@ def _upper_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
         return None
     diagonal = len(rows) == len(cols) and (not len(rows) or rows[0] == cols[0])
     return _scored_block(a, b, pop_a, pop_b, rows, cols, selection, not diagonal, diagonal,
-                         method, device)
+                         method, device, symmetric=diagonal)
 
 
 def _cross_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
                  selection: _Selection, method: str, device: str) -> Any:
     """:func:`_scored_block` of queries ``a`` against a database chunk ``b``: for its rows."""
-    diagonal = selection.exclude_self and bool(len(rows) and len(cols)) and not (
-        rows[0] > cols[-1] or cols[0] > rows[-1])
+    diagonal = selection.exclude_self and _ids_meet(rows, cols)
     return _scored_block(a, b, pop_a, pop_b, rows, cols, selection, False, diagonal, method,
                          device)[0]
+
+
+def _ids_meet(rows: Any, cols: Any) -> bool:
+    return bool(len(rows) and len(cols)) and not (rows[0] > cols[-1] or cols[0] > rows[-1])
+
+
+# ---- top-k as a chain of states per row chunk ---------------------------------------------
+
+
+def _state_of(previous: tuple, slot: int) -> Any:
+    return previous[slot]
+
+
+def _merged_state(state: Any, keys: Any) -> Any:
+    xp = kernels._xp(state)
+    return kernels.smallest_keys(xp.concatenate([state, keys], axis=1), state.shape[1])
+
+
+def _first_state(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
+                 symmetric: bool, selection: _Selection, method: str, device: str) -> tuple:
+    """The best keys of ``a``'s rows in their first block (against ``b``; ``symmetric``: ``b``
+    is ``a``, the diagonal block of all pairs), by the plain path: ``(state,)``."""
+    exclude = selection.exclude_self and (symmetric or _ids_meet(
+        range(first_a, first_a + len(a)), range(first_b, first_b + len(b))))
+    rows, cols = np.arange(first_a, first_a + len(a)), np.arange(first_b, first_b + len(b))
+    if not (is_cupy(a) and is_cupy(b)) or device == "cpu":
+        return (_scored_block(a, b, pop_a, pop_b, rows, cols, selection, False, exclude, method,
+                              device)[0],)
+    return (_device_selected(a, b, pop_a, pop_b, first_a, first_b, selection, False, exclude,
+                             symmetric, method)[0],)
+
+
+def _next_states(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
+                 previous_a: tuple, slot_a: int, previous_b: tuple | None, slot_b: int,
+                 selection: _Selection, method: str, device: str) -> tuple:
+    """The states of ``a``'s rows (and, with ``previous_b``, of ``b``'s rows: all pairs, a
+    block above the diagonal) after their block: ``(state_a, state_b)``. On the 1-bit tensor
+    cores, selected in the kernel's epilogue against the states so far
+    (:func:`dask_gpuchunk._kernels.bmma_select.top_k_candidates`); where that cannot be used
+    (another method, larger k, host chunks), the block's own best keys merged in."""
+    state_a = previous_a[slot_a]
+    state_b = None if previous_b is None else previous_b[slot_b]
+    both = state_b is not None
+    exclude = selection.exclude_self and not both and _ids_meet(
+        range(first_a, first_a + len(a)), range(first_b, first_b + len(b)))
+    on_device = is_cupy(a) and is_cupy(b) and device != "cpu"
+    if (on_device and selection.k <= kernels.CUDA_TOP_K_MAX
+            and resolve_method(method, on_gpu=True) == "bmma"):
+        words64 = -(-a.shape[1] * a.dtype.itemsize // 8)
+        return run_reserved(
+            lambda: top_k_candidates(bits.words64(a), bits.words64(b), pop_a, pop_b, first_a,
+                                     first_b, state_a, state_b, selection.metric, exclude),
+            top_k_scratch_bytes(len(a), len(b), selection.k, both, words64),
+            f"a similarity block of {len(a)} x {len(b)} rows")
+    rows, cols = np.arange(first_a, first_a + len(a)), np.arange(first_b, first_b + len(b))
+    if on_device:
+        mine, theirs = _device_selected(a, b, pop_a, pop_b, first_a, first_b, selection, both,
+                                        exclude, False, method)
+    else:
+        mine, theirs = _scored_block(a, b, pop_a, pop_b, rows, cols, selection, both, exclude,
+                                     method, device)
+    return (_merged_state(state_a, mine), _merged_state(state_b, theirs) if both else None)
+
+
+def _round_robin(count: int) -> list[tuple[int, int]]:
+    """Every pair ``i < j`` of ``count`` chunks once, in rounds where each chunk meets one
+    other (the circle method): a round's blocks update disjoint states, so they run at once."""
+    players = list(range(count)) + ([None] if count % 2 else [])
+    size = len(players)
+    order = []
+    for _ in range(size - 1):
+        for p in range(size // 2):
+            i, j = players[p], players[size - 1 - p]
+            if i is not None and j is not None:
+                order.append((min(i, j), max(i, j)))
+        players = [players[0], players[-1], *players[1:-1]]
+    return order
+
+
+def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
+                 all_pairs: bool, selection: _Selection, method: str, device: str,
+                 meta: Any) -> da.Array:
+    """The best keys ``(n, k)`` of each row, listed by hand as a chain of states per row
+    chunk: each row chunk's first block (all pairs: its diagonal block) by the plain path,
+    then one task per further block that updates the states of its row chunk and (all pairs)
+    its column chunk (:func:`_next_states`), in rounds of disjoint chunk pairs; what a block
+    keeps never leaves the device that computed it, and only the states (``8 k`` bytes a row)
+    move between tasks."""
+    k = selection.k
+    token = tokenize(wx, wy, selection, method, device)
+    name, first, step = (f"similarity-top-k-{token}", f"similarity-first-{token}",
+                         f"similarity-step-{token}")
+    starts_x = np.concatenate([[0], np.cumsum(wx.chunks[0])]).tolist()
+    starts_y = np.concatenate([[0], np.cumsum(wy.chunks[0])]).tolist()
+    chunks_x, chunks_y = len(wx.chunks[0]), len(wy.chunks[0])
+    opts = {"selection": selection, "method": method, "device": device}
+    first_task = functools.partial(_first_state, **opts)
+    next_task = functools.partial(_next_states, **opts)
+    dsk: dict[tuple, Any] = {}
+    latest: dict[int, tuple[tuple, int]] = {}
+    for i in range(chunks_x):
+        j = i if all_pairs else 0
+        dsk[(first, i)] = (first_task, (wx.name, i, 0), (wy.name, j, 0), (pop_x.name, i),
+                           (pop_y.name, j), starts_x[i], starts_y[j], all_pairs)
+        latest[i] = ((first, i), 0)
+    if all_pairs:
+        blocks = _round_robin(chunks_x)
+    else:
+        blocks = [(i, j) for j in range(1, chunks_y) for i in range(chunks_x)]
+    for i, j in blocks:
+        key = (step, i, j)
+        column_state: tuple = latest[j] if all_pairs else (None, 0)
+        dsk[key] = (next_task, (wx.name, i, 0), (wy.name, j, 0), (pop_x.name, i),
+                    (pop_y.name, j), starts_x[i], starts_y[j], *latest[i], *column_state)
+        latest[i] = (key, 0)
+        if all_pairs:
+            latest[j] = (key, 1)
+    for i in range(chunks_x):
+        dsk[(name, i, 0)] = (_state_of, *latest[i])
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[wx, wy, pop_x, pop_y])
+    return da.Array(graph, name, (wx.chunks[0], (k,)), dtype=np.uint64, meta=meta)
 
 
 def _row_parts(row_blocks: list[Any], column_blocks: list[Any] | None) -> list[Any]:
@@ -330,8 +499,12 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     # halves of the blocks above it in its column): lists of small arrays, never counts.
     mirrored = (kept, "ji") if y is None else ()
     if k is not None:
-        keys = da.blockwise(_merged_keys, "it", kept, "ij", *mirrored, new_axes={"t": k},
-                            concatenate=False, k=k, dtype=np.uint64, meta=meta2)
+        if listed_graphs():
+            keys = _top_k_chain(wx, wy, pop_x, pop_y, y is None, selection, method, device,
+                                meta2)
+        else:
+            keys = da.blockwise(_merged_keys, "it", kept, "ij", *mirrored, new_axes={"t": k},
+                                concatenate=False, k=k, dtype=np.uint64, meta=meta2)
         indices = keys.map_blocks(_placed, kernels.decode_indices, on_device, dtype=np.int64,
                                   meta=meta_from_array(meta2, ndim=2, dtype=np.int64))
         scores = keys.map_blocks(_placed, kernels.decode_scores, on_device, metric,

@@ -181,3 +181,43 @@ def test_dense_scores_agree_with_scipy_on_non_empty_rows(rng):
         got = dg.similarity(x.astype(np.uint8), y.astype(np.uint8), metric=metric).compute()
         want = to_score(distance.cdist(x, y, metric))
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=metric)
+
+
+@pytest.mark.parametrize("count", [1, 2, 5, 8])
+def test_round_robin_meets_every_pair_once_in_rounds_of_disjoint_chunks(count):
+    from dask_gpuchunk.similarity import _round_robin
+
+    order = _round_robin(count)
+    assert sorted(order) == [(i, j) for i in range(count) for j in range(i + 1, count)]
+    per_round = count // 2
+    for start in range(0, len(order), max(per_round, 1)):
+        chunks = [c for pair in order[start:start + per_round] for c in pair]
+        assert len(chunks) == len(set(chunks))
+
+
+@pytest.mark.skipif(QUERY_PLANNING, reason="threshold= is refused under array query planning")
+def test_top_k_and_threshold_when_targets_fill_their_candidate_slots(xp, rng, monkeypatch):
+    # On a GPU with the 1-bit tensor cores, one slot per target: nearly every target of the
+    # top-k chain's blocks is redone from its own Gram, a few at a time; the results stay exact.
+    from dask_gpuchunk._kernels import bmma_select
+
+    monkeypatch.setattr(bmma_select, "SLOTS", 1)
+    monkeypatch.setattr(bmma_select, "REDONE_TARGETS", 7)
+    x = fingerprints(rng, 150, 300)
+    w = dg.asarray(xp.asarray(np.packbits(x, axis=1)), chunks=(40, -1))
+    before = bmma_select.redone["targets"]
+    indices, scores = dask.compute(*dg.similarity(w, packed=True, metric="dice", top_k=6))
+    want_i, want_s = brute_top_k(reference(x, x, "dice"), 6, False, True)
+    host = (lambda a: a) if xp is np else (lambda a: a.get())
+    np.testing.assert_array_equal(host(indices), want_i)
+    np.testing.assert_array_equal(host(scores), want_s.astype(np.float32))
+    if xp is not np:
+        assert bmma_select.redone["targets"] > before
+    rows, cols, got = dask.compute(*dg.similarity(w, packed=True, metric="dice", threshold=0.2))
+    s = reference(x, x, "dice")
+    keep = s >= np.float32(0.2)
+    np.fill_diagonal(keep, False)
+    want_r, want_c = np.nonzero(keep)
+    np.testing.assert_array_equal(host(rows), want_r)
+    np.testing.assert_array_equal(host(cols), want_c)
+    np.testing.assert_array_equal(host(got), s[want_r, want_c])

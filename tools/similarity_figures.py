@@ -89,6 +89,7 @@ def figures(n: int, bits: int, density: float, chunk_rows: int, k: int, threshol
     x = dg.asarray(words, chunks=(chunk_rows, -1))
     out: dict = {"rows": n, "bits": bits, "density": density, "chunk_rows": chunk_rows, "k": k,
                  "pairs": n * (n - 1)}
+    from dask_gpuchunk._kernels.bmma_select import redone
 
     def top_k():
         return dask.compute(*dg.similarity(x, packed=True, top_k=k))
@@ -118,6 +119,7 @@ def figures(n: int, bits: int, density: float, chunk_rows: int, k: int, threshol
     print(f"{n} rows: threshold", flush=True)
     out["threshold_s"], (r, c, s) = best_of(repeats, above)
     out["threshold_pairs"] = int(r.shape[0])
+    out["redone_targets"] = redone["targets"]
     out["top_k_pairs_per_s"] = out["pairs"] / out["top_k_s"]
     out["pool_peak_bytes"] = int(cupy.get_default_memory_pool().total_bytes())
     pick = np.random.default_rng(seed)

@@ -33,7 +33,8 @@ from .compiled import compiled_once
 from .gram import _mirror_cuda
 from .launch import cupy_stream
 
-__all__ = ["BMMA_MIN_CC", "TILE", "BmmaTile", "bmma_cuda", "bmma_supported"]
+__all__ = ["BMMA_MIN_CC", "TILE", "TILE_SOURCE", "BmmaTile", "bmma_cuda", "bmma_supported",
+           "tile_kernel", "words32"]
 
 #: Compute capability from which ``mma.sync.m16n8k256 .b1.and.popc`` exists.
 BMMA_MIN_CC = (8, 0)
@@ -72,7 +73,9 @@ class BmmaTile(NamedTuple):
 #: The tile used unless one is given (chosen by measurement; see docs/perf-notes.md).
 TILE = BmmaTile(128, 128, 64, 64, 3, kbits=1024, split=1)
 
-_SOURCE = r"""
+#: The pieces every kernel on the 1-bit tensor cores shares (a tile's place in the grid and its
+#: counts in registers), for :mod:`dask_gpuchunk._kernels.bmma_select`'s kernels too.
+TILE_SOURCE = r"""
 #define THREADS (32 * (BM / WM) * (BN / WN))
 #define MI (WM / 16)
 #define NJ (WN / 8)
@@ -106,29 +109,43 @@ __device__ __forceinline__ void bmma(int* acc, const unsigned a0, const unsigned
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-gram_bmma(const unsigned* __restrict__ a, const unsigned* __restrict__ b, int* __restrict__ c,
-          int na, int nb, int kw, int ldc, int upper, int pair_store)
+struct TilePlace {
+    int row_block, col_block;  // the tile's first row and column of C
+    int wr, wc;                // this warp's tile within it
+    bool active;               // whether this warp has entries on or above the diagonal
+};
+
+__device__ __forceinline__ bool tile_place(int na, int nb, int upper, TilePlace& p)
 {
-    // a: na x kw and b: nb x kw 32-bit words, row-major, kw a multiple of KBITS / 32, 16-byte
-    // aligned. One-dimensional grid, block rows taken GROUP at a time.
-    extern __shared__ uint4 smem[];
+    // One-dimensional grid, block rows taken GROUP at a time; false for a tile wholly below
+    // the diagonal of a symmetric block (its mirror is computed).
     const int tiles_m = (na + BM - 1) / BM, tiles_n = (nb + BN - 1) / BN;
     const int per_group = GROUP * tiles_n;
     const int first_m = (blockIdx.x / per_group) * GROUP;
     const int rows_here = min(tiles_m - first_m, GROUP);
     const int in_group = blockIdx.x % per_group;
-    const int row_block = (first_m + in_group % rows_here) * BM;
-    const int col_block = (in_group / rows_here) * BN;
-    if (upper && row_block >= col_block + BN) return;  // the mirror of a tile above
-    const int tid = threadIdx.x;
-    const int warp = tid >> 5, lane = tid & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int wr = (warp / (BN / WN)) * WM;  // warp tile within the block
-    const int wc = (warp % (BN / WN)) * WN;
-    const bool active = !(upper && row_block + wr >= col_block + wc + WN);
+    p.row_block = (first_m + in_group % rows_here) * BM;
+    p.col_block = (in_group / rows_here) * BN;
+    if (upper && p.row_block >= p.col_block + BN) return false;
+    const int warp = threadIdx.x >> 5;
+    p.wr = (warp / (BN / WN)) * WM;
+    p.wc = (warp % (BN / WN)) * WN;
+    p.active = !(upper && p.row_block + p.wr >= p.col_block + p.wc + WN);
+    return true;
+}
 
-    int acc[MI][NJ][4];
+__device__ __forceinline__ void tile_counts(int (&acc)[MI][NJ][4],
+                                            const unsigned* __restrict__ a,
+                                            const unsigned* __restrict__ b,
+                                            int na, int nb, int kw, const TilePlace& p,
+                                            uint4* smem)
+{
+    // a: na x kw and b: nb x kw 32-bit words, row-major, kw a multiple of KBITS / 32, 16-byte
+    // aligned. Every thread of the block takes part in the copies; only active warps multiply.
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int row_block = p.row_block, col_block = p.col_block, wr = p.wr, wc = p.wc;
 #pragma unroll
     for (int i = 0; i < MI; ++i)
 #pragma unroll
@@ -168,7 +185,7 @@ gram_bmma(const unsigned* __restrict__ a, const unsigned* __restrict__ b, int* _
         const int next = step + STAGES - 1;
         if (next < steps) load_stage(next % STAGES, next);
         asm volatile("cp.async.commit_group;\n" ::);
-        if (!active) continue;
+        if (!p.active) continue;
         const uint4* sa = smem + (step % STAGES) * (BM + BN) * ROW_VECS;
         const uint4* sb = sa + BM * ROW_VECS;
 #pragma unroll
@@ -213,13 +230,28 @@ gram_bmma(const unsigned* __restrict__ a, const unsigned* __restrict__ b, int* _
         }
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
-    if (!active) return;
+}
+"""
+
+_SOURCE = TILE_SOURCE + r"""
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+gram_bmma(const unsigned* __restrict__ a, const unsigned* __restrict__ b, int* __restrict__ c,
+          int na, int nb, int kw, int ldc, int upper, int pair_store)
+{
+    extern __shared__ uint4 smem[];
+    TilePlace p;
+    if (!tile_place(na, nb, upper, p)) return;  // the mirror of a tile above
+    int acc[MI][NJ][4];
+    tile_counts(acc, a, b, na, nb, kw, p, smem);
+    if (!p.active) return;
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
-        const int r0 = row_block + wr + i * 16 + g, r1 = r0 + 8;
+        const int r0 = p.row_block + p.wr + i * 16 + g, r1 = r0 + 8;
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
-            const int c0 = col_block + wc + j * 8 + 2 * t;
+            const int c0 = p.col_block + p.wc + j * 8 + 2 * t;
             if (pair_store && c0 + 1 < nb) {  // 8-byte stores where C's rows allow them
                 if (r0 < na) *reinterpret_cast<int2*>(c + (size_t)r0 * ldc + c0) = make_int2(acc[i][j][0], acc[i][j][1]);
                 if (r1 < na) *reinterpret_cast<int2*>(c + (size_t)r1 * ldc + c0) = make_int2(acc[i][j][2], acc[i][j][3]);
@@ -257,29 +289,36 @@ def _check_tile(tile: BmmaTile) -> None:
 
 
 def _kernel(tile: BmmaTile) -> Any:
-    """The compiled kernel for the current device and tile (NVRTC at first use, then cached)."""
+    """The compiled Gram kernel for the current device and tile (NVRTC at first use, then
+    cached)."""
+    return tile_kernel(tile, _SOURCE, "gram_bmma")
+
+
+def tile_kernel(tile: BmmaTile, source: str, name: str) -> Any:
+    """Kernel ``name`` of ``source`` (which builds on :data:`TILE_SOURCE`) compiled for the
+    current device with ``tile``'s shape, at first use, then cached."""
     import cupy
 
-    return _compiled_kernel(cupy.cuda.runtime.getDevice(), tile)
+    return _compiled_kernel(cupy.cuda.runtime.getDevice(), tile, source, name)
 
 
 @compiled_once
-def _compiled_kernel(device: int, tile: BmmaTile) -> Any:
+def _compiled_kernel(device: int, tile: BmmaTile, source: str, name: str) -> Any:
     import cupy
 
     _check_tile(tile)
     props = cupy.cuda.runtime.getDeviceProperties(device)
     arch = f"sm_{props['major']}{props['minor']}"
-    defines = "".join(f"#define {name.upper()} {value}\n"
-                      for name, value in tile._asdict().items())
-    module = cupy.RawModule(code=defines + _SOURCE,
+    defines = "".join(f"#define {key.upper()} {value}\n"
+                      for key, value in tile._asdict().items())
+    module = cupy.RawModule(code=defines + source,
                             options=("-std=c++17", f"--gpu-architecture={arch}"))
-    kernel = module.get_function("gram_bmma")
+    kernel = module.get_function(name)
     kernel.max_dynamic_shared_size_bytes = tile.shared_bytes
     return kernel
 
 
-def _words32(words: Any, kbits: int) -> Any:
+def words32(words: Any, kbits: int) -> Any:
     """``uint64`` words ``(n, m)`` as ``uint32`` ``(n, kw)``: rows zero-padded to a multiple of
     ``kbits`` bits, 16-byte aligned."""
     import cupy
@@ -316,8 +355,8 @@ def _bmma(a: Any, b: Any | None, c: Any, stream: Any, tile: BmmaTile) -> None:
         return
     if not c.flags.c_contiguous or c.shape != (na, nb):
         raise ValueError(f"c must be a C-contiguous ({na}, {nb}) array")
-    a32 = _words32(a, tile.kbits)
-    b32 = a32 if diagonal else _words32(b, tile.kbits)
+    a32 = words32(a, tile.kbits)
+    b32 = a32 if diagonal else words32(b, tile.kbits)
     pair_store = c.shape[1] % 2 == 0 and c.data.ptr % 8 == 0
     grid = (-(-nb // tile.bn) * -(-na // tile.bm),)
     args = (a32, b32, c, np.int32(na), np.int32(nb), np.int32(a32.shape[1]),

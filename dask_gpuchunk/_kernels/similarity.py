@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CUDA_TOP_K_MAX", "FLOAT_METRICS", "METRICS", "NO_PAIR", "best_keys_cuda",
+__all__ = ["CUDA_TOP_K_MAX", "FLOAT_METRICS", "METRICS", "METRIC_CODES", "NO_PAIR", "RANK_SOURCE",
+           "best_keys_cuda",
            "decode_indices", "decode_scores", "pairs_at_least_cuda", "rank_limit", "same_ids",
            "swapped_pairs",
            "lower_is_better", "pair_rows_cols_scores", "pairs_at_least", "rank_keys",
@@ -230,7 +231,8 @@ def pair_rows_cols_scores(pairs: Any, metric: str) -> tuple[Any, Any, Any]:
 #: :func:`smallest_keys`.
 CUDA_TOP_K_MAX = 32
 
-_RANK_SOURCE = r"""
+#: CUDA C++ of ``rank_of(c, a, b, metric)``: the rank of a score (:func:`rank_keys`).
+RANK_SOURCE = r"""
 __device__ __forceinline__ unsigned int rank_of(int c, int a, int b, int metric)
 {
     // The score's rank (smaller is better), by the formulas of _kernels.similarity.
@@ -251,7 +253,7 @@ __device__ __forceinline__ unsigned int rank_of(int c, int a, int b, int metric)
 }
 """
 
-_BEST_KEYS_SOURCE = _RANK_SOURCE + r"""
+_BEST_KEYS_SOURCE = RANK_SOURCE + r"""
 extern "C" __global__ void best_keys(
     const int* __restrict__ counts, const int* __restrict__ pop_target,
     const int* __restrict__ pop_candidate, long long first_target, long long first_candidate,
@@ -323,13 +325,13 @@ def pairs_at_least_cuda(counts: Any, pop_rows: Any, pop_cols: Any, first_row: in
     if _keep_kernel is None:
         _keep_kernel = cupy.ElementwiseKernel(
             "int32 c, int32 a, int32 b, uint32 limit, int32 metric", "bool keep", _KEEP_SOURCE,
-            "dask_gpuchunk_similarity_keep", preamble=_RANK_SOURCE)
+            "dask_gpuchunk_similarity_keep", preamble=RANK_SOURCE)
     counts = cupy.asarray(counts, dtype=np.int32)
     pop_rows = cupy.asarray(pop_rows, dtype=np.int32)
     pop_cols = cupy.asarray(pop_cols, dtype=np.int32)
     keep = _keep_kernel(counts, pop_rows[:, None], pop_cols[None, :],
                         np.uint32(rank_limit(threshold, metric)),
-                        np.int32(_METRIC_CODES[metric]))
+                        np.int32(METRIC_CODES[metric]))
     excluded = same_ids(counts, first_row, first_col) if exclude else None
     if excluded is not None:
         keep &= ~excluded
@@ -342,7 +344,8 @@ def pairs_at_least_cuda(counts: Any, pop_rows: Any, pop_cols: Any, first_row: in
     return out
 
 
-_METRIC_CODES = {"tanimoto": 0, "jaccard": 0, "dice": 1, "cosine": 2, "hamming": 3,
+#: The ``metric`` argument of the CUDA kernels.
+METRIC_CODES = {"tanimoto": 0, "jaccard": 0, "dice": 1, "cosine": 2, "hamming": 3,
                  "counts": 4}
 _best_keys_kernel: Any = None
 
@@ -381,6 +384,6 @@ def best_keys_cuda(counts: Any, pop_rows: Any, pop_cols: Any, first_row: int, fi
             ((targets + 31) // 32,), (32, slices),
             (matrix, pops[0], pops[1], np.int64(firsts[0]), np.int64(firsts[1]),
              np.int64(targets), np.int64(candidates), np.int32(k),
-             np.int32(_METRIC_CODES[metric]), np.int32(bool(exclude)), out),
+             np.int32(METRIC_CODES[metric]), np.int32(bool(exclude)), out),
             shared_mem=slices * 32 * k * 8)
     return out

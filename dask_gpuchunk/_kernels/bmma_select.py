@@ -1,0 +1,426 @@
+"""Top-k and threshold selection in the epilogue of the 1-bit tensor-core Gram kernel.
+
+The kernels of this module compute a block's counts exactly as
+:func:`dask_gpuchunk._kernels.bmma.bmma_cuda` does (the same tile code, in registers), then,
+instead of storing them, score each one (``rank_of``, the formulas of
+:mod:`dask_gpuchunk._kernels.similarity`) and keep only what a selection can use: the counts
+matrix never reaches device memory. At 16,384 x 16,384 pairs of 2,048 bits, storing the block
+writes 1 GiB and scoring it reads that GiB again (twice for both orientations), about 1 ms
+against the tensor cores' 0.1 ms.
+
+Top-k (:func:`top_k_candidates`): each target (a row, and for all pairs a column too) has a
+running best-``k`` list, its *state*, from the blocks already merged; a pair is a candidate for
+a target only if its key (rank << 32 | id) is smaller than the state's last key, since the
+state already holds ``k`` better keys otherwise. Candidates go to ``SLOTS`` slots per target
+(an atomic count each); a second kernel merges them into a new state. With the state from one
+block of 16,384 candidates, a random block gives each target about ``k`` candidates, fewer as
+the state tightens. A target with more (an empty row, whose every pair ties at 0 and beats the
+state's last key wherever the block's ids are smaller; ordered data) is redone exactly from a
+Gram of that target against the block, so the result never depends on the slots.
+
+The epilogue stages the tile's counts in shared memory (where the copies of k were), then each
+thread takes one row of the tile (and one column): per pair a shared-memory read, a test and,
+rarely, a score; the fragments' scattered layout in registers made the same work 10 x slower
+when each thread scored its own fragments (measured on an H200: 3.2 ms a 16,384-row block).
+
+Threshold (:func:`pairs_at_least_bmma`): every pair that meets the threshold is appended to
+one buffer (one atomic per row of a tile), as :func:`~dask_gpuchunk._kernels.similarity.pairs_at_least`
+lays pairs out; a buffer too small is sized again from the count and the block recomputed.
+
+Float scores need a division per pair; before it, a test that costs a multiply (``c >=
+least * den``, with ``least`` a hair below the score to beat) leaves out nearly every pair of
+a tight selection, and lets through every pair that can pass (float32 division is correctly
+rounded: ``c / den >= s`` needs ``c >= s * den * (1 - 2**-24)``). No dask here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .bmma import TILE, TILE_SOURCE, BmmaTile, bmma_cuda, tile_kernel, words32
+from .similarity import (
+    CUDA_TOP_K_MAX,
+    METRIC_CODES,
+    RANK_SOURCE,
+    rank_keys,
+    rank_limit,
+    scores,
+    smallest_keys,
+)
+
+__all__ = ["PAIRS_FIRST_CAPACITY", "REDONE_TARGETS", "SLOTS", "pairs_at_least_bmma", "redone",
+           "top_k_candidates", "top_k_scratch_bytes"]
+
+#: Candidate slots per target and block in :func:`top_k_candidates`.
+SLOTS = 64
+#: Pairs :func:`pairs_at_least_bmma` makes room for before it knows how many there are.
+PAIRS_FIRST_CAPACITY = 1 << 16
+
+_SELECT_SOURCE = TILE_SOURCE + RANK_SOURCE + r"""
+#define LD (BN + 1)  // a staged tile's row stride in ints: rows and columns read without conflicts
+
+#define LINE_WORDS ((BM > BN ? BM : BN) / 32)
+
+__device__ __forceinline__ float least_of(unsigned rank)
+{
+    // A score below which no pair can reach rank: rank's own score, less a margin for the
+    // rounding of the tests below (float metrics only).
+    return __uint_as_float(0xFFFFFFFFu - rank) * 0.99999905f;  // 1 - 2**-20
+}
+
+__device__ __forceinline__ bool may_reach(int c, int a, int b, int metric, float least,
+                                          unsigned rank_bound)
+{
+    // False only for pairs whose rank is above rank_bound: the float scores below least (see
+    // least_of), without a division; hamming and counts exactly.
+    if (metric == 0) return (float)c >= least * (float)(a + b - c);
+    if (metric == 1) return (float)(2 * c) >= least * (float)(a + b);
+    if (metric == 2) return (float)c * (float)c >= (least * least) * 0.99999f * ((float)a * (float)b);
+    if (metric == 3) return (unsigned)(a + b - 2 * c) <= rank_bound;
+    return 0xFFFFFFFFu - (unsigned)c <= rank_bound;
+}
+
+__device__ __forceinline__ void stage_tile(const int (&acc)[MI][NJ][4], const TilePlace& p,
+                                           const int* __restrict__ pop_a,
+                                           const int* __restrict__ pop_b, int na, int nb,
+                                           int* tile, int* pops_r, int* pops_c)
+{
+    // The tile's counts into shared memory (where the copies of k were: every warp must be
+    // done with them), row stride LD, and the popcounts of its rows and columns.
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                for (int q = 0; q < 2; ++q)
+                    tile[(p.wr + i * 16 + g + 8 * h) * LD + p.wc + j * 8 + 2 * t + q] = acc[i][j][2 * h + q];
+    for (int v = threadIdx.x; v < BM; v += THREADS)
+        pops_r[v] = p.row_block + v < na ? pop_a[p.row_block + v] : 0;
+    for (int v = threadIdx.x; v < BN; v += THREADS)
+        pops_c[v] = p.col_block + v < nb ? pop_b[p.col_block + v] : 0;
+    __syncthreads();
+}
+
+__device__ __forceinline__ void scan_line(const int* line, int stride, int length, int pop,
+                                          const int* pops, int metric, float least,
+                                          unsigned rank_bound, unsigned (&pass)[LINE_WORDS])
+{
+    // Which pairs of a line of the staged tile (a row, or a column) may reach rank_bound, as a
+    // bit mask: a branch-free pass with every read independent of the others (the exact test,
+    // with its division, runs for the few that pass). A loop that tested and scored each pair
+    // in turn took 1.0-1.7 ms a 16,384-row block on an H200, this pass 0.15 ms.
+#pragma unroll
+    for (int word = 0; word < LINE_WORDS; ++word) {
+        unsigned bits = 0;
+#pragma unroll
+        for (int bit = 0; bit < 32; ++bit) {
+            const int v = word * 32 + bit;
+            bits |= (unsigned)may_reach(line[v * stride], pop, pops[v], metric, least,
+                                        rank_bound) << bit;
+        }
+        const int left = length - word * 32;
+        pass[word] = left >= 32 ? bits : (left <= 0 ? 0u : bits & ((1u << left) - 1u));
+    }
+}
+
+__device__ __forceinline__ void candidates_of(const int* line, int stride, int length,
+                                              int pop, const int* pops, int target,
+                                              long long id, long long first_other,
+                                              const unsigned long long* __restrict__ state,
+                                              int k, int metric, int exclude,
+                                              unsigned long long* slots, int* count, int nslots)
+{
+    // One target against a line of the staged tile: the pairs whose key beats the target's
+    // state into its slots.
+    const unsigned long long bound = state[(size_t)target * k + k - 1];
+    const unsigned rank_bound = (unsigned)(bound >> 32);
+    unsigned pass[LINE_WORDS];
+    scan_line(line, stride, length, pop, pops, metric, least_of(rank_bound), rank_bound, pass);
+#pragma unroll
+    for (int word = 0; word < LINE_WORDS; ++word) {
+        for (unsigned bits = pass[word]; bits; bits &= bits - 1) {
+            const int v = word * 32 + __ffs(bits) - 1;
+            const long long other_id = first_other + v;
+            if (exclude && other_id == id) continue;
+            const unsigned long long key = ((unsigned long long)rank_of(
+                line[v * stride], pop, pops[v], metric) << 32) | (unsigned)other_id;
+            if (key >= bound) continue;
+            const int slot = atomicAdd(count + target, 1);
+            if (slot < nslots) slots[(size_t)target * nslots + slot] = key;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+top_k_candidates(const unsigned* __restrict__ a, const unsigned* __restrict__ b, int na, int nb,
+                 int kw, const int* __restrict__ pop_a, const int* __restrict__ pop_b,
+                 long long first_a, long long first_b,
+                 const unsigned long long* __restrict__ state_a,
+                 const unsigned long long* __restrict__ state_b, int k, int metric, int exclude,
+                 int both, unsigned long long* __restrict__ slots_a, int* __restrict__ count_a,
+                 unsigned long long* __restrict__ slots_b, int* __restrict__ count_b, int nslots)
+{
+    // The pairs of a's rows with b's rows (ids first_a + r, first_b + c) whose key beats the
+    // row's state (k sorted keys a row) into its slots; with both, also for the columns
+    // against state_b. Pairs of equal ids left out with exclude. The tile's counts are staged
+    // in shared memory, then each thread takes a row of it (and a column).
+    extern __shared__ uint4 smem[];
+    TilePlace p;
+    tile_place(na, nb, 0, p);
+    int acc[MI][NJ][4];
+    tile_counts(acc, a, b, na, nb, kw, p, smem);
+    int* tile = reinterpret_cast<int*>(smem);
+    int* pops_r = tile + BM * LD;
+    int* pops_c = pops_r + BM;
+    stage_tile(acc, p, pop_a, pop_b, na, nb, tile, pops_r, pops_c);
+    const int rows = min(BM, na - p.row_block), cols = min(BN, nb - p.col_block);
+    for (int v = threadIdx.x; v < rows; v += THREADS)
+        candidates_of(tile + v * LD, 1, cols, pops_r[v], pops_c, p.row_block + v,
+                      first_a + p.row_block + v, first_b + p.col_block, state_a, k, metric,
+                      exclude, slots_a, count_a, nslots);
+    if (!both) return;
+    for (int v = threadIdx.x; v < cols; v += THREADS)
+        candidates_of(tile + v, LD, rows, pops_c[v], pops_r, p.col_block + v,
+                      first_b + p.col_block + v, first_a + p.row_block, state_b, k, metric,
+                      exclude, slots_b, count_b, nslots);
+}
+
+extern "C" __global__ void
+merge_candidates(const unsigned long long* __restrict__ state,
+                 const unsigned long long* __restrict__ slots, const int* __restrict__ count,
+                 int n, int k, int nslots, unsigned long long* __restrict__ out)
+{
+    // A target's new state: the k smallest of its state and its candidates (those of a target
+    // with more candidates than slots are redone by the caller).
+    const int target = blockIdx.x * blockDim.x + threadIdx.x;
+    if (target >= n) return;
+    unsigned long long best[MAX_K];
+    for (int i = 0; i < k; ++i) best[i] = state[(size_t)target * k + i];
+    const int m = min(count[target], nslots);
+    for (int s = 0; s < m; ++s) {
+        const unsigned long long key = slots[(size_t)target * nslots + s];
+        if (key >= best[k - 1]) continue;
+        int i = k - 1;
+        while (i > 0 && best[i - 1] > key) { best[i] = best[i - 1]; --i; }
+        best[i] = key;
+    }
+    for (int i = 0; i < k; ++i) out[(size_t)target * k + i] = best[i];
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+pairs_at_least(const unsigned* __restrict__ a, const unsigned* __restrict__ b, int na, int nb,
+               int kw, const int* __restrict__ pop_a, const int* __restrict__ pop_b,
+               long long first_a, long long first_b, unsigned limit, float least, int metric,
+               int exclude, int upper, unsigned long long* __restrict__ out,
+               unsigned long long* __restrict__ found, long long capacity)
+{
+    // Every pair whose rank is at most limit, as (row id << 32 | column id, the score's bits),
+    // appended to out; found counts them all, also those beyond capacity. upper: a symmetric
+    // block (a is b), only pairs with r <= c. Each thread takes a row of the staged tile.
+    extern __shared__ uint4 smem[];
+    TilePlace p;
+    if (!tile_place(na, nb, upper, p)) return;
+    int acc[MI][NJ][4];
+    tile_counts(acc, a, b, na, nb, kw, p, smem);
+    int* tile = reinterpret_cast<int*>(smem);
+    int* pops_r = tile + BM * LD;
+    int* pops_c = pops_r + BM;
+    stage_tile(acc, p, pop_a, pop_b, na, nb, tile, pops_r, pops_c);
+    const int cols = min(BN, nb - p.col_block);
+    for (int v = threadIdx.x; v < BM; v += THREADS) {
+        const int r = p.row_block + v;
+        if (r >= na) continue;
+        const int* line = tile + v * LD;
+        const int pa = pops_r[v];
+        const long long id_a = first_a + r;
+        unsigned pass[LINE_WORDS];
+        scan_line(line, 1, cols, pa, pops_c, metric, least, limit, pass);
+        // The exact test of those that pass, then one atomic for the row's pairs of this tile.
+        int hits = 0;
+#pragma unroll
+        for (int word = 0; word < LINE_WORDS; ++word) {
+            unsigned kept = 0;
+            for (unsigned bits = pass[word]; bits; bits &= bits - 1) {
+                const int bit = __ffs(bits) - 1, w = word * 32 + bit;
+                const int c = p.col_block + w;
+                if ((upper && r > c) || (exclude && id_a == first_b + c)) continue;
+                if (rank_of(line[w], pa, pops_c[w], metric) <= limit) kept |= 1u << bit;
+            }
+            pass[word] = kept;
+            hits += __popc(kept);
+        }
+        if (!hits) continue;
+        unsigned long long at = atomicAdd(found, (unsigned long long)hits);
+#pragma unroll
+        for (int word = 0; word < LINE_WORDS; ++word) {
+            for (unsigned bits = pass[word]; bits; bits &= bits - 1) {
+                const int w = word * 32 + __ffs(bits) - 1;
+                const unsigned rank = rank_of(line[w], pa, pops_c[w], metric);
+                if (at < (unsigned long long)capacity) {
+                    out[2 * at] = ((unsigned long long)id_a << 32) | (unsigned)(first_b + p.col_block + w);
+                    out[2 * at + 1] = metric == 3 ? rank : 0xFFFFFFFFu - rank;
+                }
+                ++at;
+            }
+        }
+    }
+}
+"""
+
+
+def _kernel(name: str, tile: BmmaTile) -> Any:
+    staged = (tile.bm * (tile.bn + 1) + tile.bm + tile.bn) * 4
+    if staged > tile.shared_bytes or tile.bm % tile.threads:
+        raise ValueError(f"bmma tile {tile} cannot stage its counts for selection: "
+                         f"{staged} bytes of shared memory (it has {tile.shared_bytes}), "
+                         "bm a multiple of the threads")
+    source = f"#define MAX_K {CUDA_TOP_K_MAX}\n" + _SELECT_SOURCE
+    return tile_kernel(tile, source, name)
+
+
+def _operands(a: Any, b: Any, tile: BmmaTile) -> tuple[Any, Any]:
+    a32 = words32(a, tile.kbits)
+    return a32, (a32 if b is a else words32(b, tile.kbits))
+
+
+def top_k_scratch_bytes(na: int, nb: int, k: int, both: bool, words64: int,
+                        tile: BmmaTile = TILE) -> int:
+    """Device bytes :func:`top_k_candidates` allocates for blocks of ``na`` and ``nb`` rows:
+    slots, counts, new states, (where the rows need padding) copies of the words, and room to
+    redo :data:`REDONE_TARGETS` targets (their counts, scores, keys and a sort's copies)."""
+    targets = na + (nb if both else 0)
+    padded = -(-words64 * 64 // tile.kbits) * tile.kbits // 8
+    redo = min(REDONE_TARGETS, targets) * max(na, nb) * 40
+    return targets * (SLOTS * 8 + 4 + k * 8) + (na + nb) * padded + redo
+
+
+def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
+                     state_a: Any, state_b: Any | None, metric: str, exclude: bool,
+                     tile: BmmaTile = TILE) -> tuple[Any, Any | None]:
+    """The new states ``(r, k)`` of ``a``'s rows (and, with ``state_b``, of ``b``'s rows as
+    the block's columns) after the block of ``a`` against ``b`` (CuPy ``uint64`` words of one
+    width; row ids ``first_a`` and ``first_b`` on), from states of sorted keys
+    (:func:`~dask_gpuchunk._kernels.similarity.rank_keys`, :data:`NO_PAIR` padding) of the
+    blocks before. Targets with more candidates than :data:`SLOTS` (ties with a state's last
+    key from smaller ids, as an empty row has with every row) are redone exactly against the
+    whole block (:func:`_redone`). Waits for the device (one count read)."""
+    import cupy
+
+    k = state_a.shape[1]
+    if not 1 <= k <= CUDA_TOP_K_MAX:
+        raise ValueError(f"k must be from 1 to {CUDA_TOP_K_MAX}; got {k}")
+    na, nb = a.shape[0], b.shape[0]
+    both = state_b is not None
+    if na == 0 or nb == 0:
+        return state_a, state_b
+    a32, b32 = _operands(a, b, tile)
+    pop_a = cupy.ascontiguousarray(pop_a, dtype=np.int32)
+    pop_b = cupy.ascontiguousarray(pop_b, dtype=np.int32)
+    state_a = cupy.ascontiguousarray(state_a)
+    slots_a = cupy.empty((na, SLOTS), dtype=np.uint64)
+    count_a = cupy.zeros(na, dtype=np.int32)
+    if both:
+        state_b = cupy.ascontiguousarray(state_b)
+        slots_b = cupy.empty((nb, SLOTS), dtype=np.uint64)
+        count_b = cupy.zeros(nb, dtype=np.int32)
+    else:  # never read: both = 0
+        state_b, slots_b, count_b = state_a, slots_a, count_a
+    grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
+    _kernel("top_k_candidates", tile)(
+        grid, (tile.threads,),
+        (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
+         np.int64(first_a), np.int64(first_b), state_a, state_b, np.int32(k),
+         np.int32(METRIC_CODES[metric]), np.int32(bool(exclude)), np.int32(both),
+         slots_a, count_a, slots_b, count_b, np.int32(SLOTS)),
+        shared_mem=tile.shared_bytes)
+    merge = _kernel("merge_candidates", tile)
+    sides = [(a, b, pop_a, pop_b, first_a, first_b, state_a, slots_a, count_a)]
+    if both:
+        sides.append((b, a, pop_b, pop_a, first_b, first_a, state_b, slots_b, count_b))
+    new_states = []
+    for _, _, _, _, _, _, state, slots, count in sides:
+        out = cupy.empty_like(state)
+        n = state.shape[0]
+        merge((-(-n // 128),), (128,), (state, slots, count, np.int32(n), np.int32(k),
+                                        np.int32(SLOTS), out))
+        new_states.append(out)
+    full = [count > SLOTS for *_, count in sides]
+    over = int(sum(cupy.count_nonzero(f) for f in full))
+    if over:
+        redone["targets"] += over
+        for side, state, over in zip(sides, new_states, full):
+            targets, others, pop_t, pop_o, first_t, first_o, old, _, _ = side
+            _redone(cupy.nonzero(over)[0], targets, others, pop_t, pop_o, first_t, first_o,
+                    old, state, metric, exclude)
+    return new_states[0], (new_states[1] if both else None)
+
+
+#: Targets whose candidates overflowed their slots and were redone (:func:`_redone`), in this
+#: process.
+redone = {"targets": 0}
+#: Targets :func:`_redone` takes at a time (their counts, scores, keys and a sort's copies
+#: against a block of 16,384 rows: 160 MiB).
+REDONE_TARGETS = 256
+
+
+def _redone(which: Any, targets: Any, others: Any, pop_t: Any, pop_o: Any, first_t: int,
+            first_o: int, old: Any, new: Any, metric: str, exclude: bool) -> None:
+    """Rows ``which`` of ``new``: their ``old`` state merged with their best keys against
+    every row of ``others``, from their exact counts (a Gram of those targets only)."""
+    import cupy
+
+    k = old.shape[1]
+    ids_o = cupy.arange(first_o, first_o + others.shape[0], dtype=np.int64)
+    for start in range(0, which.shape[0], REDONE_TARGETS):
+        part = which[start:start + REDONE_TARGETS]
+        counts = cupy.empty((part.shape[0], others.shape[0]), dtype=np.int32)
+        bmma_cuda(cupy.ascontiguousarray(targets[part]), others, counts,
+                  cupy.cuda.get_current_stream().ptr)
+        s = scores(counts, pop_t[part], pop_o, metric)
+        excluded = (part[:, None] + first_t == ids_o[None, :]) if exclude else None
+        keys = rank_keys(s, first_o, metric, excluded)
+        new[part] = smallest_keys(cupy.concatenate([old[part], keys], axis=1), k)
+
+
+def pairs_at_least_bmma(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
+                        threshold: Any, metric: str, exclude: bool, upper: bool,
+                        tile: BmmaTile = TILE) -> Any:
+    """The pairs of ``a``'s rows with ``b``'s (CuPy ``uint64`` words; ids ``first_a`` and
+    ``first_b`` on) whose score meets ``threshold``, as
+    :func:`~dask_gpuchunk._kernels.similarity.pairs_at_least` gives them (in no order);
+    ``upper``: ``b`` is ``a`` and only pairs of row <= column are kept. Waits for the device
+    (one count read)."""
+    import cupy
+
+    na, nb = a.shape[0], b.shape[0]
+    if na == 0 or nb == 0:
+        return cupy.empty((0, 2), dtype=np.uint64)
+    a32, b32 = _operands(a, b, tile)
+    pop_a = cupy.ascontiguousarray(pop_a, dtype=np.int32)
+    pop_b = cupy.ascontiguousarray(pop_b, dtype=np.int32)
+    limit = rank_limit(threshold, metric)
+    least = np.float32(threshold) * np.float32(0.99999905) if metric in ("tanimoto", "jaccard",
+                                                                         "dice") else 0.0
+    grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
+    capacity = PAIRS_FIRST_CAPACITY
+    while True:
+        out = cupy.empty((capacity, 2), dtype=np.uint64)
+        found = cupy.zeros(1, dtype=np.uint64)
+        _kernel("pairs_at_least", tile)(
+            grid, (tile.threads,),
+            (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
+             np.int64(first_a), np.int64(first_b), np.uint32(limit), np.float32(least),
+             np.int32(METRIC_CODES[metric]), np.int32(bool(exclude)), np.int32(bool(upper)),
+             out, found, np.int64(capacity)),
+            shared_mem=tile.shared_bytes)
+        count = int(found.get()[0])
+        if count <= capacity:
+            return out[:count]
+        capacity = count  # the block again, with room for every pair
