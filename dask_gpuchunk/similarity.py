@@ -32,7 +32,12 @@ from dask.highlevelgraph import HighLevelGraph
 
 from ._kernels import bitpack as bits
 from ._kernels import similarity as kernels
-from ._kernels.bmma_select import pairs_at_least_bmma, top_k_candidates, top_k_scratch_bytes
+from ._kernels.bmma_select import (
+    PAIRS_FIRST_CAPACITY,
+    pairs_at_least_bmma,
+    top_k_candidates,
+    top_k_scratch_bytes,
+)
 from .arrays import asarray
 from .backend import is_cupy
 from .budget import run_reserved
@@ -113,13 +118,17 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
     # What a block keeps waits on the host for its row chunks' merges: kept on the device, the
     # blocks' best keys of 10**6 rows in 16,384-row chunks filled an 8 GiB card (4.9 GB, most of
     # it held until the last merges), where each block's counts need 2 GiB of it.
-    return tuple(None if part is None else part.get() for part in (mine, theirs))
+    mine = mine.get()
+    if selection.k is None:  # a threshold's pairs: the transposed block's swapped, here
+        return mine, (kernels.swapped_pairs(mine) if both else None)
+    return mine, (None if theirs is None else theirs.get())
 
 
 def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, first_col: int,
                      selection: _Selection, both: bool, diagonal: bool, symmetric: bool,
                      method: str) -> tuple[Any, Any]:
-    """:func:`_scored_block` of CuPy blocks, what it keeps left on the device. A threshold on
+    """:func:`_scored_block` of CuPy blocks, what it keeps left on the device (a threshold's
+    pairs for the rows only: the caller swaps them for the columns). A threshold on
     the 1-bit tensor cores is selected in the kernel's epilogue (no counts in memory); else
     the counts and their scoring hold their bytes of the device budget as one reservation
     (two, one waiting for the other, let every thread hold a block of counts while it waits:
@@ -128,24 +137,33 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
     pairs = a.shape[0] * b.shape[0]
     what = f"a similarity block of {a.shape[0]} x {b.shape[0]} rows"
     if selection.k is None and resolve_method(method, on_gpu=True) == "bmma":
-        def fused() -> tuple[Any, Any]:
-            found = pairs_at_least_bmma(bits.words64(a), bits.words64(b), pop_a, pop_b,
-                                        first_row, first_col, selection.threshold,
-                                        selection.metric, exclude, upper=symmetric)
+        def fused(capacity: int) -> tuple[Any, int]:
+            found, count = pairs_at_least_bmma(bits.words64(a), bits.words64(b), pop_a, pop_b,
+                                               first_row, first_col, selection.threshold,
+                                               selection.metric, exclude, symmetric, capacity)
+            if found is None:
+                return None, count
             if symmetric:  # the pairs below the diagonal are those above, swapped
                 ids = found[:, 0]
                 above = found[(ids >> _SHIFT) != (ids & _LOW)]
                 found = kernels.sorted_pairs([found, kernels.swapped_pairs(above)])
-            return found, (kernels.swapped_pairs(found) if both else None)
+            return (found, None), count
 
-        # The pairs' buffer grows to what the block holds: reserved as if half its pairs met it.
-        return run_reserved(fused, pairs * 8 + device_block_scratch(a, b, method), what)
+        # The pairs' buffer, their copies and the words' padded copies: room for the first
+        # capacity, then (a block with more pairs) for all of them.
+        scratch = device_block_scratch(a, b, method)
+        capacity = PAIRS_FIRST_CAPACITY
+        while True:
+            kept, count = run_reserved(functools.partial(fused, capacity),
+                                       capacity * 64 + scratch, what)
+            if kept is not None:
+                return kept
+            capacity = count
     if selection.k is None:
         def plain() -> tuple[Any, Any]:
-            mine = kernels.pairs_at_least_cuda(device_block_counts(a, b, method), pop_a, pop_b,
+            return kernels.pairs_at_least_cuda(device_block_counts(a, b, method), pop_a, pop_b,
                                                first_row, first_col, selection.threshold,
-                                               selection.metric, exclude)
-            return mine, (kernels.swapped_pairs(mine) if both else None)
+                                               selection.metric, exclude), None
 
         return run_reserved(plain, pairs * 8 + device_block_scratch(a, b, method), what)
     if selection.k <= kernels.CUDA_TOP_K_MAX:

@@ -4,6 +4,8 @@ shapes and uneven chunks, all pairs and queries x database."""
 
 from __future__ import annotations
 
+import importlib
+
 import dask
 import dask.array as da
 import numpy as np
@@ -196,13 +198,16 @@ def test_round_robin_meets_every_pair_once_in_rounds_of_disjoint_chunks(count):
 
 
 @pytest.mark.skipif(QUERY_PLANNING, reason="threshold= is refused under array query planning")
-def test_top_k_and_threshold_when_targets_fill_their_candidate_slots(xp, rng, monkeypatch):
+def test_top_k_and_threshold_beyond_the_kernels_first_room(xp, rng, monkeypatch):
     # On a GPU with the 1-bit tensor cores, one slot per target: nearly every target of the
     # top-k chain's blocks is redone from its own Gram, a few at a time; the results stay exact.
     from dask_gpuchunk._kernels import bmma_select
 
     monkeypatch.setattr(bmma_select, "SLOTS", 1)
     monkeypatch.setattr(bmma_select, "REDONE_TARGETS", 7)
+    # and room for 4 pairs at first: blocks with more are computed again with room for all.
+    monkeypatch.setattr(importlib.import_module("dask_gpuchunk.similarity"),
+                        "PAIRS_FIRST_CAPACITY", 4)
     x = fingerprints(rng, 150, 300)
     w = dg.asarray(xp.asarray(np.packbits(x, axis=1)), chunks=(40, -1))
     before = bmma_select.redone["targets"]

@@ -42,6 +42,7 @@ import numpy as np
 from .bmma import TILE, TILE_SOURCE, BmmaTile, bmma_cuda, tile_kernel, words32
 from .similarity import (
     CUDA_TOP_K_MAX,
+    FLOAT_METRICS,
     METRIC_CODES,
     RANK_SOURCE,
     rank_keys,
@@ -59,7 +60,7 @@ SLOTS = 64
 PAIRS_FIRST_CAPACITY = 1 << 16
 
 _SELECT_SOURCE = TILE_SOURCE + RANK_SOURCE + r"""
-#define LD (BN + 1)  // a staged tile's row stride in ints: rows and columns read without conflicts
+#define LD (BN + 4)  // a staged tile's row stride in ints: 16-byte rows; see stage_tile
 
 #define LINE_WORDS ((BM > BN ? BM : BN) / 32)
 
@@ -92,15 +93,17 @@ __device__ __forceinline__ void stage_tile(const int (&acc)[MI][NJ][4], const Ti
     __syncthreads();
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
+    // With LD = BN + 4: a fragment's 8-byte stores meet at most two to a bank, the rows read
+    // as 16-byte vectors and the columns as ints without conflicts (LD = BN + 1 had 4-way
+    // conflicts here).
 #pragma unroll
     for (int i = 0; i < MI; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int j = 0; j < NJ; ++j)
-#pragma unroll
-                for (int q = 0; q < 2; ++q)
-                    tile[(p.wr + i * 16 + g + 8 * h) * LD + p.wc + j * 8 + 2 * t + q] = acc[i][j][2 * h + q];
+                *reinterpret_cast<int2*>(tile + (p.wr + i * 16 + g + 8 * h) * LD + p.wc + j * 8 + 2 * t) =
+                    make_int2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
     for (int v = threadIdx.x; v < BM; v += THREADS)
         pops_r[v] = p.row_block + v < na ? pop_a[p.row_block + v] : 0;
     for (int v = threadIdx.x; v < BN; v += THREADS)
@@ -119,11 +122,23 @@ __device__ __forceinline__ void scan_line(const int* line, int stride, int lengt
 #pragma unroll
     for (int word = 0; word < LINE_WORDS; ++word) {
         unsigned bits = 0;
+        if (stride == 1) {  // a row: 16-byte reads
 #pragma unroll
-        for (int bit = 0; bit < 32; ++bit) {
-            const int v = word * 32 + bit;
-            bits |= (unsigned)may_reach(line[v * stride], pop, pops[v], metric, least,
-                                        rank_bound) << bit;
+            for (int bit = 0; bit < 32; bit += 4) {
+                const int v = word * 32 + bit;
+                const int4 c = *reinterpret_cast<const int4*>(line + v);
+                bits |= (unsigned)may_reach(c.x, pop, pops[v], metric, least, rank_bound) << bit;
+                bits |= (unsigned)may_reach(c.y, pop, pops[v + 1], metric, least, rank_bound) << (bit + 1);
+                bits |= (unsigned)may_reach(c.z, pop, pops[v + 2], metric, least, rank_bound) << (bit + 2);
+                bits |= (unsigned)may_reach(c.w, pop, pops[v + 3], metric, least, rank_bound) << (bit + 3);
+            }
+        } else {
+#pragma unroll
+            for (int bit = 0; bit < 32; ++bit) {
+                const int v = word * 32 + bit;
+                bits |= (unsigned)may_reach(line[v * stride], pop, pops[v], metric, least,
+                                            rank_bound) << bit;
+            }
         }
         const int left = length - word * 32;
         pass[word] = left >= 32 ? bits : (left <= 0 ? 0u : bits & ((1u << left) - 1u));
@@ -276,11 +291,11 @@ pairs_at_least(const unsigned* __restrict__ a, const unsigned* __restrict__ b, i
 
 
 def _kernel(name: str, tile: BmmaTile) -> Any:
-    staged = (tile.bm * (tile.bn + 1) + tile.bm + tile.bn) * 4
-    if staged > tile.shared_bytes or tile.bm % tile.threads:
+    staged = (tile.bm * (tile.bn + 4) + tile.bm + tile.bn) * 4
+    if staged > tile.shared_bytes or tile.bm % tile.threads or tile.bn % 32 or tile.bm % 32:
         raise ValueError(f"bmma tile {tile} cannot stage its counts for selection: "
                          f"{staged} bytes of shared memory (it has {tile.shared_bytes}), "
-                         "bm a multiple of the threads")
+                         "bm a multiple of the threads, bm and bn of 32")
     source = f"#define MAX_K {CUDA_TOP_K_MAX}\n" + _SELECT_SOURCE
     return tile_kernel(tile, source, name)
 
@@ -391,36 +406,35 @@ def _redone(which: Any, targets: Any, others: Any, pop_t: Any, pop_o: Any, first
 
 def pairs_at_least_bmma(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
                         threshold: Any, metric: str, exclude: bool, upper: bool,
-                        tile: BmmaTile = TILE) -> Any:
+                        capacity: int | None = None, tile: BmmaTile = TILE
+                        ) -> tuple[Any | None, int]:
     """The pairs of ``a``'s rows with ``b``'s (CuPy ``uint64`` words; ids ``first_a`` and
     ``first_b`` on) whose score meets ``threshold``, as
-    :func:`~dask_gpuchunk._kernels.similarity.pairs_at_least` gives them (in no order);
-    ``upper``: ``b`` is ``a`` and only pairs of row <= column are kept. Waits for the device
-    (one count read)."""
+    :func:`~dask_gpuchunk._kernels.similarity.pairs_at_least` gives them (in no order), and
+    their count; ``upper``: ``b`` is ``a`` and only pairs of row <= column are kept. Room is
+    made for ``capacity`` pairs (:data:`PAIRS_FIRST_CAPACITY` unless given): where the block
+    has more, ``(None, count)``, and the caller calls again with ``capacity=count`` (within
+    its budget). Waits for the device (one count read)."""
     import cupy
 
     na, nb = a.shape[0], b.shape[0]
     if na == 0 or nb == 0:
-        return cupy.empty((0, 2), dtype=np.uint64)
+        return cupy.empty((0, 2), dtype=np.uint64), 0
+    capacity = PAIRS_FIRST_CAPACITY if capacity is None else capacity
     a32, b32 = _operands(a, b, tile)
     pop_a = cupy.ascontiguousarray(pop_a, dtype=np.int32)
     pop_b = cupy.ascontiguousarray(pop_b, dtype=np.int32)
     limit = rank_limit(threshold, metric)
-    least = np.float32(threshold) * np.float32(0.99999905) if metric in ("tanimoto", "jaccard",
-                                                                         "dice") else 0.0
+    least = np.float32(threshold) * np.float32(0.99999905) if metric in FLOAT_METRICS else 0.0
     grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
-    capacity = PAIRS_FIRST_CAPACITY
-    while True:
-        out = cupy.empty((capacity, 2), dtype=np.uint64)
-        found = cupy.zeros(1, dtype=np.uint64)
-        _kernel("pairs_at_least", tile)(
-            grid, (tile.threads,),
-            (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
-             np.int64(first_a), np.int64(first_b), np.uint32(limit), np.float32(least),
-             np.int32(METRIC_CODES[metric]), np.int32(bool(exclude)), np.int32(bool(upper)),
-             out, found, np.int64(capacity)),
-            shared_mem=tile.shared_bytes)
-        count = int(found.get()[0])
-        if count <= capacity:
-            return out[:count]
-        capacity = count  # the block again, with room for every pair
+    out = cupy.empty((capacity, 2), dtype=np.uint64)
+    found = cupy.zeros(1, dtype=np.uint64)
+    _kernel("pairs_at_least", tile)(
+        grid, (tile.threads,),
+        (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
+         np.int64(first_a), np.int64(first_b), np.uint32(limit), np.float32(least),
+         np.int32(METRIC_CODES[metric]), np.int32(bool(exclude)), np.int32(bool(upper)),
+         out, found, np.int64(capacity)),
+        shared_mem=tile.shared_bytes)
+    count = int(found.get()[0])
+    return (out[:count] if count <= capacity else None), count

@@ -1,7 +1,7 @@
 """Selection in the 1-bit tensor-core kernel's epilogue: new top-k states and threshold pairs
 equal to the host path (exact counts, scores, keys and their order) for every metric, with
 ties, empty rows, excluded ids, odd row counts and widths; targets that fill their slots are
-redone from the target's own Gram; a pairs buffer too small grows."""
+redone from the target's own Gram; a pairs buffer too small is reported with the count."""
 
 from __future__ import annotations
 
@@ -102,7 +102,6 @@ def test_targets_with_more_candidates_than_slots_are_redone_exactly(rng, metric,
 def test_threshold_pairs_equal_the_host_path(rng, metric, upper, monkeypatch):
     import cupy
 
-    monkeypatch.setattr(bmma_select, "PAIRS_FIRST_CAPACITY", 8)  # grows: the block again
     x = _rows(rng, 270, 1100, 0.15)
     y = x if upper else _rows(rng, 203, 1100, 0.15)
     first_y = 0 if upper else 250  # ids 250..269 on both sides
@@ -118,8 +117,9 @@ def test_threshold_pairs_equal_the_host_path(rng, metric, upper, monkeypatch):
     assert 8 < len(want) < s.size // 10
     assert (kernels.pair_rows_cols_scores(want, metric)[2] == limit).any()
     words_x = _words(x)
-    got = bmma_select.pairs_at_least_bmma(words_x, words_x if upper else _words(y),
-                                          cupy.asarray(x.sum(axis=1)),
-                                          cupy.asarray(y.sum(axis=1)), 0, first_y, limit,
-                                          metric, True, upper)
+    args = (words_x, words_x if upper else _words(y), cupy.asarray(x.sum(axis=1)),
+            cupy.asarray(y.sum(axis=1)), 0, first_y, limit, metric, True, upper)
+    assert bmma_select.pairs_at_least_bmma(*args, capacity=8) == (None, len(want))
+    got, count = bmma_select.pairs_at_least_bmma(*args, capacity=len(want))
+    assert count == len(want)
     np.testing.assert_array_equal(kernels.sorted_pairs([got.get()]), want)
