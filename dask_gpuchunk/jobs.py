@@ -711,9 +711,12 @@ def gram_job(
     return run
 
 
-#: Rows per chunk of a similarity job on GPUs (measured: 16,384-row chunks ran all-pairs top-10
-#: of 262,144 x 2048 bits in 1.1 s where 4,096-row chunks took 2.8 s, the task overheads
-#: dominating), halved while a block would not fit the workers' budget; 4,096 on the CPU.
+#: Rows per chunk of a similarity job on GPUs, halved while a block would not fit the workers'
+#: budget; 4,096 on the CPU. Measured on an H200 under an 8 GiB cap, the API on device words:
+#: all-pairs top-10 of 10**6 x 2048 bits in 2.8 s in 16,384-row chunks, 2.0 s in 32,768-row
+#: ones; but the job (a local cluster's worker) ran out of device memory in 32,768-row chunks
+#: (a row chunk's first block of counts, 4 GiB, beside 4.4 GB that the budget did not see; not
+#: yet understood), so the job keeps 16,384.
 SIMILARITY_CHUNK_ROWS = 16384
 
 
@@ -806,8 +809,10 @@ def similarity_job(
         h = headers[0]  # 64-bit words per row
         width = -(-h.shape[1] * h.dtype.itemsize // 8) if packed else -(-h.shape[1] // 64)
         if budgets and chunk_rows is None:
-            # A block's counts, their transposed copy and both chunks of words.
-            while rows > MIN_CHUNK_ROWS and rows * rows * 8 + 2 * rows * width * 8 > min(
+            # A block's counts (top-k and threshold: only a row chunk's first block has them,
+            # the others select in the kernel; dense: and their scores) and both chunks' words.
+            per_pair = 8 if dense else 4
+            while rows > MIN_CHUNK_ROWS and rows * rows * per_pair + 2 * rows * width * 8 > min(
                     budgets):
                 rows //= 2
         x = words_of(paths[0], rows, bool(budgets))

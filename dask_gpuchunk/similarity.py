@@ -3,18 +3,21 @@
 Dense scores are :func:`dask_gpuchunk.gram`'s blocks (all pairs of ``x``: only blocks on or
 above the diagonal computed, those below their transposes), or
 :func:`dask_gpuchunk.gram.block_counts` of a row chunk of ``x`` with one of ``y`` (queries x
-database), scored block by block. For top-k and threshold, one task per block computes its
-counts, scores them (:mod:`dask_gpuchunk._kernels.similarity`, on the device that holds them,
-within the device budget) and keeps only each row's best ``k`` or the pairs over the threshold;
-for all pairs, a block above the diagonal also keeps them for its columns (its transpose), so
-that each block is computed once and no counts outlive their task. A task per row chunk then
-merges what its blocks kept, on the host (for device blocks too: ``n`` rows in chunks of ``r``
-keep about ``8 k n² / r`` bytes until their merges, 4.9 GB for 10**6 rows, k = 10, r = 16,384),
-and the result goes back to the device for device input. The rows' popcounts are computed
-once per input.
+database), scored block by block. The rows' popcounts are computed once per input.
 
-Not yet fused into the tensor-core kernel (each block's counts are written to device memory,
-then scored): the kernel epilogue is the next step.
+Top-k, where small graphs are listed (:func:`dask_gpuchunk.config.listed_graphs`): a chain of
+*states* (each row's best ``k`` keys so far) per row chunk. A row chunk's first block (all
+pairs: its diagonal block; queries: the first database chunk) is computed and selected the
+plain way; then one task per further block updates the states of its row chunk and (all
+pairs) of its column chunk, in rounds of disjoint chunk pairs (:func:`_round_robin`), so that a
+round's tasks run at once and only states (``8 k`` bytes a row) move between them. On the 1-bit
+tensor cores the block is selected in the kernel's epilogue against the states
+(:mod:`dask_gpuchunk._kernels.bmma_select`): its counts never reach memory. Under dask's array
+query planning, one task per block keeps its best keys, merged per row chunk on the host.
+
+Threshold: one task per block on or above the diagonal keeps its pairs (for all pairs also
+those of the transposed block), selected in the epilogue on the tensor cores, else from the
+block's counts; a task per row chunk merges them on the host.
 """
 
 from __future__ import annotations
