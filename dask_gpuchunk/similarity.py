@@ -274,11 +274,12 @@ def _next_states(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: 
                                      first_b, state_a, state_b, selection.metric, exclude),
             top_k_scratch_bytes(len(a), len(b), selection.k, both, words64),
             f"a similarity block of {len(a)} x {len(b)} rows")
-    rows, cols = np.arange(first_a, first_a + len(a)), np.arange(first_b, first_b + len(b))
     if on_device:
         mine, theirs = _device_selected(a, b, pop_a, pop_b, first_a, first_b, selection, both,
                                         exclude, False, method)
     else:
+        rows = np.arange(first_a, first_a + len(a))
+        cols = np.arange(first_b, first_b + len(b))
         mine, theirs = _scored_block(a, b, pop_a, pop_b, rows, cols, selection, both, exclude,
                                      method, device)
     return (_merged_state(state_a, mine), _merged_state(state_b, theirs) if both else None)
@@ -508,10 +509,13 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     k = None if top_k is None else int(top_k)
     selection = _Selection(metric, k, None if threshold is None
                            else _threshold_value(threshold, metric), exclude_self)
-    rows = da.arange(n, chunks=(wx.chunks[0],), dtype=np.int64)
-    cols = rows if y is None else da.arange(m, chunks=(wy.chunks[0],), dtype=np.int64)
     meta2 = meta_from_array(wx._meta, ndim=2, dtype=np.uint64)
     on_device = is_cupy(wx._meta)
+    if k is not None and listed_graphs():
+        keys = _top_k_chain(wx, wy, pop_x, pop_y, y is None, selection, method, device, meta2)
+        return _decoded(keys, on_device, metric, dtype)
+    rows = da.arange(n, chunks=(wx.chunks[0],), dtype=np.int64)
+    cols = rows if y is None else da.arange(m, chunks=(wy.chunks[0],), dtype=np.int64)
     block = _upper_block if y is None else _cross_block
     kept = da.blockwise(block, "ij", wx, "iw", wy, "jw", pop_x, "i", pop_y, "j", rows, "i",
                         cols, "j", concatenate=True, selection=selection, method=method,
@@ -520,17 +524,9 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     # halves of the blocks above it in its column): lists of small arrays, never counts.
     mirrored = (kept, "ji") if y is None else ()
     if k is not None:
-        if listed_graphs():
-            keys = _top_k_chain(wx, wy, pop_x, pop_y, y is None, selection, method, device,
-                                meta2)
-        else:
-            keys = da.blockwise(_merged_keys, "it", kept, "ij", *mirrored, new_axes={"t": k},
-                                concatenate=False, k=k, dtype=np.uint64, meta=meta2)
-        indices = keys.map_blocks(_placed, kernels.decode_indices, on_device, dtype=np.int64,
-                                  meta=meta_from_array(meta2, ndim=2, dtype=np.int64))
-        scores = keys.map_blocks(_placed, kernels.decode_scores, on_device, metric,
-                                 dtype=dtype, meta=meta_from_array(meta2, ndim=2, dtype=dtype))
-        return indices, scores
+        keys = da.blockwise(_merged_keys, "it", kept, "ij", *mirrored, new_axes={"t": k},
+                            concatenate=False, k=k, dtype=np.uint64, meta=meta2)
+        return _decoded(keys, on_device, metric, dtype)
     merged = da.blockwise(_merged_pairs, "ip", kept, "ij", *mirrored, new_axes={"p": 2},
                           adjust_chunks={"i": lambda _: np.nan}, concatenate=False,
                           dtype=np.uint64, meta=meta2)
@@ -540,6 +536,17 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
                                      drop_axis=1, dtype=part_dtype,
                                      meta=meta_from_array(meta2, ndim=1, dtype=part_dtype)))
     return tuple(out)
+
+
+def _decoded(keys: da.Array, on_device: bool, metric: str, dtype: np.dtype
+             ) -> tuple[da.Array, da.Array]:
+    """``(indices, scores)`` of best keys ``(n, k)``."""
+    meta = keys._meta
+    indices = keys.map_blocks(_placed, kernels.decode_indices, on_device, dtype=np.int64,
+                              meta=meta_from_array(meta, ndim=2, dtype=np.int64))
+    scores = keys.map_blocks(_placed, kernels.decode_scores, on_device, metric, dtype=dtype,
+                             meta=meta_from_array(meta, ndim=2, dtype=dtype))
+    return indices, scores
 
 
 def _placed(block: Any, decode: Any, on_device: bool, *args: Any) -> Any:
