@@ -8,6 +8,10 @@
 ``bench gram``
     The Gram matrix of bit-packed 0/1 data: every method, the peers and the popcount
     ceiling, as bit multiply-accumulates per second; prints a table and writes JSON and PNG.
+``bench similarity``
+    All-pairs and queries x database top-k and threshold search over binary fingerprints,
+    beside the dense counts, CuPy, NumPy, RDKit and the 1-bit tensor-core ceiling, in pairs
+    per second; prints a table and writes JSON and PNG.
 ``clean DIR``
     The temporary files that killed jobs left in DIR: listed, and removed where their writer
     is gone.
@@ -278,6 +282,51 @@ def bench_gram(n: int, k: int, chunk_rows: tuple[int, ...], tiles: tuple[str, ..
     for path in save(report, out_dir, "bench-gram", log=lambda s: click.echo(s, err=True)):
         click.echo(f"wrote {path}", err=True)
 
+
+
+@bench.command("similarity")
+@click.option("--n", "n", default=1_000_000, show_default=True, help="Fingerprints.")
+@click.option("--bits", default=2048, show_default=True, help="Bits per fingerprint (a "
+              "multiple of 8).")
+@click.option("--density", default=0.075, show_default=True, help="Fraction of bits set.")
+@click.option("--queries", default=10_000, show_default=True, help="Queries for the queries x "
+              "database rows (0: none).")
+@click.option("--chunk-rows", default=16384, show_default=True, help="Rows per chunk.")
+@click.option("--top-k", "k", default=10, show_default=True, help="Neighbours per row.")
+@click.option("--threshold", default=0.7, show_default=True, help="Tanimoto threshold.")
+@click.option("--peer-rows", default=65536, show_default=True, help="Database rows the peers "
+              "(CuPy, NumPy, RDKit) are timed on.")
+@click.option("--repeat", default=2, show_default=True, help="Timed runs per entry (median).")
+@click.option("--skip", multiple=True, help="Skip entries whose name contains this "
+              "(repeatable).")
+@click.option("--out-dir", default=".", show_default=True, type=click.Path(file_okay=False),
+              help="Where to write bench-similarity.json and .png.")
+@click.option("--device-budget", help="Run under a device-memory cap, as on a GPU of this size "
+              "(8GiB, 2GiB): caps CuPy's pool here and in any workers (CUPY_GPU_MEMORY_LIMIT).")
+def bench_similarity(n: int, bits: int, density: float, queries: int, chunk_rows: int, k: int,
+                     threshold: float, peer_rows: int, repeat: int, skip: tuple[str, ...],
+                     out_dir: str, device_budget: str | None) -> None:
+    """Tanimoto top-k and threshold search over binary fingerprints, with peers and a
+    ceiling."""
+    if min(n, bits, chunk_rows, k, peer_rows, repeat) < 1 or queries < 0:
+        raise click.BadParameter("sizes, --top-k and --repeat must be positive")
+    if bits % 8:
+        raise click.BadParameter(f"--bits must be a multiple of 8, got {bits}")
+    if not 0 < density < 1 or not 0 <= threshold <= 1:
+        raise click.BadParameter("--density must lie in (0, 1) and --threshold in [0, 1]")
+    if k >= n:
+        raise click.BadParameter(f"--top-k must be below --n ({n}), got {k}")
+    _apply_device_budget(device_budget)
+    from .bench.report import save
+    from .bench.similarity import format_table as similarity_table
+    from .bench.similarity import run
+
+    report = run(n=n, bits=bits, density=density, queries=queries, chunk_rows=chunk_rows, k=k,
+                 threshold=threshold, peer_rows=peer_rows, repeat=repeat, skip=skip,
+                 log=lambda s: click.echo(s, err=True))
+    click.echo(similarity_table(report))
+    for path in save(report, out_dir, "bench-similarity", log=lambda s: click.echo(s, err=True)):
+        click.echo(f"wrote {path}", err=True)
 
 # ---- jobs --------------------------------------------------------------------------------------
 

@@ -1,0 +1,426 @@
+"""``dask-gpuchunk bench similarity``: nearest neighbours and thresholded pairs of binary
+fingerprints, ours beside the dense Gram's rate, a ceiling and the peers, in pairs per second.
+
+Workload (defaults, the similarity issue's size): ``n = 10**6`` random fingerprints of 2048
+bits at 7.5 % density (Morgan fingerprints set 5-10 % of their bits), packed in
+``np.packbits`` order; the first ``n / 64`` rows have near twins (1 % of their bits flipped:
+Tanimoto about 0.9), so that the threshold finds pairs (random rows at this density score about
+0.04 against each other). The queries are database rows with 2 % of their bits flipped. On a
+GPU the words sit on the device, in chunks of ``chunk_rows`` rows, as a user's persisted array.
+
+Rows, one table, one run (each rate is pairs scored per second, ``n * (n - 1) / t`` for all
+pairs, ``queries * n / t`` for queries x database):
+
+* ours: all-pairs top-k and threshold, queries x database top-k and threshold, through
+  ``dg.similarity`` (the default method: the selection in the bmma kernel's epilogue where the
+  GPU has 1-bit tensor cores);
+* ours: the dense Gram's counts of the same all-pairs blocks, each written to device memory and
+  dropped: what scoring costs when the counts are written out;
+* peers, timed on a subset and reported as a rate: CuPy (float32 GEMM of the unpacked 0/1 rows,
+  exact below 2**24, then the Tanimoto formula and a top-k by ``argpartition``), NumPy on the host
+  (``bitwise_count`` of the words, the formula, ``argpartition``), RDKit's
+  ``BulkTanimotoSimilarity`` (one query against a list, one CPU thread) where RDKit is installed;
+* limit: our bmma kernel's 1-bit tensor-core rate on a long-K Gram (bit-MAC/s), divided by the
+  bits of a pair: the pairs per second no kernel of ours can pass on this GPU.
+
+Ours are checked exactly on sampled rows against NumPy on the host (counts by
+``bitwise_count``, the documented float32 formula, a stable sort); the peers' Tanimotos against
+the same counts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .elementwise import _Bench, _machine
+from .timing import Entry
+
+__all__ = ["format_table", "make_fingerprints", "run"]
+
+#: Rows made or compared at a time on the device (a float32 copy of 10**6 x 2048 bits is 8 GB).
+PIECE = 65536
+
+
+def make_fingerprints(n: int, bits: int, density: float, seed: int = 1, on_gpu: bool = False,
+                      twins: int | None = None) -> np.ndarray:
+    """``n`` packed fingerprints (``uint8`` words, ``np.packbits`` order) of ``bits`` bits at
+    ``density``; the first ``twins`` rows (default ``n // 64``) have near twins right after them
+    (1 % of their bits flipped). Made on the GPU a piece at a time where ``on_gpu``.
+
+    Examples
+    --------
+    >>> w = make_fingerprints(640, 64, 0.1)
+    >>> w.shape, w.dtype
+    ((640, 8), dtype('uint8'))
+    >>> bool((w[10:20] != w[:10]).any()) and 0.05 < float(np.unpackbits(w).mean()) < 0.15
+    True
+    """
+    if bits % 8:
+        raise ValueError(f"bits must be a multiple of 8, got {bits}")
+    twins = n // 64 if twins is None else twins
+    if on_gpu:
+        import cupy
+
+        rng = cupy.random.default_rng(seed)
+
+        def piece(rows: int, p: float) -> np.ndarray:
+            b = (rng.random((rows, bits), dtype=cupy.float32) < p).astype(cupy.uint8)
+            return cupy.packbits(b.ravel()).reshape(rows, bits // 8).get()
+    else:
+        host = np.random.default_rng(seed)
+
+        def piece(rows: int, p: float) -> np.ndarray:
+            return np.packbits(host.random((rows, bits), dtype=np.float32) < p, axis=1)
+
+    words = np.concatenate([piece(min(PIECE, n - s), density) for s in range(0, n, PIECE)]
+                           or [np.zeros((0, bits // 8), np.uint8)])
+    if twins:
+        words[twins:2 * twins] = words[:twins] ^ piece(twins, 0.01)
+    return words
+
+
+def tanimoto_rows(words: np.ndarray, rows: np.ndarray, of: np.ndarray | None = None
+                  ) -> np.ndarray:
+    """Exact float32 Tanimoto of ``rows`` (packed words) against every row of ``of`` (default
+    ``words``), on the host: ``np.float32(c) / np.float32(a + b - c)``, 0 where both are empty."""
+    of = words if of is None else of
+    w64 = np.ascontiguousarray(of).view(np.uint64) if of.shape[1] % 8 == 0 else None
+    pop_of = np.bitwise_count(of).sum(axis=1, dtype=np.int64)
+    out = np.empty((len(rows), of.shape[0]), dtype=np.float32)
+    for i, row in enumerate(rows):
+        if w64 is not None:
+            q = np.ascontiguousarray(row).view(np.uint64)
+            c = np.bitwise_count(w64 & q).sum(axis=1, dtype=np.int64)
+        else:
+            c = np.bitwise_count(of & row).sum(axis=1, dtype=np.int64)
+        d = np.bitwise_count(row).sum(dtype=np.int64) + pop_of - c
+        out[i] = np.float32(c) / np.float32(np.where(d == 0, 1, d))
+    return out
+
+
+def _check_top_k(indices: Any, scores: Any, truth: np.ndarray, sample: np.ndarray, k: int,
+                 exclude: np.ndarray | None) -> None:
+    """Rows ``sample`` of a top-k against ``truth`` (their exact scores), stable tie rule."""
+    got_i, got_s = (np.asarray(a.get() if hasattr(a, "get") else a)[sample]
+                    for a in (indices, scores))
+    for j, row in enumerate(sample):
+        want = truth[j].astype(np.float64)
+        if exclude is not None:
+            want[exclude[j]] = -np.inf
+        order = np.argsort(-want, kind="stable")[:k]
+        if not (np.array_equal(got_i[j], order) and np.array_equal(got_s[j], want[order])):
+            raise AssertionError(f"top-k of row {row} differs from NumPy's")
+
+
+def _check_pairs(pairs: tuple[Any, ...], truth: np.ndarray, sample: np.ndarray,
+                 threshold: float, exclude: np.ndarray | None) -> None:
+    rows, cols, scores = (np.asarray(a.get() if hasattr(a, "get") else a) for a in pairs)
+    for j, row in enumerate(sample):
+        keep = truth[j] >= np.float32(threshold)
+        if exclude is not None:
+            keep[exclude[j]] = False
+        mine = rows == row
+        want = np.nonzero(keep)[0]
+        if not (np.array_equal(cols[mine], want) and np.array_equal(scores[mine],
+                                                                     truth[j][want])):
+            raise AssertionError(f"threshold pairs of row {row} differ from NumPy's")
+
+
+def run(
+    n: int = 1_000_000,
+    bits: int = 2048,
+    density: float = 0.075,
+    queries: int = 10_000,
+    chunk_rows: int = 16384,
+    k: int = 10,
+    threshold: float = 0.7,
+    peer_rows: int = 65536,
+    repeat: int = 2,
+    skip: tuple[str, ...] = (),
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the similarity table and return the report (see
+    :func:`dask_gpuchunk.bench.report.save`)."""
+    import dask
+
+    from ..arrays import asarray
+    from ..similarity import similarity
+
+    bench = _Bench(repeat, skip, log)
+    table = "similarity"
+    gpu = bench.has_gpu
+    log(f"similarity: {n:,} fingerprints of {bits} bits at density {density}, "
+        f"{queries:,} queries ...")
+    words = make_fingerprints(n, bits, density, seed=1, on_gpu=gpu)
+    pick = np.random.default_rng(2)
+    from_db = pick.choice(n, size=queries, replace=queries > n)
+    flips = make_fingerprints(queries, bits, 0.02, seed=3, on_gpu=gpu, twins=0)
+    query_words = words[from_db] ^ flips
+    sample = np.unique(np.concatenate([pick.choice(max(n // 32, 1), 4),
+                                       pick.choice(n, 4)]))
+    q_sample = np.unique(pick.choice(queries, 4)) if queries else np.zeros(0, int)
+    truth = tanimoto_rows(words, words[sample])
+    q_truth = tanimoto_rows(words, query_words[q_sample])
+    limits: dict[str, float] = {}
+    if gpu:
+        import cupy
+
+        def place(w: np.ndarray) -> Any:
+            (x,) = dask.persist(asarray(cupy.asarray(w), (chunk_rows, w.shape[1])))
+            return x
+    else:
+        def place(w: np.ndarray) -> Any:
+            return asarray(w, (chunk_rows, w.shape[1]))
+    x, qx = place(words), place(query_words)
+    where = "device-resident" if gpu else "host"
+    held: list[Any] = []  # the last result, for its check
+
+    def computed(*args: Any, **kw: Any) -> Callable[[], None]:
+        def once() -> None:
+            held[:] = [dask.compute(*similarity(*args, packed=True, **kw))]
+            _sync(gpu)
+        return once
+
+    all_pairs, cross = float(n) * (n - 1), float(queries) * n
+    exclude = sample[:, None]
+    rows = [  # name, pairs scored, what to compute, its check, whether it finds pairs
+        (f"ours all-pairs top-{k} ({where})", all_pairs, computed(x, top_k=k),
+         lambda got: _check_top_k(*got, truth, sample, k, exclude), False),
+        (f"ours all-pairs threshold {threshold} ({where})", all_pairs,
+         computed(x, threshold=threshold),
+         lambda got: _check_pairs(got, truth, sample, threshold, exclude), True),
+        (f"ours queries x database top-{k} ({where})", cross, computed(qx, x, top_k=k),
+         lambda got: _check_top_k(*got, q_truth, q_sample, k, None), False),
+        (f"ours queries x database threshold {threshold} ({where})", cross,
+         computed(qx, x, threshold=threshold),
+         lambda got: _check_pairs(got, q_truth, q_sample, threshold, None), True),
+    ]
+    for name, pairs, once, check, finds_pairs in rows:
+        e = bench.timed(table, name, once, check=lambda check=check: check(held[0]))
+        if e is not None:
+            e.extra["pairs"] = pairs
+            if finds_pairs and held:
+                e.extra["pairs_found"] = int(held[0][0].shape[0])
+        held.clear()
+    e = bench.timed(table, f"ours dense counts of the all-pairs blocks ({where})",
+                    lambda: _dense_blocks(x, gpu))
+    if e is not None:
+        e.extra["pairs"] = all_pairs
+    if gpu:
+        x = qx = None
+        cupy.get_default_memory_pool().free_all_blocks()
+        if bench.want("ceiling"):
+            log("1-bit tensor-core ceiling ...")
+            limits.update(tensor_core_ceiling())
+            if "bmma_bit_macs_per_s" in limits:
+                limits["ceiling_pairs_per_s"] = limits["bmma_bit_macs_per_s"] / bits
+    _peers(bench, table, words, query_words, peer_rows, k, gpu)
+    return _report(bench.entries, limits, n=n, bits=bits, density=density, queries=queries,
+                   chunk_rows=chunk_rows, k=k, threshold=threshold, peer_rows=peer_rows)
+
+
+def _sync(gpu: bool) -> None:
+    if gpu:
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+
+
+def _dense_blocks(x: Any, gpu: bool) -> None:
+    """Every all-pairs block's counts (on and above the diagonal) computed and dropped, a
+    corner kept: the dense Gram's work without scoring."""
+    import dask.array as da
+
+    from ..gram import block_counts
+
+    index = da.arange(x.shape[0], chunks=(x.chunks[0],))
+    meta = x._meta[:0, :0].astype(np.int32)
+
+    def corner(a: Any, b: Any, ra: Any, rb: Any) -> Any:
+        if ra[0] > rb[0]:  # below the diagonal: not computed, as dg.gram leaves it
+            return block_counts(a[:1], b[:1])
+        return block_counts(a, b)[:1, :1].copy()  # a view would keep the whole block
+
+    da.blockwise(corner, "ij", x, "ik", x, "jk", index, "i", index, "j", concatenate=True,
+                 adjust_chunks={"i": 1, "j": 1}, dtype=np.int32, meta=meta).compute()
+    _sync(gpu)
+
+
+def tensor_core_ceiling(rows: int = 8192, kbits: int = 65536, repeat: int = 5
+                        ) -> dict[str, float]:
+    """Our bmma kernel's rate on a Gram whose time is all multiply-accumulate (long rows):
+    ``rows * rows * kbits / t`` bit-MAC/s, the whole ``C`` computed. Empty where the GPU has no
+    1-bit tensor cores."""
+    import cupy
+
+    from .._kernels.bmma import bmma_cuda, bmma_supported
+
+    if not bmma_supported():
+        return {}
+    a = cupy.asarray(np.random.default_rng(0).integers(0, 2**64, size=(rows, kbits // 64),
+                                                       dtype=np.uint64, endpoint=False))
+    c = cupy.empty((rows, rows), dtype=np.int32)
+    bmma_cuda(a, a, c)
+    best = float("inf")
+    for _ in range(repeat):
+        cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        bmma_cuda(a, a, c)
+        cupy.cuda.Device().synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return {"bmma_bit_macs_per_s": float(rows) * rows * kbits / best, "bmma_seconds": best}
+
+
+def _peers(bench: _Bench, table: str, words: np.ndarray, query_words: np.ndarray,
+           peer_rows: int, k: int, gpu: bool) -> None:
+    db = words[:min(peer_rows, len(words))]
+    q = query_words[:64] if len(query_words) else words[:64]
+    truth = tanimoto_rows(db, q[:4])
+    if gpu:
+        import cupy
+
+        _cupy_peer(bench, table, db, query_words[:2048] if len(query_words) else words[:2048],
+                   k, truth)
+        cupy.get_default_memory_pool().free_all_blocks()  # the peer's unpacked copies
+    qn = q[:16]
+    held: list[Any] = []
+
+    def numpy_top_k() -> None:
+        s = tanimoto_rows(db, qn)
+        best = np.argpartition(-s, min(k, s.shape[1] - 1), axis=1)[:, :k]
+        held[:] = [s, best]
+
+    e = bench.timed(table, "peer NumPy bitwise_count + top-k (host, one thread)", numpy_top_k,
+                    repeat=1, check=lambda: _same(held[0][:4], truth, "NumPy"))
+    if e is not None:
+        e.extra["pairs"] = float(len(qn)) * len(db)
+    _rdkit_peer(bench, table, db, q, truth)
+
+
+def _same(got: np.ndarray, want: np.ndarray, who: str) -> None:
+    if not np.array_equal(got, want):
+        raise AssertionError(f"{who}: Tanimotos differ from the exact ones")
+
+
+def _cupy_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: int,
+               truth: np.ndarray) -> None:
+    """CuPy as a user would write it: unpack to float32, one GEMM per batch of queries (exact
+    counts: every sum is below 2**24), the formula, ``argpartition`` for the top k."""
+    import cupy
+
+    name = "peer CuPy float32 GEMM + formula + top-k (full scores)"
+    try:
+        d = cupy.unpackbits(cupy.asarray(db)).reshape(len(db), -1).astype(cupy.float32)
+        pop_d = d.sum(axis=1)
+        qq = cupy.unpackbits(cupy.asarray(q)).reshape(len(q), -1).astype(cupy.float32)
+    except cupy.cuda.memory.OutOfMemoryError as exc:  # under a capped pool: reported
+        bench.add(Entry(table, name, "peer", skipped=f"does not fit the device: {exc}"[:200]))
+        return
+    held: list[Any] = []
+
+    def once() -> None:
+        c = qq @ d.T
+        s = c / (qq.sum(axis=1)[:, None] + pop_d[None, :] - c)
+        s = cupy.nan_to_num(s, nan=0.0)
+        best = cupy.argpartition(-s, k)[:, :k]
+        held[:] = [s[:4], best]
+        cupy.cuda.Device().synchronize()
+
+    e = bench.timed(table, name, once, gpu=True,
+                    check=lambda: _same(held[0].get(), truth, "CuPy"))
+    if e is not None:
+        e.extra["pairs"] = float(len(q)) * len(db)
+    held.clear()
+
+
+def _rdkit_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray,
+                truth: np.ndarray) -> None:
+    name = "peer RDKit BulkTanimotoSimilarity (CPU, one thread)"
+    if not bench.want(name):
+        return
+    try:
+        from rdkit import DataStructs
+    except ImportError as exc:
+        bench.add(Entry(table, name, "peer", skipped=f"RDKit not importable ({exc})"))
+        return
+    bits = db.shape[1] * 8
+
+    def vector(w: np.ndarray) -> Any:
+        v = DataStructs.ExplicitBitVect(bits)
+        v.SetBitsFromList(np.flatnonzero(np.unpackbits(w)).tolist())
+        return v
+
+    fps = [vector(w) for w in db]
+    queries = [vector(w) for w in q[:8]]
+    held: list[Any] = []
+
+    def once() -> None:
+        held[:] = [[DataStructs.BulkTanimotoSimilarity(v, fps) for v in queries]]
+
+    e = bench.timed(table, name, once, repeat=1,
+                    check=lambda: _same(np.array(held[0][:4]).astype(np.float32), truth,
+                                        "RDKit"))
+    if e is not None:
+        e.extra["pairs"] = float(len(queries)) * len(fps)
+
+
+def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> dict[str, Any]:
+    ceiling = limits.get("ceiling_pairs_per_s")
+    dense = next((e.extra["pairs"] / e.seconds for e in entries
+                  if e.name.startswith("ours dense") and e.seconds), None)
+    for e in entries:
+        if e.seconds is None or "pairs" not in e.extra:
+            continue
+        e.extra["pairs_per_s"] = e.extra["pairs"] / e.seconds
+        if ceiling:
+            e.extra["vs_ceiling"] = e.extra["pairs_per_s"] / ceiling
+        if dense is not None:
+            e.extra["vs_dense"] = e.extra["pairs_per_s"] / dense
+    return {
+        "benchmark": "similarity",
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": _machine(),
+        "workload": workload,
+        "limits": limits,
+        "floors": {},
+        "entries": [e.as_dict() for e in entries],
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """Seconds and pairs per second of every row, against the dense counts and the ceiling."""
+    m, w, lim = report["machine"], report["workload"], report["limits"]
+    lines = [f"machine: {m.get('gpu', 'no GPU')}, {m['cpus']} CPUs, numba {m['numba']}, "
+             f"dask {m['dask']}" + (f", cupy {m['cupy']}" if "cupy" in m else "")
+             + (f", device budget {m['device_budget'] / 2**30:.2f} GiB (CuPy's pool capped)"
+                if m.get("device_budget") else ""),
+             f"workload: {w['n']:,} fingerprints of {w['bits']} bits (density {w['density']}), "
+             f"{w['queries']:,} queries, {w['chunk_rows']:,}-row chunks, top-{w['k']}, "
+             f"threshold {w['threshold']}; Tanimoto"]
+    if "ceiling_pairs_per_s" in lim:
+        lines.append(f"limit: bmma kernel {lim['bmma_bit_macs_per_s']:.3g} bit-MAC/s on a long-K "
+                     f"Gram = {lim['ceiling_pairs_per_s']:.3g} pairs/s at {w['bits']} bits")
+    lines.append(f"  {'':62s} {'seconds':>9s} {'pairs/s':>9s} {'x dense':>7s} {'x ceil':>6s}"
+                 "  note")
+    for e in report["entries"]:
+        if e["seconds"] is None:
+            lines.append(f"  {e['name']:62s} {'-':>9s}  skipped: {e['skipped']}")
+            continue
+        x = e["extra"]
+        rate = f"{x['pairs_per_s']:.3g}" if "pairs_per_s" in x else ""
+        dense = f"{x['vs_dense']:.2f}" if "vs_dense" in x else ""
+        ceil = f"{x['vs_ceiling']:.2f}" if "vs_ceiling" in x else ""
+        note = []
+        if "pairs_found" in x:
+            note.append(f"{x['pairs_found']:,} pairs found")
+        if e["kind"] == "peer" and "pairs" in x:
+            note.append(f"timed on {x['pairs']:.3g} pairs")
+        if e["first_run"] is not None and e["first_run"] > 1.5 * e["seconds"]:
+            note.append(f"first run {e['first_run']:.2f} s")
+        lines.append(f"  {e['name']:62s} {e['seconds']:9.4f} {rate:>9s} {dense:>7s} {ceil:>6s}"
+                     f"  {'; '.join(note)}")
+    return "\n".join(lines)
