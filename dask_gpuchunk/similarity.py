@@ -285,6 +285,27 @@ def _next_states(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: 
     return (_merged_state(state_a, mine), _merged_state(state_b, theirs) if both else None)
 
 
+#: Blocks of one round that one task of the top-k chain computes, one after the other. The
+#: distributed scheduler costs about a millisecond or two a task, as much as the fused kernel
+#: takes for a block of 16,384 x 16,384 rows; a round of 62 chunks' 31 blocks still makes four
+#: tasks, which several workers can run at once.
+BLOCKS_PER_TASK = 8
+
+#: Arguments of one block in a task of :func:`_next_states_of_blocks`.
+_BLOCK_ARGS = 10
+
+
+def _next_states_of_blocks(*args: Any, selection: _Selection, method: str, device: str
+                           ) -> tuple:
+    """:func:`_next_states` of several blocks (``_BLOCK_ARGS`` arguments each) with disjoint
+    states, one after the other: ``(state_a, state_b)`` of each, flattened."""
+    states: list[Any] = []
+    for start in range(0, len(args), _BLOCK_ARGS):
+        states += _next_states(*args[start:start + _BLOCK_ARGS], selection=selection,
+                               method=method, device=device)
+    return tuple(states)
+
+
 def _round_robin(count: int) -> list[tuple[int, int]]:
     """Every pair ``i < j`` of ``count`` chunks once, in rounds where each chunk meets one
     other (the circle method): a round's blocks update disjoint states, so they run at once."""
@@ -305,10 +326,10 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
                  meta: Any) -> da.Array:
     """The best keys ``(n, k)`` of each row, listed by hand as a chain of states per row
     chunk: each row chunk's first block (all pairs: its diagonal block) by the plain path,
-    then one task per further block that updates the states of its row chunk and (all pairs)
-    its column chunk (:func:`_next_states`), in rounds of disjoint chunk pairs; what a block
-    keeps never leaves the device that computed it, and only the states (``8 k`` bytes a row)
-    move between tasks."""
+    then the further blocks, each updating the states of its row chunk and (all pairs) its
+    column chunk (:func:`_next_states`), in rounds of disjoint chunk pairs, up to
+    :data:`BLOCKS_PER_TASK` of a round in one task; what a block keeps never leaves the device
+    that computed it, and only the states (``8 k`` bytes a row) move between tasks."""
     k = selection.k
     token = tokenize(wx, wy, selection, method, device)
     name, first, step = (f"similarity-top-k-{token}", f"similarity-first-{token}",
@@ -318,7 +339,7 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     chunks_x, chunks_y = len(wx.chunks[0]), len(wy.chunks[0])
     opts = {"selection": selection, "method": method, "device": device}
     first_task = functools.partial(_first_state, **opts)
-    next_task = functools.partial(_next_states, **opts)
+    next_task = functools.partial(_next_states_of_blocks, **opts)
     dsk: dict[tuple, Any] = {}
     latest: dict[int, tuple[tuple, int]] = {}
     for i in range(chunks_x):
@@ -326,18 +347,27 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
         dsk[(first, i)] = (first_task, (wx.name, i, 0), (wy.name, j, 0), (pop_x.name, i),
                            (pop_y.name, j), starts_x[i], starts_y[j], all_pairs)
         latest[i] = ((first, i), 0)
-    if all_pairs:
-        blocks = _round_robin(chunks_x)
-    else:
-        blocks = [(i, j) for j in range(1, chunks_y) for i in range(chunks_x)]
-    for i, j in blocks:
-        key = (step, i, j)
-        column_state: tuple = latest[j] if all_pairs else (None, 0)
-        dsk[key] = (next_task, (wx.name, i, 0), (wy.name, j, 0), (pop_x.name, i),
-                    (pop_y.name, j), starts_x[i], starts_y[j], *latest[i], *column_state)
-        latest[i] = (key, 0)
-        if all_pairs:
-            latest[j] = (key, 1)
+    if all_pairs:  # rounds of disjoint chunk pairs
+        order = _round_robin(chunks_x)
+        per_round = max(chunks_x // 2, 1)
+        rounds = [order[r:r + per_round] for r in range(0, len(order), per_round)]
+    else:  # a round per database chunk: each query chunk's state once
+        rounds = [[(i, j) for i in range(chunks_x)] for j in range(1, chunks_y)]
+    for r, blocks in enumerate(rounds):
+        tasks = -(-len(blocks) // BLOCKS_PER_TASK)
+        for t in range(tasks):
+            key = (step, r, t)
+            args: list[Any] = []
+            mine = blocks[t * len(blocks) // tasks:(t + 1) * len(blocks) // tasks]
+            for i, j in mine:
+                column_state: tuple = latest[j] if all_pairs else (None, 0)
+                args += [(wx.name, i, 0), (wy.name, j, 0), (pop_x.name, i), (pop_y.name, j),
+                         starts_x[i], starts_y[j], *latest[i], *column_state]
+            dsk[key] = (next_task, *args)
+            for b, (i, j) in enumerate(mine):
+                latest[i] = (key, 2 * b)
+                if all_pairs:
+                    latest[j] = (key, 2 * b + 1)
     for i in range(chunks_x):
         dsk[(name, i, 0)] = (_state_of, *latest[i])
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=[wx, wy, pop_x, pop_y])

@@ -281,3 +281,28 @@ def test_tanimoto_of_morgan_fingerprints_agrees_with_rdkit(xp):
     np.testing.assert_array_equal(rows, want_rows)
     np.testing.assert_array_equal(cols, want_cols)
     np.testing.assert_array_equal(got, want[keep])
+
+
+@pytest.mark.skipif(QUERY_PLANNING, reason="the chain is listed where graphs are listed")
+@pytest.mark.parametrize("per_task", [1, 3, 64])
+def test_top_k_chain_tasks_take_several_blocks_of_a_round(rng, monkeypatch, per_task):
+    similarity_module = importlib.import_module("dask_gpuchunk.similarity")
+    monkeypatch.setattr(similarity_module, "BLOCKS_PER_TASK", per_task)
+    x = fingerprints(rng, 230, 90)  # 23 chunks (odd: a chunk rests each round)
+    y = random_bits(rng, (61, 90), 0.2)
+    indices, scores = dg.similarity(da.from_array(x, chunks=(10, -1)), metric="cosine", top_k=4)
+    steps = {key[1:] for key in dict(indices.__dask_graph__()) if isinstance(key, tuple)
+             and key[0].startswith("similarity-step")}
+    rounds, per_round = 23, 11  # 253 blocks above the diagonal
+    assert len(steps) == rounds * -(-per_round // per_task)
+    want_i, want_s = brute_top_k(reference(x, x, "cosine"), 4, False, True)
+    got_i, got_s = dask.compute(indices, scores)
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_s, want_s.astype(np.float32))
+    # queries x database: a round per database chunk, over the 7 query chunks
+    indices, scores = dg.similarity(da.from_array(x[:70], chunks=(10, -1)),
+                                    da.from_array(y, chunks=(13, -1)), top_k=3)
+    want_i, want_s = brute_top_k(reference(x[:70], y, "tanimoto"), 3, False, False)
+    got_i, got_s = dask.compute(indices, scores)
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_s, want_s.astype(np.float32))
