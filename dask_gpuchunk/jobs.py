@@ -728,6 +728,12 @@ def _on_device(block: Any) -> Any:
     return cupy.asarray(block)
 
 
+def _on_host(block: Any) -> np.ndarray:
+    """A result chunk as NumPy, made on the worker that holds it: the job's process then
+    receives plain bytes and needs no GPU of its own to read them."""
+    return block if isinstance(block, np.ndarray) else block.get()
+
+
 def _save_arrays(target: Path, arrays: dict[str, np.ndarray], overwrite: bool) -> None:
     """``np.savez`` of ``arrays`` into a temporary file beside ``target``, published onto it
     when complete (never half-written; an existing file replaced only with ``overwrite``)."""
@@ -827,8 +833,9 @@ def similarity_job(
         else:
             import dask
 
-            computed = [np.asarray(a.get() if hasattr(a, "get") and not isinstance(
-                a, np.ndarray) else a) for a in dask.compute(*result)]
+            computed = dask.compute(*(a.map_blocks(_on_host, dtype=a.dtype,
+                                                   meta=np.empty((0,) * a.ndim, a.dtype))
+                                      for a in result))
             names = ("indices", "scores") if top_k is not None else ("rows", "cols", "scores")
             _save_arrays(target, dict(zip(names, computed)), overwrite)
             pairs_found = None if top_k is not None else int(computed[0].shape[0])
