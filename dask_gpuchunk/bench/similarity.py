@@ -206,12 +206,15 @@ def run(
             if finds_pairs and held:
                 e.extra["pairs_found"] = int(held[0][0].shape[0])
         held.clear()
+    chunks = list(dask.compute(*x.to_delayed().ravel()))
+    if gpu:
+        cupy.get_default_memory_pool().free_all_blocks()
     e = bench.timed(table, f"ours dense counts of the all-pairs blocks ({where})",
-                    lambda: _dense_blocks(x, gpu))
+                    lambda: _dense_blocks(chunks, gpu))
     if e is not None:
         e.extra["pairs"] = all_pairs
     if gpu:
-        x = qx = None
+        x = qx = chunks = None
         cupy.get_default_memory_pool().free_all_blocks()
         if bench.want("ceiling"):
             log("1-bit tensor-core ceiling ...")
@@ -230,23 +233,15 @@ def _sync(gpu: bool) -> None:
         cupy.cuda.Device().synchronize()
 
 
-def _dense_blocks(x: Any, gpu: bool) -> None:
-    """Every all-pairs block's counts (on and above the diagonal) computed and dropped, a
-    corner kept: the dense Gram's work without scoring."""
-    import dask.array as da
-
+def _dense_blocks(chunks: list[Any], gpu: bool) -> None:
+    """Every all-pairs block's counts (on and above the diagonal), one block at a time,
+    computed and dropped: the dense Gram's work without scoring (and without Dask, whose
+    threads would hold several 1 GiB blocks at once)."""
     from ..gram import block_counts
 
-    index = da.arange(x.shape[0], chunks=(x.chunks[0],))
-    meta = x._meta[:0, :0].astype(np.int32)
-
-    def corner(a: Any, b: Any, ra: Any, rb: Any) -> Any:
-        if ra[0] > rb[0]:  # below the diagonal: not computed, as dg.gram leaves it
-            return block_counts(a[:1], b[:1])
-        return block_counts(a, b)[:1, :1].copy()  # a view would keep the whole block
-
-    da.blockwise(corner, "ij", x, "ik", x, "jk", index, "i", index, "j", concatenate=True,
-                 adjust_chunks={"i": 1, "j": 1}, dtype=np.int32, meta=meta).compute()
+    for i, a in enumerate(chunks):
+        for b in chunks[i:]:
+            block_counts(a, b)
     _sync(gpu)
 
 
@@ -323,11 +318,12 @@ def _cupy_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: int,
     held: list[Any] = []
 
     def once() -> None:
+        held.clear()
         c = qq @ d.T
         s = c / (qq.sum(axis=1)[:, None] + pop_d[None, :] - c)
         s = cupy.nan_to_num(s, nan=0.0)
         best = cupy.argpartition(-s, k)[:, :k]
-        held[:] = [s[:4], best]
+        held[:] = [s[:4].copy(), best.copy()]  # views would keep the full scores alive
         cupy.cuda.Device().synchronize()
 
     e = bench.timed(table, name, once, gpu=True,
