@@ -5,9 +5,13 @@ worker's ``device_memory_limit``, and back when a task needs them. Two things le
 still run its device out of memory, and :func:`hold_budget` changes both:
 
 - What running tasks allocate is not counted: stored results up to the limit plus the chunks
-  of running tasks can exceed the device. Here a CuPy allocation that fails first moves stored
-  results to the host, least recently used first, and tries again; it fails only when nothing
-  stored is left on the device.
+  of running tasks can exceed the device. Here a CuPy allocation that fails first returns
+  CuPy's cached blocks to the device, then moves stored results to the host, least recently
+  used first, trying again after each; it fails only when nothing stored is left on the device.
+  Under a pool cap (``CUPY_GPU_MEMORY_LIMIT``) CuPy counts its cached free blocks against the
+  cap and raises before it frees any (its pool frees them only when the driver itself is out
+  of memory), so without the first step a worker could fail with the cap's worth "allocated",
+  most of it blocks cached for the streams of other threads.
 - Without RMM, distributed brings a spilled CuPy array back through numba's allocator
   (``numba.cuda.to_device``): outside CuPy's pool, so outside a pool cap
   (``CUPY_GPU_MEMORY_LIMIT``) and out of reach of the retry above, and freed late (numba defers
@@ -24,7 +28,7 @@ import numpy as np
 from . import budget
 from .devices import gpu_available
 
-__all__ = ["hold_budget", "unspill_through_pool"]
+__all__ = ["allocate_or_yield", "hold_budget", "unspill_through_pool"]
 
 
 def _evict_one(stored: Any) -> bool:
@@ -38,6 +42,25 @@ def _evict_one(stored: Any) -> bool:
     budget.spilled_on_failure["bytes"] += int(weight)
     budget.spilled_on_failure["results"] += 1
     return True
+
+
+def allocate_or_yield(pool: Any, nbytes: int, stored: Any, out_of_memory: type[Exception]
+                      ) -> Any:
+    """``pool.malloc(nbytes)``; where it fails (``out_of_memory``), the pool's cached blocks
+    returned to the device and tried again, then one stored result moved to the host at a
+    time (``stored``: the worker's device LRU), returning the blocks it leaves, until it fits;
+    ``out_of_memory`` again when nothing stored is left."""
+    try:
+        return pool.malloc(nbytes)
+    except out_of_memory:
+        pass
+    while True:
+        pool.free_all_blocks()  # what a freed or evicted result left cached in the pool
+        try:
+            return pool.malloc(nbytes)
+        except out_of_memory:
+            if not _evict_one(stored):
+                raise
 
 
 def unspill_through_pool(header: dict[str, Any], frames: list[Any]) -> Any:
@@ -68,13 +91,7 @@ def hold_budget(worker: Any) -> bool:
     pool = cupy.get_default_memory_pool()
 
     def malloc(nbytes: int) -> Any:
-        while True:
-            try:
-                return pool.malloc(nbytes)
-            except cupy.cuda.memory.OutOfMemoryError:
-                # The pool has already freed its cached blocks and collected garbage.
-                if not _evict_one(stored):
-                    raise
+        return allocate_or_yield(pool, nbytes, stored, cupy.cuda.memory.OutOfMemoryError)
 
     cupy.cuda.set_allocator(malloc)
     dask_deserialize.register(cupy.ndarray)(unspill_through_pool)

@@ -33,6 +33,55 @@ def test_evict_one_moves_the_least_recently_used_result_and_counts_it(monkeypatc
     np.testing.assert_array_equal(buffer["b"], np.ones(20))
 
 
+
+class _CappedPool:
+    """CuPy's pool under a cap, as its source has it: freed blocks stay cached and count
+    against the cap; an allocation over the cap fails before any of them is freed."""
+
+    def __init__(self, cap: int, cached: int) -> None:
+        self.cap, self.in_use, self.cached, self.frees = cap, 0, cached, 0
+
+    def malloc(self, nbytes: int) -> int:
+        if self.in_use + self.cached + nbytes > self.cap:
+            raise MemoryError(f"over the cap: {self.in_use + self.cached} + {nbytes}")
+        self.in_use += nbytes
+        return nbytes
+
+    def free_all_blocks(self) -> None:
+        self.frees += 1
+        self.cached = 0
+
+
+def test_an_allocation_over_the_cap_frees_cached_blocks_before_any_result_moves(monkeypatch):
+    monkeypatch.setattr(budget, "spilled_on_failure", {"bytes": 0, "results": 0})
+    buffer = _buffer(1e9)
+    buffer["a"] = np.ones(100)
+    pool = _CappedPool(cap=1000, cached=700)  # 700 bytes cached for other threads' streams
+    pool.in_use = 200
+    assert spilling.allocate_or_yield(pool, 500, buffer.fast, MemoryError) == 500
+    assert pool.frees == 1 and set(buffer.fast) == {"a"}  # nothing stored had to move
+    assert budget.spilled_on_failure["results"] == 0
+
+    class Stored(SimpleNamespace):  # each evicted result's bytes go back to the pool's cache
+        def evict(self):
+            if not self.results:
+                raise KeyError("empty")
+            nbytes = self.results.pop(0)
+            pool.in_use -= nbytes
+            pool.cached += nbytes
+            return None, None, nbytes
+
+    pool = _CappedPool(cap=1000, cached=100)
+    pool.in_use = 900  # three stored results and a running chunk's 300
+    stored = Stored(results=[200, 200, 200])
+    assert spilling.allocate_or_yield(pool, 500, stored, MemoryError) == 500
+    assert stored.results == [200] and budget.spilled_on_failure["results"] == 2
+    assert pool.frees == 3  # once before any move, once after each
+    pool = _CappedPool(cap=1000, cached=0)
+    pool.in_use = 900
+    with pytest.raises(MemoryError):
+        spilling.allocate_or_yield(pool, 500, Stored(results=[]), MemoryError)
+
 def test_hold_budget_needs_a_dask_cuda_device_buffer():
     assert not spilling.hold_budget(SimpleNamespace(data={}))
     assert not spilling.hold_budget(SimpleNamespace(data=SimpleNamespace(device_buffer={})))
