@@ -715,8 +715,9 @@ def gram_job(
 #: budget; 4,096 on the CPU. Measured on an H200 under an 8 GiB cap, the API on device words:
 #: all-pairs top-10 of 10**6 x 2048 bits in 2.8 s in 16,384-row chunks, 2.0 s in 32,768-row
 #: ones; but the job (a local cluster's worker) ran out of device memory in 32,768-row chunks
-#: (a row chunk's first block of counts, 4 GiB, beside 4.4 GB that the budget did not see; not
-#: yet understood), so the job keeps 16,384.
+#: (a row chunk's first block of counts, 4 GiB, beside 4.4 GB that the budget did not see:
+#: likely CuPy's cached blocks, which count against a pool cap, returned to the device on such
+#: a failure only since; not re-run), so the job keeps 16,384.
 SIMILARITY_CHUNK_ROWS = 16384
 
 
