@@ -40,6 +40,7 @@ from dask import persist
 from ..arrays import asarray
 from ..devices import gpu_available
 from ..elementwise import elementwise, multiply
+from .report import report_of
 from .timing import Entry, time_entry
 
 __all__ = ["rk4_step", "run"]
@@ -584,12 +585,4 @@ def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> 
             if floor:
                 e.extra["vs_floor"] = e.seconds / floor
         _versus_cupy(rows)
-    return {
-        "benchmark": "elementwise",
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": _machine(),
-        "workload": workload,
-        "limits": limits,
-        "floors": floors,
-        "entries": [e.as_dict() for e in entries],
-    }
+    return report_of("elementwise", entries, _machine(), workload, limits, floors)

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .elementwise import _Bench, _DevicePeaks, _machine
+from .report import machine_line, report_of
 from .timing import Entry
 
 __all__ = ["popcount_ceiling", "run"]
@@ -403,22 +404,13 @@ def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> 
             e.extra["x_seed001"] = seed / e.seconds
         if best:
             e.extra["vs_best"] = e.seconds / best
-    return {
-        "benchmark": "gram",
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": _machine(),
-        "workload": {**workload, "bit_macs": macs},
-        "limits": limits,
-        "floors": {},
-        "entries": [e.as_dict() for e in entries],
-    }
+    return report_of("gram", entries, _machine(), {**workload, "bit_macs": macs}, limits)
 
 
 def format_table(report: dict[str, Any]) -> str:
     """Rates of every row: bit-MAC/s, against the popcount ceiling and seed 001's approach."""
     m, w, lim = report["machine"], report["workload"], report["limits"]
-    lines = [f"machine: {m.get('gpu', 'no GPU')}, {m['cpus']} CPUs, numba {m['numba']}, "
-             f"dask {m['dask']}" + (f", cupy {m['cupy']}" if "cupy" in m else ""),
+    lines = [machine_line(m),
              f"workload: N={w['n']} rows x K={w['k']} bits; rates are N*N*K / t (bit-MAC/s)"]
     if "popcount_ceiling_bit_ops_per_s" in lim:
         lines.append(f"limit: popcount ceiling {lim['popcount_ceiling_bit_ops_per_s']:.3g} bit-ops/s "

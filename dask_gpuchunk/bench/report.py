@@ -3,25 +3,46 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_table", "save"]
+__all__ = ["format_table", "machine_line", "report_of", "save"]
 
 
 def _gbps(x: float) -> str:
     return f"{x / 1e9:.1f} GB/s"
 
 
+def report_of(benchmark: str, entries: Sequence[Any], machine: dict[str, Any],
+              workload: dict[str, Any], limits: dict[str, float],
+              floors: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A benchmark's report as :func:`save` and the tables read it: its rows
+    (:class:`~dask_gpuchunk.bench.timing.Entry`), the machine, the workload, the limits
+    measured and the floors derived from them."""
+    return {
+        "benchmark": benchmark,
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": machine,
+        "workload": workload,
+        "limits": limits,
+        "floors": floors or {},
+        "entries": [e.as_dict() for e in entries],
+    }
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    """``machine: <GPU>, <cpus> CPUs, <versions>[, device budget]`` of a report's machine."""
+    return (f"machine: {m.get('gpu', 'no GPU')}, {m['cpus']} CPUs, numpy {m['numpy']}, "
+            f"numba {m['numba']}, dask {m['dask']}" + (f", cupy {m['cupy']}" if "cupy" in m else "")
+            + (f", device budget {m['device_budget'] / 2**30:.2f} GiB (CuPy's pool capped)"
+               if m.get("device_budget") else ""))
+
+
 def format_table(report: dict[str, Any]) -> str:
     """A plain-text table: one block per table, limits first."""
-    lines = []
-    m = report["machine"]
-    lines.append(f"machine: {m.get('gpu', 'no GPU')}, {m['cpus']} CPUs, numpy {m['numpy']}, "
-                 f"numba {m['numba']}, dask {m['dask']}" + (f", cupy {m['cupy']}" if "cupy" in m else "")
-                 + (f", device budget {m['device_budget'] / 2**30:.2f} GiB (CuPy's pool capped)"
-                    if m.get("device_budget") else ""))
+    lines = [machine_line(report["machine"])]
     lim = report["limits"]
     parts = [f"host copy {_gbps(lim['host_copy_traffic'])} (read+write)"]
     if "pcie_h2d" in lim:

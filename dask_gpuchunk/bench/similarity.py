@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from .elementwise import _Bench, _machine
+from .report import machine_line, report_of
 from .timing import Entry
 
 __all__ = ["format_table", "make_fingerprints", "run"]
@@ -376,24 +377,13 @@ def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> 
             e.extra["vs_ceiling"] = e.extra["pairs_per_s"] / ceiling
         if dense is not None:
             e.extra["vs_dense"] = e.extra["pairs_per_s"] / dense
-    return {
-        "benchmark": "similarity",
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": _machine(),
-        "workload": workload,
-        "limits": limits,
-        "floors": {},
-        "entries": [e.as_dict() for e in entries],
-    }
+    return report_of("similarity", entries, _machine(), workload, limits)
 
 
 def format_table(report: dict[str, Any]) -> str:
     """Seconds and pairs per second of every row, against the dense counts and the ceiling."""
     m, w, lim = report["machine"], report["workload"], report["limits"]
-    lines = [f"machine: {m.get('gpu', 'no GPU')}, {m['cpus']} CPUs, numba {m['numba']}, "
-             f"dask {m['dask']}" + (f", cupy {m['cupy']}" if "cupy" in m else "")
-             + (f", device budget {m['device_budget'] / 2**30:.2f} GiB (CuPy's pool capped)"
-                if m.get("device_budget") else ""),
+    lines = [machine_line(m),
              f"workload: {w['n']:,} fingerprints of {w['bits']} bits (density {w['density']}), "
              f"{w['queries']:,} queries, {w['chunk_rows']:,}-row chunks, top-{w['k']}, "
              f"threshold {w['threshold']}; Tanimoto"]
