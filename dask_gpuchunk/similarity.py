@@ -25,10 +25,12 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import warnings
 from typing import Any, NamedTuple
 
 import dask.array as da
 import numpy as np
+from dask.array.core import PerformanceWarning
 from dask.array.utils import meta_from_array
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
@@ -547,9 +549,13 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     rows = da.arange(n, chunks=(wx.chunks[0],), dtype=np.int64)
     cols = rows if y is None else da.arange(m, chunks=(wy.chunks[0],), dtype=np.int64)
     block = _upper_block if y is None else _cross_block
-    kept = da.blockwise(block, "ij", wx, "iw", wy, "jw", pop_x, "i", pop_y, "j", rows, "i",
-                        cols, "j", concatenate=True, selection=selection, method=method,
-                        device=device, dtype=np.uint64, meta=meta2)
+    with warnings.catch_warnings():
+        # A block per pair of chunks is the point: Dask's warning that the blockwise makes
+        # many more chunks than its inputs have says nothing to the user here.
+        warnings.simplefilter("ignore", PerformanceWarning)
+        kept = da.blockwise(block, "ij", wx, "iw", wy, "jw", pop_x, "i", pop_y, "j", rows, "i",
+                            cols, "j", concatenate=True, selection=selection, method=method,
+                            device=device, dtype=np.uint64, meta=meta2)
     # Each row chunk's task merges what its blocks kept (and, for all pairs, the transposed
     # halves of the blocks above it in its column): lists of small arrays, never counts.
     mirrored = (kept, "ji") if y is None else ()

@@ -5,6 +5,7 @@ shapes and uneven chunks, all pairs and queries x database."""
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import dask
 import dask.array as da
@@ -306,3 +307,13 @@ def test_top_k_chain_tasks_take_several_blocks_of_a_round(rng, monkeypatch, per_
     got_i, got_s = dask.compute(indices, scores)
     np.testing.assert_array_equal(got_i, want_i)
     np.testing.assert_array_equal(got_s, want_s.astype(np.float32))
+
+
+@pytest.mark.skipif(QUERY_PLANNING, reason="threshold= is refused under array query planning")
+def test_threshold_over_many_chunks_warns_nothing(rng):
+    # A block per pair of chunks is what the threshold path builds; Dask's PerformanceWarning
+    # about the blockwise's many chunks would reach every job's output.
+    x = np.packbits(random_bits(rng, (400, 64), 0.2), axis=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dg.similarity(da.from_array(x, chunks=(20, -1)), packed=True, threshold=0.5)
