@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dask.array as da
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -9,6 +10,8 @@ from click.testing import CliRunner
 from dask_gpuchunk.bench.similarity import (_check_pairs, _check_top_k, format_table,
                                             make_fingerprints, run, tanimoto_rows)
 from dask_gpuchunk.cli import main
+
+QUERY_PLANNING = type(da.ones(1)).__module__.startswith("dask.array._array_expr")
 
 
 def test_tanimoto_rows_is_the_formula_on_exact_counts():
@@ -29,11 +32,16 @@ def test_every_row_runs_and_passes_its_exact_check_on_this_machine():
                  threshold=0.6, peer_rows=900, repeat=1, log=lambda s: None)
     entries = {e["name"]: e for e in report["entries"]}
     ours = [e for e in entries.values() if e["kind"] == "ours"]
-    assert len(ours) == 5 and all(e["seconds"] for e in ours), [e["skipped"] for e in ours]
+    assert len(ours) == 5
+    for e in ours:
+        if QUERY_PLANNING and "threshold" in e["name"]:  # refused there, and said why
+            assert "query planning" in e["skipped"], e
+        else:
+            assert e["seconds"], e["skipped"]
     for e in entries.values():
         assert not (e["skipped"] or "").startswith("WRONG"), e
     found = [e["extra"]["pairs_found"] for e in ours if "pairs_found" in e["extra"]]
-    assert len(found) == 2 and min(found) > 0  # the near twins pass 0.6
+    assert len(found) == (0 if QUERY_PLANNING else 2) and min(found, default=1) > 0
     assert entries["peer NumPy bitwise_count + top-k (host, one thread)"]["seconds"]
     assert all(e["extra"]["pairs_per_s"] > 0 for e in entries.values() if e["seconds"])
     table = format_table(report)
