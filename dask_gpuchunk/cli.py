@@ -358,6 +358,11 @@ def _cluster_options(func: Callable) -> Callable:
         click.option("--no-tls", is_flag=True,
                      help="Local cluster: plain TCP on loopback instead of TLS with throwaway "
                      "credentials (any local user could then connect and run code as you)."),
+        click.option("--in-process", is_flag=True,
+                     help="Run the job in this process with Dask's threads instead of starting "
+                     "a local cluster: no start-up to wait for (several seconds), but nothing "
+                     "spills to host memory or disk, so what the job keeps on the GPU must fit "
+                     "it (CUDA_VISIBLE_DEVICES picks the GPU)."),
         click.option("--device", type=click.Choice(["auto", "gpu", "cpu"]), default="auto",
                      show_default=True, help="Where chunks run."),
         click.option("--json", "as_json", is_flag=True,
@@ -388,6 +393,17 @@ def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]
     if joined and local_only:
         raise click.UsageError(f"{', '.join(local_only)} configure a local cluster; the joined "
                                "cluster's workers are configured where they are started")
+    if opts.get("in_process"):
+        cluster_options = local_only + [
+            f"--{k.replace('_', '-')}" for k, default in (
+                ("scheduler_file", None), ("scheduler_address", None), ("workers", None),
+                ("device_memory_limit", "default"), ("memory_limit", "auto"))
+            if opts[k] != default]
+        if cluster_options:
+            raise click.UsageError(f"--in-process runs the job without a cluster; "
+                                   f"{', '.join(cluster_options)} configure one")
+        yield None  # this process's threads; the job finds no client
+        return
     if not joined and opts["workers"] is not None:
         raise click.UsageError("--workers waits for the workers of a joined cluster "
                                "(--scheduler-file or --scheduler-address); a local cluster "

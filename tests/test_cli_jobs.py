@@ -591,3 +591,31 @@ def test_similarity_top_k_through_the_command_line(rng, tmp_path):
                                      "--threshold", "0.5", "-o", str(tmp_path / "x.npz")])
     assert both.exit_code == 2 and "one of --top-k, --threshold and --dense" in both.output
     assert sorted(os.listdir(tmp_path)) == ["fps.npy", "top.npz"]
+
+
+def test_a_job_in_process_needs_no_cluster_and_refuses_cluster_options(rng, tmp_path,
+                                                                        monkeypatch):
+    fps = random_bits(rng, (70, 130), 0.25)
+    np.save(tmp_path / "fps.npy", fps)
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["similarity", "fps.npy", "--metric", "dice", "--top-k", "4",
+                                  "--chunk-rows", "16", "-o", "top.npz", "--json",
+                                  "--in-process"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.output.strip().splitlines()[-1])
+    assert summary["where"]["cluster"] == "local threads"
+    c = fps.astype(np.int64) @ fps.T
+    a = fps.sum(axis=1)
+    s = np.float32(2 * c) / np.float32(a[:, None] + a[None, :])
+    np.fill_diagonal(s, -1)
+    order = np.argsort(-s.astype(np.float64), axis=1, kind="stable")[:, :4]
+    with np.load(tmp_path / "top.npz") as got:
+        np.testing.assert_array_equal(got["indices"], order)
+        np.testing.assert_array_equal(got["scores"], np.take_along_axis(s, order, axis=1))
+    for extra in (["--gpus", "1"], ["--memory-limit", "4GB"], ["--scheduler-address",
+                                                                "tcp://127.0.0.1:1"]):
+        r = CliRunner().invoke(main, ["similarity", "fps.npy", "--top-k", "4", "-o", "x.npz",
+                                      "--in-process", *extra])
+        assert r.exit_code == 2 and "--in-process runs the job without a cluster" in r.output
+        assert extra[0] in r.output
+    assert sorted(os.listdir(tmp_path)) == ["fps.npy", "top.npz"]
