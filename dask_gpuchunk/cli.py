@@ -56,6 +56,7 @@ from .jobs import (
     JobError,
     gram_job,
     multiply_job,
+    sent_by_workers,
     similarity_job,
     watch_device_memory,
     where_it_ran,
@@ -516,8 +517,11 @@ def _job_summary(opts: dict[str, Any], prepare: Callable[[], Callable], quiet: b
         job = prepare()
         with _cluster(opts, quiet=quiet) as client:
             watch_device_memory(client)
+            sent_before = sent_by_workers(client)
             summary = job(_progress(not quiet and sys.stderr.isatty()))
             summary["where"] = where_it_ran(client)
+            # Per worker, bytes it sent to the others (and to this process) during the job.
+            summary["where"]["sent_by_workers"] = sent_by_workers(client, sent_before)
         return summary
     except click.ClickException:
         raise

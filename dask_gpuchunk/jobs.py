@@ -88,6 +88,7 @@ __all__ = [
     "gram_job",
     "multiply_files",
     "multiply_job",
+    "sent_by_workers",
     "watch_device_memory",
     "where_it_ran",
 ]
@@ -861,6 +862,28 @@ def similarity_job(
         }
 
     return run
+
+
+def _bytes_sent(dask_worker: Any) -> int:
+    return int(getattr(dask_worker, "transfer_outgoing_bytes_total", 0))
+
+
+def sent_by_workers(client: Any | None, since: dict[str, int] | None = None
+                         ) -> dict[str, int]:
+    """Bytes each worker of ``client``'s cluster has sent to other workers and to clients
+    (distributed's ``transfer_outgoing_bytes_total``: it does not tell them apart), less what
+    it had sent at ``since`` (an earlier call): what a job moved out of each worker, results
+    fetched by the job's process included. Empty without a client (threads move nothing).
+
+    Examples
+    --------
+    >>> sent_by_workers(None)
+    {}
+    """
+    if client is None:
+        return {}
+    now = client.run(_bytes_sent)
+    return {worker: sent - (since or {}).get(worker, 0) for worker, sent in now.items()}
 
 
 def where_it_ran(client: Any | None) -> dict[str, Any]:

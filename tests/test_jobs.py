@@ -136,3 +136,21 @@ def test_similarity_files_on_the_gpu(rng, tmp_path):
     a = fps.sum(axis=1)
     dice = np.float32(2 * c) / np.float32(a[:, None] + a[None, :])
     np.testing.assert_array_equal(np.load(tmp_path / "dense.npy"), dice)
+
+
+def test_bytes_sent_by_workers_are_counted_per_worker():
+    from distributed import Client, LocalCluster
+
+    from dask_gpuchunk.jobs import sent_by_workers
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        a, b = sorted(client.scheduler_info()["workers"])
+        before = sent_by_workers(client)
+        assert set(before) == {a, b}
+        x = client.submit(np.ones, 1_000_000, workers=[a], pure=False)  # 8 MB on a
+        y = client.submit(lambda v: float(v.sum()), x, workers=[b])  # needs x on b
+        assert y.result() == 1_000_000
+        moved = sent_by_workers(client, before)
+        assert moved[a] >= 8_000_000 and moved[b] < 1_000_000
+        assert sent_by_workers(client, sent_by_workers(client)) == {a: 0, b: 0}
