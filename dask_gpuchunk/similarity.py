@@ -37,6 +37,7 @@ from dask.highlevelgraph import HighLevelGraph
 
 from ._kernels import bitpack as bits
 from ._kernels import similarity as kernels
+from ._kernels.similarity_cpu import best_keys_of_columns, best_keys_of_rows, pairs_at_least_cpu
 from ._kernels.bmma_select import (
     PAIRS_FIRST_CAPACITY,
     pairs_at_least_bmma,
@@ -108,15 +109,24 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
     # and nothing is copied to the device for them.
     first_row, first_col = (int(ids[0]) if len(ids) else 0 for ids in (rows, cols))
     if not (is_cupy(a) and is_cupy(b)) or device == "cpu":
-        # Host chunks: counts on the CPU or staged through a GPU, back on the host.
+        # Host chunks: counts on the CPU or staged through a GPU, back on the host, where the
+        # CPU twin selects from them in one pass (no scores, no keys of the whole block).
         counts = block_counts(a, b, method, device)
-        if selection.k is None:
+        if not isinstance(counts, np.ndarray):  # left on a device: scored there
             s = kernels.scores(counts, pop_a, pop_b, selection.metric)
             mine = selection.keep(s, first_row, first_col, diagonal)
+            if selection.k is None:
+                return mine, (kernels.swapped_pairs(mine) if both else None)
+            return mine, (selection.keep(s.T, first_col, first_row, diagonal) if both else None)
+        exclude = selection.exclude_self and diagonal
+        if selection.k is None:
+            mine = pairs_at_least_cpu(counts, pop_a, pop_b, first_row, first_col,
+                                      selection.metric, selection.threshold, exclude)
             return mine, (kernels.swapped_pairs(mine) if both else None)
-        s = kernels.scores(counts, pop_a, pop_b, selection.metric)
-        mine = selection.keep(s, first_row, first_col, diagonal)
-        theirs = selection.keep(s.T, first_col, first_row, diagonal) if both else None
+        mine = best_keys_of_rows(counts, pop_a, pop_b, first_row, first_col, selection.metric,
+                                 selection.k, exclude)
+        theirs = (best_keys_of_columns(counts, pop_a, pop_b, first_row, first_col,
+                                       selection.metric, selection.k, exclude) if both else None)
         return mine, theirs
     mine, theirs = _device_selected(a, b, pop_a, pop_b, first_row, first_col, selection, both,
                                     diagonal, symmetric, method)
