@@ -130,8 +130,11 @@ def _pairs_kernel(counts: Any, pop_r: Any, pop_c: Any, first_row: int, first_col
             found[i] = at
 
 
+# numba is imported at first use, as everywhere in the package (importing it costs a second):
+# the kernels above name these globals, which _kernel rebinds to numba's prange and to the
+# compiled helpers before it compiles them (numba reads a global's value when it compiles).
 _NO_PAIR = NO_PAIR
-_prange = range  # numba.prange once compiled (below)
+_prange = range
 _bits_jit: Any = _score_bits
 _key_jit: Any = _key
 _insert_jit: Any = _insert
@@ -182,11 +185,8 @@ def best_keys_of_rows(counts: np.ndarray, pop_rows: Any, pop_cols: Any, first_ro
            [1, 0]]), array([[0.6666667, 0.5      ],
            [1.       , 0.2      ]], dtype=float32))
     """
-    counts, pop_rows, pop_cols = _prepared(counts, pop_rows, pop_cols)
-    out = np.empty((counts.shape[0], k), dtype=np.uint64)
-    _kernel("_rows_kernel")(counts, pop_rows, pop_cols, first_col, METRIC_CODES[metric],
-                            exclude_self, first_row - first_col, out)
-    return out
+    return _best_keys(False, counts, pop_rows, pop_cols, first_row, first_col, metric, k,
+                      exclude_self)
 
 
 def best_keys_of_columns(counts: np.ndarray, pop_rows: Any, pop_cols: Any, first_row: int,
@@ -194,10 +194,22 @@ def best_keys_of_columns(counts: np.ndarray, pop_rows: Any, pop_cols: Any, first
                          ) -> np.ndarray:
     """:func:`best_keys_of_rows` of the transposed block: each column's ``k`` best rows,
     ``(m, k)``, without a transposed copy."""
+    return _best_keys(True, counts, pop_rows, pop_cols, first_row, first_col, metric, k,
+                      exclude_self)
+
+
+def _best_keys(columns: bool, counts: np.ndarray, pop_rows: Any, pop_cols: Any,
+               first_row: int, first_col: int, metric: str, k: int, exclude_self: bool
+               ) -> np.ndarray:
     counts, pop_rows, pop_cols = _prepared(counts, pop_rows, pop_cols)
-    out = np.empty((counts.shape[1], k), dtype=np.uint64)
-    _kernel("_columns_kernel")(counts, pop_rows, pop_cols, first_row, METRIC_CODES[metric],
-                               exclude_self, first_col - first_row, out)
+    out = np.empty((counts.shape[1 if columns else 0], k), dtype=np.uint64)
+    if columns:  # the columns' candidates are rows: their ids from first_row
+        _kernel("_columns_kernel")(counts, pop_rows, pop_cols, first_row,
+                                   METRIC_CODES[metric], exclude_self, first_col - first_row,
+                                   out)
+    else:
+        _kernel("_rows_kernel")(counts, pop_rows, pop_cols, first_col, METRIC_CODES[metric],
+                                exclude_self, first_row - first_col, out)
     return out
 
 
