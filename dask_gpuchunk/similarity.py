@@ -45,7 +45,7 @@ from ._kernels.bmma_select import (
     top_k_scratch_bytes,
 )
 from .arrays import asarray
-from .backend import is_cupy
+from .backend import is_cupy, run_cpu_kernel
 from .budget import run_reserved
 from .config import listed_graphs
 from .devices import gpu_available
@@ -121,12 +121,14 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
         exclude = selection.exclude_self and diagonal
         if selection.k is None:
             mine = pairs_at_least_cpu(counts, pop_a, pop_b, first_row, first_col,
-                                      selection.metric, selection.threshold, exclude)
+                                      selection.metric, selection.threshold, exclude,
+                                      run_cpu_kernel)
             return mine, (kernels.swapped_pairs(mine) if both else None)
         mine = best_keys_of_rows(counts, pop_a, pop_b, first_row, first_col, selection.metric,
-                                 selection.k, exclude)
+                                 selection.k, exclude, run_cpu_kernel)
         theirs = (best_keys_of_columns(counts, pop_a, pop_b, first_row, first_col,
-                                       selection.metric, selection.k, exclude) if both else None)
+                                       selection.metric, selection.k, exclude, run_cpu_kernel)
+                  if both else None)
         return mine, theirs
     mine, theirs = _device_selected(a, b, pop_a, pop_b, first_row, first_col, selection, both,
                                     diagonal, symmetric, method)

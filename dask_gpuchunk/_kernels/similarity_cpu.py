@@ -17,6 +17,7 @@ the distance itself).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,8 @@ from .source_cache import cached_njit
 
 __all__ = ["best_keys_of_columns", "best_keys_of_rows", "pairs_at_least_cpu"]
 
-_HAMMING = METRIC_CODES["hamming"]
+#: How a kernel is called: ``launch(kernel, *args)``.
+Launch = Callable[..., Any]
 _COLUMNS_PER_TASK = 32  # columns one thread keeps lists for while it walks the rows
 
 
@@ -158,6 +160,10 @@ def _kernel(name: str) -> Any:
         return _compiled[name]
 
 
+def _plain_call(kernel: Callable[..., Any], *args: Any) -> Any:
+    return kernel(*args)
+
+
 def _prepared(counts: np.ndarray, pop_rows: Any, pop_cols: Any) -> tuple[Any, Any, Any]:
     r, m = counts.shape
     pop_rows = np.ascontiguousarray(pop_rows, dtype=np.int32)
@@ -169,11 +175,13 @@ def _prepared(counts: np.ndarray, pop_rows: Any, pop_cols: Any) -> tuple[Any, An
 
 
 def best_keys_of_rows(counts: np.ndarray, pop_rows: Any, pop_cols: Any, first_row: int,
-                      first_col: int, metric: str, k: int, exclude_self: bool = False
-                      ) -> np.ndarray:
+                      first_col: int, metric: str, k: int, exclude_self: bool = False,
+                      launch: Launch | None = None) -> np.ndarray:
     """Each row's ``k`` best keys ``(r, k)`` in a block of ``counts`` ``(r, m)`` (rows
     ``first_row`` on, columns ``first_col`` on), sorted, :data:`NO_PAIR` where fewer;
-    ``exclude_self``: a pair of equal ids is left out.
+    ``exclude_self``: a pair of equal ids is left out. ``launch(kernel, *args)`` calls the
+    numba kernel (the chunk layer's ``run_cpu_kernel``, which shares the cores between
+    threads); default: a plain call.
 
     Examples
     --------
@@ -186,39 +194,40 @@ def best_keys_of_rows(counts: np.ndarray, pop_rows: Any, pop_cols: Any, first_ro
            [1.       , 0.2      ]], dtype=float32))
     """
     return _best_keys(False, counts, pop_rows, pop_cols, first_row, first_col, metric, k,
-                      exclude_self)
+                      exclude_self, launch)
 
 
 def best_keys_of_columns(counts: np.ndarray, pop_rows: Any, pop_cols: Any, first_row: int,
-                         first_col: int, metric: str, k: int, exclude_self: bool = False
-                         ) -> np.ndarray:
+                         first_col: int, metric: str, k: int, exclude_self: bool = False,
+                         launch: Launch | None = None) -> np.ndarray:
     """:func:`best_keys_of_rows` of the transposed block: each column's ``k`` best rows,
     ``(m, k)``, without a transposed copy."""
     return _best_keys(True, counts, pop_rows, pop_cols, first_row, first_col, metric, k,
-                      exclude_self)
+                      exclude_self, launch)
 
 
 def _best_keys(columns: bool, counts: np.ndarray, pop_rows: Any, pop_cols: Any,
-               first_row: int, first_col: int, metric: str, k: int, exclude_self: bool
-               ) -> np.ndarray:
+               first_row: int, first_col: int, metric: str, k: int, exclude_self: bool,
+               launch: Launch | None) -> np.ndarray:
     counts, pop_rows, pop_cols = _prepared(counts, pop_rows, pop_cols)
     out = np.empty((counts.shape[1 if columns else 0], k), dtype=np.uint64)
+    launch = launch or _plain_call
     if columns:  # the columns' candidates are rows: their ids from first_row
-        _kernel("_columns_kernel")(counts, pop_rows, pop_cols, first_row,
-                                   METRIC_CODES[metric], exclude_self, first_col - first_row,
-                                   out)
+        launch(_kernel("_columns_kernel"), counts, pop_rows, pop_cols, first_row,
+               METRIC_CODES[metric], exclude_self, first_col - first_row, out)
     else:
-        _kernel("_rows_kernel")(counts, pop_rows, pop_cols, first_col, METRIC_CODES[metric],
-                                exclude_self, first_row - first_col, out)
+        launch(_kernel("_rows_kernel"), counts, pop_rows, pop_cols, first_col,
+               METRIC_CODES[metric], exclude_self, first_row - first_col, out)
     return out
 
 
 def pairs_at_least_cpu(counts: np.ndarray, pop_rows: Any, pop_cols: Any, first_row: int,
-                       first_col: int, metric: str, threshold: Any, exclude_self: bool = False
-                       ) -> np.ndarray:
+                       first_col: int, metric: str, threshold: Any, exclude_self: bool = False,
+                       launch: Launch | None = None) -> np.ndarray:
     """The pairs of a block of ``counts`` whose score meets ``threshold`` (at most it for
     hamming), as :func:`dask_gpuchunk._kernels.similarity.pairs_at_least` gives them: ``uint64``
-    ``(p, 2)``, ``row << 32 | col`` and the score's bits, in row-then-column order.
+    ``(p, 2)``, ``row << 32 | col`` and the score's bits, in row-then-column order. ``launch``:
+    as for :func:`best_keys_of_rows`.
 
     Examples
     --------
@@ -239,13 +248,13 @@ def pairs_at_least_cpu(counts: np.ndarray, pop_rows: Any, pop_cols: Any, first_r
         limit = max(int(np.ceil(threshold)), 0)
     limit = min(limit, 0xFFFFFFFF)
     found = np.zeros(counts.shape[0], dtype=np.int64)
-    kernel = _kernel("_pairs_kernel")
+    kernel, launch = _kernel("_pairs_kernel"), launch or _plain_call
     shift = first_row - first_col
-    kernel(counts, pop_rows, pop_cols, first_row, first_col, code, limit, exclude_self, shift,
-           found, np.empty((0, 2), dtype=np.uint64))
+    launch(kernel, counts, pop_rows, pop_cols, first_row, first_col, code, limit, exclude_self,
+           shift, found, np.empty((0, 2), dtype=np.uint64))
     starts = np.concatenate([[0], np.cumsum(found)])
     out = np.empty((int(starts[-1]), 2), dtype=np.uint64)
     if len(out):
-        kernel(counts, pop_rows, pop_cols, first_row, first_col, code, limit, exclude_self,
-               shift, starts[:-1].copy(), out)
+        launch(kernel, counts, pop_rows, pop_cols, first_row, first_col, code, limit,
+               exclude_self, shift, starts[:-1].copy(), out)
     return out
