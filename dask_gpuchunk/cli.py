@@ -284,7 +284,6 @@ def bench_gram(n: int, k: int, chunk_rows: tuple[int, ...], tiles: tuple[str, ..
         click.echo(f"wrote {path}", err=True)
 
 
-
 @bench.command("similarity")
 @click.option("--n", "n", default=1_000_000, show_default=True, help="Fingerprints.")
 @click.option("--bits", default=2048, show_default=True, help="Bits per fingerprint (a "
@@ -328,6 +327,7 @@ def bench_similarity(n: int, bits: int, density: float, queries: int, chunk_rows
     click.echo(similarity_table(report))
     for path in save(report, out_dir, "bench-similarity", log=lambda s: click.echo(s, err=True)):
         click.echo(f"wrote {path}", err=True)
+
 
 # ---- jobs --------------------------------------------------------------------------------------
 
