@@ -97,65 +97,75 @@ def _popcount64() -> Any:
 CPU_ROWS = 4
 
 
+def _gram_cpu(a: Any, b: Any, c: Any, upper: bool) -> None:  # pragma: no cover - compiled
+    na, m = a.shape
+    nb = b.shape[0]
+    groups = (na + 3) // 4
+    for g in _prange(groups):
+        i0 = g * 4
+        first = i0 if upper else 0
+        if i0 + 4 <= na:
+            for j in range(first, nb):
+                s0 = np.uint64(0)
+                s1 = np.uint64(0)
+                s2 = np.uint64(0)
+                s3 = np.uint64(0)
+                for w in range(m):
+                    bw = b[j, w]
+                    s0 += _popc(a[i0, w] & bw)
+                    s1 += _popc(a[i0 + 1, w] & bw)
+                    s2 += _popc(a[i0 + 2, w] & bw)
+                    s3 += _popc(a[i0 + 3, w] & bw)
+                c[i0, j] = s0
+                c[i0 + 1, j] = s1
+                c[i0 + 2, j] = s2
+                c[i0 + 3, j] = s3
+        else:
+            for i in range(i0, na):
+                for j in range(first, nb):
+                    s = np.uint64(0)
+                    for w in range(m):
+                        s += _popc(a[i, w] & b[j, w])
+                    c[i, j] = s
+
+
+def _mirror(c: Any) -> None:  # pragma: no cover - compiled
+    n = c.shape[0]
+    for i in _prange(n):
+        for j in range(i):
+            c[i, j] = c[j, i]
+
+
+def _transpose(a: Any, out: Any) -> None:  # pragma: no cover - compiled
+    # 64 x 64 tiles: reads and writes both stay within a few cache lines per row.
+    n, m = a.shape
+    for ti in _prange((n + 63) // 64):
+        i0 = ti * 64
+        i1 = min(i0 + 64, n)
+        for j0 in range(0, m, 64):
+            j1 = min(j0 + 64, m)
+            for i in range(i0, i1):
+                for j in range(j0, j1):
+                    out[j, i] = a[i, j]
+
+
+# numba is imported at first use: the kernels above name these globals, which _cpu_kernels
+# rebinds to numba's prange and the popcount intrinsic before it compiles them (numba reads a
+# global's value when it compiles). Compiled with cache=True: a process (each CPU job, each
+# worker) loads them instead of compiling them again, ~1.5 s on a 2-core machine.
+_prange: Any = range
+_popc: Any = None
+
+
 @compiled_once
-def _cpu_kernels() -> tuple[Any, Any]:
+def _cpu_kernels() -> tuple[Any, Any, Any]:
     import numba
 
-    popc = _popcount64()
+    from .source_cache import cached_njit
 
-    @numba.njit(parallel=True)
-    def gram_cpu(a, b, c, upper):  # pragma: no cover - compiled
-        na, m = a.shape
-        nb = b.shape[0]
-        groups = (na + 3) // 4
-        for g in numba.prange(groups):
-            i0 = g * 4
-            first = i0 if upper else 0
-            if i0 + 4 <= na:
-                for j in range(first, nb):
-                    s0 = np.uint64(0)
-                    s1 = np.uint64(0)
-                    s2 = np.uint64(0)
-                    s3 = np.uint64(0)
-                    for w in range(m):
-                        bw = b[j, w]
-                        s0 += popc(a[i0, w] & bw)
-                        s1 += popc(a[i0 + 1, w] & bw)
-                        s2 += popc(a[i0 + 2, w] & bw)
-                        s3 += popc(a[i0 + 3, w] & bw)
-                    c[i0, j] = s0
-                    c[i0 + 1, j] = s1
-                    c[i0 + 2, j] = s2
-                    c[i0 + 3, j] = s3
-            else:
-                for i in range(i0, na):
-                    for j in range(first, nb):
-                        s = np.uint64(0)
-                        for w in range(m):
-                            s += popc(a[i, w] & b[j, w])
-                        c[i, j] = s
-
-    @numba.njit(parallel=True)
-    def mirror(c):  # pragma: no cover - compiled
-        n = c.shape[0]
-        for i in numba.prange(n):
-            for j in range(i):
-                c[i, j] = c[j, i]
-
-    @numba.njit(parallel=True)
-    def transpose(a, out):  # pragma: no cover - compiled
-        # 64 x 64 tiles: reads and writes both stay within a few cache lines per row.
-        n, m = a.shape
-        for ti in numba.prange((n + 63) // 64):
-            i0 = ti * 64
-            i1 = min(i0 + 64, n)
-            for j0 in range(0, m, 64):
-                j1 = min(j0 + 64, m)
-                for i in range(i0, i1):
-                    for j in range(j0, j1):
-                        out[j, i] = a[i, j]
-
-    return (gram_cpu, mirror, transpose)
+    global _prange, _popc
+    _prange, _popc = numba.prange, _popcount64()
+    return tuple(cached_njit(f, parallel=True) for f in (_gram_cpu, _mirror, _transpose))
 
 
 def transpose_cpu(block: np.ndarray) -> np.ndarray:
