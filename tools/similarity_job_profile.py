@@ -1,0 +1,108 @@
+"""Where the time of a similarity job from a ``.npy`` goes (run on a GPU machine, or a CPU one
+with ``--rows`` small).
+
+    python3 tools/similarity_job_profile.py --rows 1000000 --out $OUT/job-profile.json
+
+Writes ``--rows`` random packed 2048-bit fingerprints (7.5 % density) to a ``.npy``, then
+times:
+
+* a bare interpreter, and the imports the CLI pays (``dask_gpuchunk.cli``; with CuPy,
+  distributed and dask-cuda);
+* ``dask-gpuchunk similarity FPS.npy --packed --top-k 10`` end to end, twice, as a user runs
+  it (a local cluster), then once with ``--in-process`` (no cluster), each with the job's own
+  ``seconds``; with ``--cap`` set, once more under that pool cap (``CUPY_GPU_MEMORY_LIMIT``);
+* in this process: the local cluster's start, two jobs on it, its report and its close; then
+  two jobs with no cluster (dask's threads), and whether both gave the same result file.
+
+The ``if __name__ == "__main__"`` guard matters: a local cluster's workers are spawned
+processes that import this file again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _cli(work: Path, label: str, *extra: str, env: dict | None = None) -> list:
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "dask_gpuchunk", "similarity", str(work / "fps.npy"),
+                        "--packed", "--top-k", "10", "-o", str(work / "nn.npz"), "--json",
+                        "--overwrite", *extra], capture_output=True, text=True, timeout=300,
+                       env=env)
+    total = time.perf_counter() - t0
+    try:
+        job = json.loads(p.stdout.strip().splitlines()[-1])["seconds"]
+    except (IndexError, ValueError, KeyError):
+        job = None
+        print(p.stdout[-1500:], p.stderr[-3000:], flush=True)
+    print(f"{label}: {total:.2f} s end to end, job {job}", flush=True)
+    return [round(total, 3), job]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/similarity-job-profile"))
+    parser.add_argument("--cap", help="also run the CLI job under this CUPY_GPU_MEMORY_LIMIT "
+                        "(bytes)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    import numpy as np
+
+    import dask_gpuchunk as dg
+    from dask_gpuchunk.bench.similarity import make_fingerprints
+    from dask_gpuchunk.devices import gpu_available
+    from dask_gpuchunk.jobs import similarity_job, where_it_ran
+
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    np.save(work / "fps.npy", make_fingerprints(args.rows, 2048, 0.075, on_gpu=gpu_available()))
+    out: dict = {"rows": args.rows}
+    for label, code in [("bare interpreter", "pass"),
+                        ("import dask_gpuchunk.cli", "import dask_gpuchunk.cli"),
+                        ("+ cupy, distributed, dask_cuda",
+                         "import dask_gpuchunk.cli, cupy, distributed, dask_cuda")]:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], capture_output=True)
+        out[label] = round(time.perf_counter() - t0, 3)
+    print(out, flush=True)
+    out["cli"] = [_cli(work, "cli, local cluster") for _ in range(2)]
+    out["cli in process"] = _cli(work, "cli, --in-process", "--in-process")
+    if args.cap:
+        out["cli capped"] = _cli(work, f"cli, cap {args.cap}",
+                                 env={**os.environ, "CUPY_GPU_MEMORY_LIMIT": args.cap})
+    t0 = time.perf_counter()
+    cluster = dg.local_cluster()
+    client = cluster.__enter__()
+    out["cluster start"] = round(time.perf_counter() - t0, 3)
+    for rep in range(2):
+        job = similarity_job(work / "fps.npy", work / "nn_cluster.npz", packed=True, top_k=10,
+                             overwrite=True)
+        t0 = time.perf_counter()
+        out[f"job on the cluster {rep}"] = [round(job(None)["seconds"], 3),
+                                            round(time.perf_counter() - t0, 3)]
+    t0 = time.perf_counter()
+    where_it_ran(client)
+    out["report"] = round(time.perf_counter() - t0, 3)
+    t0 = time.perf_counter()
+    cluster.__exit__(None, None, None)
+    out["cluster close"] = round(time.perf_counter() - t0, 3)
+    for rep in range(2):
+        job = similarity_job(work / "fps.npy", work / "nn_threads.npz", packed=True, top_k=10,
+                             overwrite=True)
+        out[f"job without a cluster {rep}"] = round(job(None)["seconds"], 3)
+    with np.load(work / "nn_cluster.npz") as a, np.load(work / "nn_threads.npz") as b:
+        out["same results"] = all(bool(np.array_equal(a[k], b[k])) for k in a)
+    print(json.dumps(out), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
