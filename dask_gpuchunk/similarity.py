@@ -113,11 +113,8 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
         # CPU twin selects from them in one pass (no scores, no keys of the whole block).
         counts = block_counts(a, b, method, device)
         if not isinstance(counts, np.ndarray):  # left on a device: scored there
-            s = kernels.scores(counts, pop_a, pop_b, selection.metric)
-            mine = selection.keep(s, first_row, first_col, diagonal)
-            if selection.k is None:
-                return mine, (kernels.swapped_pairs(mine) if both else None)
-            return mine, (selection.keep(s.T, first_col, first_row, diagonal) if both else None)
+            return _kept_from_scores(counts, pop_a, pop_b, first_row, first_col, selection,
+                                     both, diagonal)
         exclude = selection.exclude_self and diagonal
         if selection.k is None:
             mine = pairs_at_least_cpu(counts, pop_a, pop_b, first_row, first_col,
@@ -206,14 +203,24 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
         return run_reserved(best, pairs * 4 + kept + device_block_scratch(a, b, method), what)
 
     def scored() -> tuple[Any, Any]:
-        counts = device_block_counts(a, b, method)
-        s = kernels.scores(counts, pop_a, pop_b, selection.metric)
-        mine = selection.keep(s, first_row, first_col, diagonal)
-        theirs = selection.keep(s.T, first_col, first_row, diagonal) if both else None
-        return mine, theirs
+        return _kept_from_scores(device_block_counts(a, b, method), pop_a, pop_b, first_row,
+                                 first_col, selection, both, diagonal)
 
     return run_reserved(scored, pairs * (4 + SCORING_BYTES_PER_PAIR)
                         + device_block_scratch(a, b, method), what)
+
+
+def _kept_from_scores(counts: Any, pop_a: Any, pop_b: Any, first_row: int, first_col: int,
+                      selection: _Selection, both: bool, diagonal: bool) -> tuple[Any, Any]:
+    """What ``selection`` keeps of a block's counts through its scores in memory (the array
+    path, NumPy or CuPy): for its rows and, with ``both``, its columns."""
+    s = kernels.scores(counts, pop_a, pop_b, selection.metric)
+    mine = selection.keep(s, first_row, first_col, diagonal)
+    if not both:
+        return mine, None
+    if selection.k is None:  # a threshold's pairs of the transposed block: the same, swapped
+        return mine, kernels.swapped_pairs(mine)
+    return mine, selection.keep(s.T, first_col, first_row, diagonal)
 
 
 def _upper_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
