@@ -9,8 +9,9 @@ times:
 * a bare interpreter, and the imports the CLI pays (``dask_gpuchunk.cli``; with CuPy,
   distributed and dask-cuda);
 * ``dask-gpuchunk similarity FPS.npy --packed --top-k 10`` end to end, twice, as a user runs
-  it (a local cluster), then once with ``--in-process`` (no cluster), each with the job's own
-  ``seconds``; with ``--cap`` set, once more under that pool cap (``CUPY_GPU_MEMORY_LIMIT``);
+  it (a local cluster), then with ``--in-process`` (no cluster) at the default chunks and at
+  32,768-row ones, each with the job's own ``seconds``; with ``--cap`` set, once more each way
+  (cluster, in process) under that pool cap (``CUPY_GPU_MEMORY_LIMIT``);
 * in this process: the local cluster's start, two jobs on it, its report and its close; then
   two jobs with no cluster (dask's threads), and whether both gave the same result file.
 
@@ -74,9 +75,13 @@ def main() -> None:
     print(out, flush=True)
     out["cli"] = [_cli(work, "cli, local cluster") for _ in range(2)]
     out["cli in process"] = _cli(work, "cli, --in-process", "--in-process")
+    out["cli in process, 32768-row chunks"] = _cli(work, "cli, --in-process, 32768-row chunks",
+                                                   "--in-process", "--chunk-rows", "32768")
     if args.cap:
-        out["cli capped"] = _cli(work, f"cli, cap {args.cap}",
-                                 env={**os.environ, "CUPY_GPU_MEMORY_LIMIT": args.cap})
+        capped = {**os.environ, "CUPY_GPU_MEMORY_LIMIT": args.cap}
+        out["cli capped"] = _cli(work, f"cli, cap {args.cap}", env=capped)
+        out["cli in process capped"] = _cli(work, f"cli, --in-process, cap {args.cap}",
+                                            "--in-process", env=capped)
     t0 = time.perf_counter()
     cluster = dg.local_cluster()
     client = cluster.__enter__()
