@@ -291,7 +291,7 @@ def bench_gram(n: int, k: int, chunk_rows: tuple[int, ...], tiles: tuple[str, ..
 @click.option("--density", default=0.075, show_default=True, help="Fraction of bits set.")
 @click.option("--queries", default=10_000, show_default=True, help="Queries for the queries x "
               "database rows (0: none).")
-@click.option("--chunk-rows", default=16384, show_default=True, help="Rows per chunk.")
+@click.option("--chunk-rows", default=32768, show_default=True, help="Rows per chunk.")
 @click.option("--top-k", "k", default=10, show_default=True, help="Neighbours per row.")
 @click.option("--threshold", default=0.7, show_default=True, help="Tanimoto threshold.")
 @click.option("--peer-rows", default=65536, show_default=True, help="Database rows the peers "
@@ -670,7 +670,7 @@ def gram_command(bits: str, output: str, overwrite: bool, compression: str, zarr
               "dtype, e.g. np.packbits output), not 0/1 values.")
 @_method_option
 @click.option("--chunk-rows", type=click.IntRange(min=1),
-              help="Rows per chunk of each input [default: 16384 on GPUs, halved while a "
+              help="Rows per chunk of each input [default: 32768 on GPUs, halved while a "
               "block would not fit their memory budget; 4096 on the CPU].")
 @_cluster_options
 def similarity_command(fingerprints: str, queries: str | None, metric: str, top_k: int | None,

@@ -174,33 +174,48 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
                 return kept
             capacity = count
     if selection.k is None:
-        def plain() -> tuple[Any, Any]:
-            return kernels.pairs_at_least_cuda(device_block_counts(a, b, method), pop_a, pop_b,
-                                               first_row, first_col, selection.threshold,
-                                               selection.metric, exclude), None
+        step = _targets_per_slice(len(b))
 
-        return run_reserved(plain, pairs * 8 + device_block_scratch(a, b, method), what)
+        def plain() -> tuple[Any, Any]:
+            # A slice of a's rows at a time: the pairs come out in row order all the same.
+            parts = [kernels.pairs_at_least_cuda(
+                device_block_counts(a[start:start + step], b, method), pop_a[start:start + step],
+                pop_b, first_row + start, first_col, selection.threshold, selection.metric,
+                exclude) for start in range(0, len(a), step)]
+            return (parts[0] if len(parts) == 1
+                    else kernels._xp(parts[0]).concatenate(parts)), None
+
+        return run_reserved(plain, min(len(a), step) * len(b) * 8
+                            + device_block_scratch(a, b, method), what)
     if selection.k <= kernels.CUDA_TOP_K_MAX:
+        def keys_of(targets: Any, others: Any, pop_t: Any, pop_o: Any, first_t: int,
+                    first_o: int) -> Any:
+            # The kernel reads each target's counts down a column: the block of the others
+            # against the targets (a second Gram costs less than a transposed copy), a slice
+            # of targets at a time.
+            step = _targets_per_slice(len(others))
+            parts = []
+            for start in range(0, len(targets), step):
+                end = start + step
+                counts = device_block_counts(others, targets[start:end], method)
+                parts.append(kernels.best_keys_cuda(
+                    counts, pop_o, pop_t[start:end], first_o, first_t + start, selection.k,
+                    selection.metric, exclude, for_rows=False))
+                del counts
+            return parts[0] if len(parts) == 1 else kernels._xp(parts[0]).concatenate(parts)
+
         def best() -> tuple[Any, Any]:
-            # Each orientation reads its own counts: the block, then (for the rows, where the
-            # kernel reads across columns) the block of b against a; a second Gram of the
-            # block costs less than a transposed copy of it.
-            k, metric = selection.k, selection.metric
             theirs = None
             if both or symmetric:
-                counts = device_block_counts(a, b, method)
-                theirs = kernels.best_keys_cuda(counts, pop_a, pop_b, first_row, first_col, k,
-                                                metric, exclude, for_rows=False)
-                del counts
+                theirs = keys_of(b, a, pop_b, pop_a, first_col, first_row)
                 if symmetric:  # a symmetric block's columns are its rows
                     return theirs, None
-            counts = device_block_counts(b, a, method)
-            mine = kernels.best_keys_cuda(counts, pop_b, pop_a, first_col, first_row, k, metric,
-                                          exclude, for_rows=False)
-            return mine, theirs
+            return keys_of(a, b, pop_a, pop_b, first_row, first_col), theirs
 
         kept = (a.shape[0] + b.shape[0]) * selection.k * 8
-        return run_reserved(best, pairs * 4 + kept + device_block_scratch(a, b, method), what)
+        counts_bytes = max(len(a), len(b)) * _targets_per_slice(max(len(a), len(b))) * 4
+        return run_reserved(best, min(pairs * 4, counts_bytes) + kept
+                            + device_block_scratch(a, b, method), what)
 
     def scored() -> tuple[Any, Any]:
         return _kept_from_scores(device_block_counts(a, b, method), pop_a, pop_b, first_row,
@@ -208,6 +223,18 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
 
     return run_reserved(scored, pairs * (4 + SCORING_BYTES_PER_PAIR)
                         + device_block_scratch(a, b, method), what)
+
+
+#: Device bytes of counts that the best keys of one block hold at once on the plain path (a
+#: row chunk's first block of all pairs, and other methods than bmma): the block's targets
+#: are taken in slices of at most this many counts. A whole block of 32,768 x 32,768 rows
+#: would hold 4 GiB, more than a small card's budget beside the chunks' words.
+SELECT_COUNTS_BYTES = 256 << 20
+
+
+def _targets_per_slice(others: int) -> int:
+    """Targets whose counts against ``others`` rows fit :data:`SELECT_COUNTS_BYTES`."""
+    return max(1, SELECT_COUNTS_BYTES // (4 * max(1, others)))
 
 
 def _kept_from_scores(counts: Any, pop_a: Any, pop_b: Any, first_row: int, first_col: int,

@@ -154,3 +154,26 @@ def test_bytes_sent_by_workers_are_counted_per_worker():
         moved = sent_by_workers(client, before)
         assert moved[a] >= 8_000_000 and moved[b] < 1_000_000
         assert sent_by_workers(client, sent_by_workers(client)) == {a: 0, b: 0}
+
+
+@pytest.mark.parametrize("options, rows", [
+    ({"top_k": 10}, 32768),  # the selections need well under 1 GiB a block
+    ({"threshold": 0.5}, 32768),
+    ({"top_k": 40}, 4096),  # beyond the kernels' 32: scores and keys of whole blocks
+    ({}, 8192),  # dense: each block's counts and scores, 8 bytes a pair
+])
+def test_similarity_job_chunks_by_what_a_block_holds(rng, tmp_path, monkeypatch, options,
+                                                      rows):
+    from dask_gpuchunk import jobs
+    from dask_gpuchunk.jobs import similarity_job
+
+    np.save(tmp_path / "fps.npy", np.packbits(random_bits(rng, (300, 2048), 0.075), axis=1))
+    # GPU workers of 2 GiB each, as the job sees them; the chunks stay on the host here.
+    monkeypatch.setattr(jobs, "_budgets_where_it_runs", lambda: [2 << 30])
+    monkeypatch.setattr(jobs, "_on_device", lambda block: block)
+    out = tmp_path / ("out.npz" if options else "out.npy")
+    summary = similarity_job(tmp_path / "fps.npy", out, packed=True, **options)(None)
+    assert summary["chunk_rows"] == rows
+    assert jobs._similarity_block_bytes(rows, 32, not options, options.get("top_k")) <= 2 << 30
+    assert jobs._similarity_block_bytes(2 * rows, 32, not options,
+                                        options.get("top_k")) > 2 << 30 or rows == 32768

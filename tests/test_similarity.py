@@ -317,3 +317,39 @@ def test_threshold_over_many_chunks_warns_nothing(rng):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dg.similarity(da.from_array(x, chunks=(20, -1)), packed=True, threshold=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["bmma", "int8", "popcount"])
+def test_plain_path_takes_a_blocks_counts_in_slices(rng, monkeypatch, method):
+    # Counts of a few targets at a time (room for 7 of them against a 40-row chunk): the
+    # first block of each row chunk's top-k, and with int8 and popcount every block and the
+    # threshold's pairs; the results are the same as from whole blocks.
+    import cupy
+
+    similarity_module = importlib.import_module("dask_gpuchunk.similarity")
+    monkeypatch.setattr(similarity_module, "SELECT_COUNTS_BYTES", 7 * 40 * 4)
+    assert similarity_module._targets_per_slice(40) == 7
+    x = fingerprints(rng, 150, 300)
+    w = dg.asarray(cupy.asarray(np.packbits(x, axis=1)), chunks=(40, -1))
+    s = reference(x, x, "cosine")
+    indices, scores = dask.compute(*dg.similarity(w, packed=True, metric="cosine", top_k=9,
+                                                  method=method))
+    want_i, want_s = brute_top_k(s, 9, False, True)
+    np.testing.assert_array_equal(indices.get(), want_i)
+    np.testing.assert_array_equal(scores.get(), want_s.astype(np.float32))
+    q = w[25:95].rechunk((33, -1))
+    indices, _ = dask.compute(*dg.similarity(q, w, packed=True, metric="cosine", top_k=9,
+                                             exclude_self=False, method=method))
+    np.testing.assert_array_equal(indices.get(), brute_top_k(s[25:95], 9, False, False)[0])
+    if QUERY_PLANNING:
+        return
+    rows, cols, got = dask.compute(*dg.similarity(w, packed=True, metric="cosine",
+                                                  threshold=0.3, method=method))
+    keep = s >= np.float32(0.3)
+    np.fill_diagonal(keep, False)
+    want_r, want_c = np.nonzero(keep)
+    assert len(want_r) > 50
+    np.testing.assert_array_equal(rows.get(), want_r)
+    np.testing.assert_array_equal(cols.get(), want_c)
+    np.testing.assert_array_equal(got.get(), s[want_r, want_c])

@@ -136,7 +136,7 @@ def run(
     bits: int = 2048,
     density: float = 0.075,
     queries: int = 10_000,
-    chunk_rows: int = 16384,
+    chunk_rows: int = 32768,
     k: int = 10,
     threshold: float = 0.7,
     peer_rows: int = 65536,
