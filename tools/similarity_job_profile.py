@@ -10,7 +10,7 @@ times:
   distributed and dask-cuda);
 * ``dask-gpuchunk similarity FPS.npy --packed --top-k 10`` end to end, twice, as a user runs
   it (a local cluster), then with ``--in-process`` (no cluster) at the default chunks and at
-  32,768-row ones, each with the job's own ``seconds``; with ``--cap`` set, once more each way
+  16,384-row ones, each with the job's own ``seconds``; with ``--cap`` set, once more each way
   (cluster, in process) under that pool cap (``CUPY_GPU_MEMORY_LIMIT``);
 * in this process: the local cluster's start, two jobs on it, its report and its close; then
   two jobs with no cluster (dask's threads), and whether both gave the same result file.
@@ -75,8 +75,8 @@ def main() -> None:
     print(out, flush=True)
     out["cli"] = [_cli(work, "cli, local cluster") for _ in range(2)]
     out["cli in process"] = _cli(work, "cli, --in-process", "--in-process")
-    out["cli in process, 32768-row chunks"] = _cli(work, "cli, --in-process, 32768-row chunks",
-                                                   "--in-process", "--chunk-rows", "32768")
+    out["cli in process, 16384-row chunks"] = _cli(work, "cli, --in-process, 16384-row chunks",
+                                                   "--in-process", "--chunk-rows", "16384")
     if args.cap:
         capped = {**os.environ, "CUPY_GPU_MEMORY_LIMIT": args.cap}
         out["cli capped"] = _cli(work, f"cli, cap {args.cap}", env=capped)
