@@ -713,41 +713,12 @@ def gram_job(
 
 
 #: Rows per chunk of a similarity job on GPUs, halved while a block would not fit the workers'
-#: budget (:func:`_similarity_block_bytes`); 4,096 on the CPU. Measured on an H200 under an
+#: budget (:func:`dask_gpuchunk.similarity.block_bytes`); 4,096 on the CPU. Measured on an H200 under an
 #: 8 GiB cap, the API on device words: all-pairs top-10 of 10**6 x 2048 bits in 2.8 s in
 #: 16,384-row chunks, 2.0 s in 32,768-row ones (threshold 0.7: 3.95 s, 1.63 s). A row chunk's
 #: first block, selected on the plain path, once held all its counts (4 GiB in 32,768-row
 #: chunks); its counts are now taken in slices.
 SIMILARITY_CHUNK_ROWS = 32768
-
-
-def _similarity_block_bytes(rows: int, width: int, dense: bool, top_k: int | None) -> int:
-    """Device bytes one block of a similarity job in ``rows``-row chunks of ``width`` 64-bit
-    words holds at most: both chunks' words, and the dense block's counts and scores; or what
-    a top-k (beyond :data:`~dask_gpuchunk._kernels.similarity.CUDA_TOP_K_MAX`: the block's
-    scores and keys) or threshold selection allocates (the fused kernel's scratch, and the
-    plain path's slices of counts, :data:`dask_gpuchunk.similarity.SELECT_COUNTS_BYTES`).
-
-    Examples
-    --------
-    >>> _similarity_block_bytes(32768, 32, dense=False, top_k=10) < 1 << 30
-    True
-    >>> _similarity_block_bytes(32768, 32, dense=True, top_k=None) > 8 << 30
-    True
-    """
-    from ._kernels.bmma_select import PAIRS_FIRST_CAPACITY, top_k_scratch_bytes
-    from ._kernels.similarity import CUDA_TOP_K_MAX
-    from .similarity import SCORING_BYTES_PER_PAIR, SELECT_COUNTS_BYTES
-
-    words = 2 * rows * width * 8
-    if dense:
-        return rows * rows * 8 + words
-    if top_k is not None and top_k > CUDA_TOP_K_MAX:
-        return rows * rows * (4 + SCORING_BYTES_PER_PAIR) + words
-    slices = min(rows * rows * 8, 2 * SELECT_COUNTS_BYTES)  # counts and a threshold's mask
-    fused = (top_k_scratch_bytes(rows, rows, top_k, True, width) if top_k is not None
-             else PAIRS_FIRST_CAPACITY * 64)
-    return words + max(slices, fused)
 
 
 def _on_device(block: Any) -> Any:
@@ -811,6 +782,7 @@ def similarity_job(
     """
     from ._kernels.similarity import score_dtype
     from .similarity import METRICS, similarity
+    from .similarity import block_bytes as similarity_block_bytes
 
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
@@ -845,8 +817,10 @@ def similarity_job(
         h = headers[0]  # 64-bit words per row
         width = -(-h.shape[1] * h.dtype.itemsize // 8) if packed else -(-h.shape[1] // 64)
         if budgets and chunk_rows is None:
-            while rows > MIN_CHUNK_ROWS and _similarity_block_bytes(
-                    rows, width, dense, top_k) > min(budgets):
+            # "auto": bmma or int8, as the workers' GPUs have them; the larger of the two.
+            methods = ["bmma", "int8"] if method == "auto" else [method]
+            while rows > MIN_CHUNK_ROWS and max(similarity_block_bytes(
+                    rows, width, each, top_k, threshold) for each in methods) > min(budgets):
                 rows //= 2
         x = words_of(paths[0], rows, bool(budgets))
         y = None if queries is None else words_of(paths[1], rows, bool(budgets))

@@ -49,9 +49,10 @@ from .backend import is_cupy, run_cpu_kernel
 from .budget import run_reserved
 from .config import listed_graphs
 from .devices import gpu_available
+from .budget import check_fits
 from .gram import (
     block_counts,
-    check_block_fits,
+    block_scratch_bytes,
     check_method,
     device_block_counts,
     device_block_scratch,
@@ -60,7 +61,7 @@ from .gram import (
     resolve_method,
 )
 
-__all__ = ["METRICS", "similarity"]
+__all__ = ["METRICS", "block_bytes", "similarity"]
 
 #: ``metric=`` values of :func:`similarity`.
 METRICS = kernels.METRICS
@@ -174,7 +175,7 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
                 return kept
             capacity = count
     if selection.k is None:
-        step = _targets_per_slice(len(b))
+        step = _rows_per_slice(len(b))
 
         def plain() -> tuple[Any, Any]:
             # A slice of a's rows at a time: the pairs come out in row order all the same.
@@ -190,19 +191,22 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
     if selection.k <= kernels.CUDA_TOP_K_MAX:
         def keys_of(targets: Any, others: Any, pop_t: Any, pop_o: Any, first_t: int,
                     first_o: int) -> Any:
-            # The kernel reads each target's counts down a column: the block of the others
-            # against the targets (a second Gram costs less than a transposed copy), a slice
-            # of targets at a time.
-            step = _targets_per_slice(len(others))
-            parts = []
-            for start in range(0, len(targets), step):
+            # The kernel reads each target's counts down a column, a thread a target: the
+            # block of the others against the targets (a second Gram costs less than a
+            # transposed copy), a slice of the others at a time, each slice's best keys merged
+            # into those so far. (Slices of the targets instead left most of the GPU idle:
+            # 2,048 threads each reading 32,768 counts.)
+            step = _rows_per_slice(len(targets))
+            best = None
+            for start in range(0, len(others), step):
                 end = start + step
-                counts = device_block_counts(others, targets[start:end], method)
-                parts.append(kernels.best_keys_cuda(
-                    counts, pop_o, pop_t[start:end], first_o, first_t + start, selection.k,
-                    selection.metric, exclude, for_rows=False))
+                counts = device_block_counts(others[start:end], targets, method)
+                keys = kernels.best_keys_cuda(counts, pop_o[start:end], pop_t, first_o + start,
+                                              first_t, selection.k, selection.metric, exclude,
+                                              for_rows=False)
                 del counts
-            return parts[0] if len(parts) == 1 else kernels._xp(parts[0]).concatenate(parts)
+                best = keys if best is None else _merged_state(best, keys)
+            return best
 
         def best() -> tuple[Any, Any]:
             theirs = None
@@ -213,7 +217,7 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
             return keys_of(a, b, pop_a, pop_b, first_row, first_col), theirs
 
         kept = (a.shape[0] + b.shape[0]) * selection.k * 8
-        counts_bytes = max(len(a), len(b)) * _targets_per_slice(max(len(a), len(b))) * 4
+        counts_bytes = max(len(a), len(b)) * _rows_per_slice(max(len(a), len(b))) * 4
         return run_reserved(best, min(pairs * 4, counts_bytes) + kept
                             + device_block_scratch(a, b, method), what)
 
@@ -225,16 +229,48 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
                         + device_block_scratch(a, b, method), what)
 
 
-#: Device bytes of counts that the best keys of one block hold at once on the plain path (a
-#: row chunk's first block of all pairs, and other methods than bmma): the block's targets
-#: are taken in slices of at most this many counts. A whole block of 32,768 x 32,768 rows
-#: would hold 4 GiB, more than a small card's budget beside the chunks' words.
+#: Device bytes of counts that one block holds at once on the plain path (a row chunk's first
+#: block of all pairs, and other methods than bmma): its top-k reads the block in slices of
+#: at most this many counts, its threshold too. A whole block of 32,768 x 32,768 rows would
+#: hold 4 GiB, more than a small card's budget beside the chunks' words.
 SELECT_COUNTS_BYTES = 256 << 20
 
 
-def _targets_per_slice(others: int) -> int:
-    """Targets whose counts against ``others`` rows fit :data:`SELECT_COUNTS_BYTES`."""
+def _rows_per_slice(others: int) -> int:
+    """Rows whose counts against ``others`` rows fit :data:`SELECT_COUNTS_BYTES`."""
     return max(1, SELECT_COUNTS_BYTES // (4 * max(1, others)))
+
+
+def block_bytes(rows: int, words64: int, method: str, top_k: int | None = None,
+                threshold: float | None = None) -> int:
+    """Device bytes one block of :func:`similarity` on a GPU holds at most, in chunks of
+    ``rows`` rows of ``words64`` 64-bit words by ``method`` (``"bmma"``, ``"int8"``,
+    ``"popcount"``): both chunks' words, and the dense scores' counts and scores; or, with
+    ``top_k`` or ``threshold``, what the selection allocates: the fused kernel's scratch
+    (bmma), the plain path's slices of counts (:data:`SELECT_COUNTS_BYTES`; a row chunk's
+    first top-k block, and every block of other methods), or beyond
+    :data:`~dask_gpuchunk._kernels.similarity.CUDA_TOP_K_MAX` the block's scores and keys.
+
+    Examples
+    --------
+    >>> block_bytes(32768, 32, "bmma", top_k=10) < 1 << 30
+    True
+    >>> block_bytes(32768, 32, "bmma") > 8 << 30  # dense: 8 bytes a pair
+    True
+    """
+    words = 2 * rows * words64 * 8
+    if top_k is None and threshold is None:
+        return words + rows * rows * 8 + block_scratch_bytes(method, rows, rows, words64)
+    if top_k is not None and top_k > kernels.CUDA_TOP_K_MAX:
+        return (words + rows * rows * (4 + SCORING_BYTES_PER_PAIR)
+                + block_scratch_bytes(method, rows, rows, words64))
+    step = min(rows, _rows_per_slice(rows))
+    plain = step * rows * 8 + block_scratch_bytes(method, rows, step, words64)
+    if method != "bmma":
+        return words + plain
+    fused = (top_k_scratch_bytes(rows, rows, top_k, True, words64) if top_k is not None
+             else PAIRS_FIRST_CAPACITY * 64 + block_scratch_bytes(method, rows, rows, words64))
+    return words + max(plain, fused)
 
 
 def _kept_from_scores(counts: Any, pop_a: Any, pop_b: Any, first_row: int, first_col: int,
@@ -567,8 +603,12 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     wx = wx.rechunk({1: -1})
     wy = wx if y is None else wy.rechunk({1: -1})
     if device != "cpu" and gpu_available():
-        check_block_fits(wx.chunks, wx.dtype.itemsize, method)
-        check_block_fits(wy.chunks, wy.dtype.itemsize, method)
+        rows = max(*wx.chunks[0], *wy.chunks[0], 0)
+        words64 = -(-wx.shape[1] * wx.dtype.itemsize // 8)
+        resolved = resolve_method(method, on_gpu=True)
+        check_fits(block_bytes(rows, words64, resolved, top_k, threshold),
+                   f"a similarity block of {rows} x {rows} rows of {words64 * 64} bits "
+                   f"({resolved})", "fewer rows per chunk: chunks= of the rows, --chunk-rows")
     meta1 = meta_from_array(wx._meta, ndim=1, dtype=np.int32)
     pop_x = wx.map_blocks(_popcounts, drop_axis=1, dtype=np.int32, meta=meta1)
     pop_y = pop_x if y is None else wy.map_blocks(_popcounts, drop_axis=1, dtype=np.int32,

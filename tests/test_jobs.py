@@ -166,6 +166,7 @@ def test_similarity_job_chunks_by_what_a_block_holds(rng, tmp_path, monkeypatch,
                                                       rows):
     from dask_gpuchunk import jobs
     from dask_gpuchunk.jobs import similarity_job
+    from dask_gpuchunk.similarity import block_bytes
 
     np.save(tmp_path / "fps.npy", np.packbits(random_bits(rng, (300, 2048), 0.075), axis=1))
     # GPU workers of 2 GiB each, as the job sees them; the chunks stay on the host here.
@@ -174,6 +175,9 @@ def test_similarity_job_chunks_by_what_a_block_holds(rng, tmp_path, monkeypatch,
     out = tmp_path / ("out.npz" if options else "out.npy")
     summary = similarity_job(tmp_path / "fps.npy", out, packed=True, **options)(None)
     assert summary["chunk_rows"] == rows
-    assert jobs._similarity_block_bytes(rows, 32, not options, options.get("top_k")) <= 2 << 30
-    assert jobs._similarity_block_bytes(2 * rows, 32, not options,
-                                        options.get("top_k")) > 2 << 30 or rows == 32768
+
+    def held(rows):
+        return max(block_bytes(rows, 32, method, options.get("top_k"), options.get("threshold"))
+                   for method in ("bmma", "int8"))
+
+    assert held(rows) <= 2 << 30 and (held(2 * rows) > 2 << 30 or rows == 32768)

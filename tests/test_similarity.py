@@ -329,7 +329,7 @@ def test_plain_path_takes_a_blocks_counts_in_slices(rng, monkeypatch, method):
 
     similarity_module = importlib.import_module("dask_gpuchunk.similarity")
     monkeypatch.setattr(similarity_module, "SELECT_COUNTS_BYTES", 7 * 40 * 4)
-    assert similarity_module._targets_per_slice(40) == 7
+    assert similarity_module._rows_per_slice(40) == 7
     x = fingerprints(rng, 150, 300)
     w = dg.asarray(cupy.asarray(np.packbits(x, axis=1)), chunks=(40, -1))
     s = reference(x, x, "cosine")
@@ -345,11 +345,27 @@ def test_plain_path_takes_a_blocks_counts_in_slices(rng, monkeypatch, method):
     if QUERY_PLANNING:
         return
     rows, cols, got = dask.compute(*dg.similarity(w, packed=True, metric="cosine",
-                                                  threshold=0.3, method=method))
-    keep = s >= np.float32(0.3)
+                                                  threshold=0.2, method=method))
+    keep = s >= np.float32(0.2)
     np.fill_diagonal(keep, False)
     want_r, want_c = np.nonzero(keep)
     assert len(want_r) > 50
     np.testing.assert_array_equal(rows.get(), want_r)
     np.testing.assert_array_equal(cols.get(), want_c)
     np.testing.assert_array_equal(got.get(), s[want_r, want_c])
+
+
+@pytest.mark.gpu
+def test_blocks_that_cannot_fit_the_device_are_refused_by_what_they_hold(rng, device_cap):
+    # On a 1 GiB card: dense scores of 32,768-row chunks would hold 8 GiB a block, refused
+    # before any work; their top-k selects in slices and the fused kernel, under 0.6 GiB.
+    import cupy
+
+    from dask_gpuchunk.budget import DeviceBudgetError
+
+    device_cap(1 << 30)
+    words = cupy.asarray(rng.integers(0, 2**63, size=(40000, 32), dtype=np.uint64))
+    w = dg.asarray(words, chunks=(32768, -1))
+    with pytest.raises(DeviceBudgetError, match="a similarity block of 32768 x 32768 rows"):
+        dg.similarity(w, packed=True)
+    dg.similarity(w, packed=True, top_k=10)  # built, not computed
