@@ -193,20 +193,23 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
                     first_o: int) -> Any:
             # The kernel reads each target's counts down a column, a thread a target: the
             # block of the others against the targets (a second Gram costs less than a
-            # transposed copy), a slice of the others at a time, each slice's best keys merged
-            # into those so far. (Slices of the targets instead left most of the GPU idle:
-            # 2,048 threads each reading 32,768 counts.)
+            # transposed copy), a slice of the others at a time, the slices' best keys merged
+            # once at the end (a merge per slice cost two sorts each: 0.6 s of 2.6 s over
+            # 10**6 rows in 32,768-row chunks). Slices of the targets instead left most of the
+            # GPU idle: 2,048 threads each reading 32,768 counts.
             step = _rows_per_slice(len(targets))
-            best = None
+            parts = []
             for start in range(0, len(others), step):
                 end = start + step
                 counts = device_block_counts(others[start:end], targets, method)
-                keys = kernels.best_keys_cuda(counts, pop_o[start:end], pop_t, first_o + start,
-                                              first_t, selection.k, selection.metric, exclude,
-                                              for_rows=False)
+                parts.append(kernels.best_keys_cuda(
+                    counts, pop_o[start:end], pop_t, first_o + start, first_t, selection.k,
+                    selection.metric, exclude, for_rows=False))
                 del counts
-                best = keys if best is None else _merged_state(best, keys)
-            return best
+            if len(parts) == 1:
+                return parts[0]
+            return kernels.smallest_keys(kernels._xp(parts[0]).concatenate(parts, axis=1),
+                                         selection.k)
 
         def best() -> tuple[Any, Any]:
             theirs = None
@@ -216,7 +219,9 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
                     return theirs, None
             return keys_of(a, b, pop_a, pop_b, first_row, first_col), theirs
 
-        kept = (a.shape[0] + b.shape[0]) * selection.k * 8
+        # The slices' keys (all of them before their merge) and its sort's copies.
+        slices = -(-max(len(a), len(b)) // _rows_per_slice(min(len(a), len(b))))
+        kept = (a.shape[0] + b.shape[0]) * selection.k * 8 * (1 + 3 * slices)
         counts_bytes = max(len(a), len(b)) * _rows_per_slice(max(len(a), len(b))) * 4
         return run_reserved(best, min(pairs * 4, counts_bytes) + kept
                             + device_block_scratch(a, b, method), what)
@@ -266,6 +271,8 @@ def block_bytes(rows: int, words64: int, method: str, top_k: int | None = None,
                 + block_scratch_bytes(method, rows, rows, words64))
     step = min(rows, _rows_per_slice(rows))
     plain = step * rows * 8 + block_scratch_bytes(method, rows, step, words64)
+    if top_k is not None:  # each slice's best keys, and their merge's copies
+        plain += 2 * rows * top_k * 8 * (1 + 3 * -(-rows // step))
     if method != "bmma":
         return words + plain
     fused = (top_k_scratch_bytes(rows, rows, top_k, True, words64) if top_k is not None
