@@ -46,10 +46,9 @@ from ._kernels.bmma_select import (
 )
 from .arrays import asarray
 from .backend import is_cupy, run_cpu_kernel
-from .budget import run_reserved
+from .budget import check_fits, run_reserved, working_budget
 from .config import listed_graphs
 from .devices import gpu_available
-from .budget import check_fits
 from .gram import (
     block_counts,
     block_scratch_bytes,
@@ -174,8 +173,9 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
             if kept is not None:
                 return kept
             capacity = count
+    slice_bytes = _select_counts_bytes()
     if selection.k is None:
-        step = _rows_per_slice(len(b))
+        step = _rows_per_slice(len(b), slice_bytes)
 
         def plain() -> tuple[Any, Any]:
             # A slice of a's rows at a time: the pairs come out in row order all the same.
@@ -197,7 +197,7 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
             # once at the end (a merge per slice cost two sorts each: 0.6 s of 2.6 s over
             # 10**6 rows in 32,768-row chunks). Slices of the targets instead left most of the
             # GPU idle: 2,048 threads each reading 32,768 counts.
-            step = _rows_per_slice(len(targets))
+            step = _rows_per_slice(len(targets), slice_bytes)
             parts = []
             for start in range(0, len(others), step):
                 end = start + step
@@ -220,9 +220,10 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
             return keys_of(a, b, pop_a, pop_b, first_row, first_col), theirs
 
         # The slices' keys (all of them before their merge) and its sort's copies.
-        slices = -(-max(len(a), len(b)) // _rows_per_slice(min(len(a), len(b))))
+        slices = -(-max(len(a), len(b)) // _rows_per_slice(min(len(a), len(b)), slice_bytes))
         kept = (a.shape[0] + b.shape[0]) * selection.k * 8 * (1 + 3 * slices)
-        counts_bytes = max(len(a), len(b)) * _rows_per_slice(max(len(a), len(b))) * 4
+        counts_bytes = (max(len(a), len(b))
+                        * _rows_per_slice(max(len(a), len(b)), slice_bytes) * 4)
         return run_reserved(best, min(pairs * 4, counts_bytes) + kept
                             + device_block_scratch(a, b, method), what)
 
@@ -235,26 +236,36 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
 
 
 #: Device bytes of counts that one block holds at once on the plain path (a row chunk's first
-#: block of all pairs, and other methods than bmma): its top-k reads the block in slices of
-#: at most this many counts, its threshold too. A whole block of 32,768 x 32,768 rows would
-#: hold 4 GiB, more than a small card's budget beside the chunks' words.
+#: block of all pairs, and other methods than bmma) at least: its top-k reads the block in
+#: slices of a quarter of the working budget, never less than this, its threshold too. A whole
+#: block of 32,768 x 32,768 rows holds 4 GiB, more than a small card's budget beside the
+#: chunks' words.
 SELECT_COUNTS_BYTES = 256 << 20
 
 
-def _rows_per_slice(others: int) -> int:
-    """Rows whose counts against ``others`` rows fit :data:`SELECT_COUNTS_BYTES`."""
-    return max(1, SELECT_COUNTS_BYTES // (4 * max(1, others)))
+def _select_counts_bytes() -> int:
+    """Device bytes of counts a slice of the plain path holds on this device: a quarter of the
+    working budget (room for four blocks at once), at least :data:`SELECT_COUNTS_BYTES`.
+    Smaller slices cost time: in slices of 256 MiB, the first blocks of 10**6 rows in
+    32,768-row chunks took 0.45 s more than whole (8 GiB cap, H200)."""
+    return max(SELECT_COUNTS_BYTES, working_budget() // 4)
+
+
+def _rows_per_slice(others: int, slice_bytes: int = SELECT_COUNTS_BYTES) -> int:
+    """Rows whose counts against ``others`` rows fit ``slice_bytes``."""
+    return max(1, slice_bytes // (4 * max(1, others)))
 
 
 def block_bytes(rows: int, words64: int, method: str, top_k: int | None = None,
                 threshold: float | None = None) -> int:
-    """Device bytes one block of :func:`similarity` on a GPU holds at most, in chunks of
+    """Device bytes one block of :func:`similarity` on a GPU needs at once, in chunks of
     ``rows`` rows of ``words64`` 64-bit words by ``method`` (``"bmma"``, ``"int8"``,
     ``"popcount"``): both chunks' words, and the dense scores' counts and scores; or, with
     ``top_k`` or ``threshold``, what the selection allocates: the fused kernel's scratch
-    (bmma), the plain path's slices of counts (:data:`SELECT_COUNTS_BYTES`; a row chunk's
-    first top-k block, and every block of other methods), or beyond
-    :data:`~dask_gpuchunk._kernels.similarity.CUDA_TOP_K_MAX` the block's scores and keys.
+    (bmma), the plain path's slices of counts at their smallest (:data:`SELECT_COUNTS_BYTES`,
+    larger where the budget has room; a row chunk's first top-k block, and every block of
+    other methods), or beyond :data:`~dask_gpuchunk._kernels.similarity.CUDA_TOP_K_MAX` the
+    block's scores and keys.
 
     Examples
     --------

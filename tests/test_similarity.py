@@ -319,6 +319,19 @@ def test_threshold_over_many_chunks_warns_nothing(rng):
         dg.similarity(da.from_array(x, chunks=(20, -1)), packed=True, threshold=0.5)
 
 
+def test_plain_path_slices_are_a_quarter_of_the_budget_and_never_below_the_floor(monkeypatch):
+    similarity_module = importlib.import_module("dask_gpuchunk.similarity")
+    floor = similarity_module.SELECT_COUNTS_BYTES
+    monkeypatch.setattr(similarity_module, "working_budget", lambda: 8 << 30)
+    assert similarity_module._select_counts_bytes() == 2 << 30
+    # 2 GiB of counts against 32,768 rows: 16,384 rows a slice, two slices a block.
+    assert similarity_module._rows_per_slice(32768, 2 << 30) == 16384
+    monkeypatch.setattr(similarity_module, "working_budget", lambda: floor)
+    assert similarity_module._select_counts_bytes() == floor
+    assert similarity_module._rows_per_slice(32768) == floor // (4 * 32768)
+    assert similarity_module._rows_per_slice(10 ** 12) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["bmma", "int8", "popcount"])
 def test_plain_path_takes_a_blocks_counts_in_slices(rng, monkeypatch, method):
@@ -328,8 +341,8 @@ def test_plain_path_takes_a_blocks_counts_in_slices(rng, monkeypatch, method):
     import cupy
 
     similarity_module = importlib.import_module("dask_gpuchunk.similarity")
-    monkeypatch.setattr(similarity_module, "SELECT_COUNTS_BYTES", 7 * 40 * 4)
-    assert similarity_module._rows_per_slice(40) == 7
+    monkeypatch.setattr(similarity_module, "_select_counts_bytes", lambda: 7 * 40 * 4)
+    assert similarity_module._rows_per_slice(40, similarity_module._select_counts_bytes()) == 7
     x = fingerprints(rng, 150, 300)
     w = dg.asarray(cupy.asarray(np.packbits(x, axis=1)), chunks=(40, -1))
     s = reference(x, x, "cosine")
