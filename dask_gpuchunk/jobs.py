@@ -717,7 +717,8 @@ def gram_job(
 #: 8 GiB cap, the API on device words: all-pairs top-10 of 10**6 x 2048 bits in 2.8 s in
 #: 16,384-row chunks, 2.0 s in 32,768-row ones (threshold 0.7: 3.95 s, 1.63 s). A row chunk's
 #: first block, selected on the plain path, once held all its counts (4 GiB in 32,768-row
-#: chunks); its counts are now taken in slices.
+#: chunks); its counts are now taken in slices. The job from a .npy in process (H100, 8 GiB
+#: cap): 6.4 s end to end in 32,768-row chunks, 8.3 s in 16,384-row ones.
 SIMILARITY_CHUNK_ROWS = 32768
 
 
