@@ -88,6 +88,7 @@ __all__ = [
     "run_gpu_on_device",
     "run_on_device",
     "run_staged",
+    "staging_totals",
     "total_dtypes",
     "DeviceCall",
     "device_call",
@@ -98,6 +99,47 @@ __all__ = [
 def is_cupy(x: Any) -> bool:
     """Whether ``x`` is a CuPy array (checked without importing CuPy)."""
     return type(x).__module__.split(".", 1)[0] == "cupy"
+
+
+# ---- what staging moved ----------------------------------------------------------------------
+
+
+class StagingTotals:
+    """What :func:`run_staged` has moved and spent in this process, summed over its threads:
+    ``chunks``; ``h2d_bytes`` and ``d2h_bytes`` (PCIe); ``host_copy_bytes`` and
+    ``host_copy_seconds`` (copies into and out of pinned buffers); ``wait_seconds`` (waiting
+    for a device slot and the budget); ``device_seconds`` (holding a slot: the copies and the
+    kernel). A cluster's job reads them from each worker before and after it
+    (:func:`dask_gpuchunk.jobs.staged_by_workers`): what each GPU was sent, and where the time
+    of a host-fed job went.
+
+    Examples
+    --------
+    >>> totals = StagingTotals()
+    >>> totals.add(chunks=1, h2d_bytes=64)
+    >>> totals.snapshot()["h2d_bytes"]
+    64
+    """
+
+    FIELDS = ("chunks", "h2d_bytes", "d2h_bytes", "host_copy_bytes", "host_copy_seconds",
+              "wait_seconds", "device_seconds")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, **amounts: float) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                self._values[name] += amount
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._values)
+
+
+#: This process's :class:`StagingTotals`.
+staging_totals = StagingTotals()
 
 
 # ---- shape helpers -------------------------------------------------------------------------
@@ -713,10 +755,12 @@ def run_staged(
         out_bytes = sum(d.nbytes for d in dests)
         device_bytes = (sum(0 if is_scalar(a) else a.nbytes for a in host_inputs)
                         + out_bytes + scratch_bytes)
+        t_wait = time.perf_counter()
         with device_slot() as slot, reserve(device_bytes, what), slot.stream as stream:
             # The chunk's inputs on the device, then its outputs. All of them are released
             # before the slot is, so the next chunk on this slot's stream reuses them from
             # CuPy's pool (which keeps one arena per stream).
+            t_device = time.perf_counter()
             on_device: list[Any] = []
             outs: list[Any] = []
             try:
@@ -745,6 +789,9 @@ def run_staged(
                 np.copyto(d, host)
                 staged += d.nbytes
         stage_seconds += time.perf_counter() - t0
+    staging_totals.add(chunks=1, h2d_bytes=h2d, d2h_bytes=out_bytes, host_copy_bytes=staged,
+                       host_copy_seconds=stage_seconds, wait_seconds=t_device - t_wait,
+                       device_seconds=t0 - t_device)
     if timings is not None and events:
         timings.update(
             stage_seconds=stage_seconds,

@@ -57,6 +57,7 @@ from .jobs import (
     gram_job,
     multiply_job,
     sent_by_workers,
+    staged_by_workers,
     similarity_job,
     watch_device_memory,
     where_it_ran,
@@ -518,10 +519,13 @@ def _job_summary(opts: dict[str, Any], prepare: Callable[[], Callable], quiet: b
         with _cluster(opts, quiet=quiet) as client:
             watch_device_memory(client)
             sent_before = sent_by_workers(client)
+            staged_before = staged_by_workers(client)
             summary = job(_progress(not quiet and sys.stderr.isatty()))
             summary["where"] = where_it_ran(client)
-            # Per worker, bytes it sent to the others (and to this process) during the job.
+            # Per worker, bytes it sent to the others (and to this process) during the job,
+            # and what its host-fed chunks sent to its GPU.
             summary["where"]["sent_by_workers"] = sent_by_workers(client, sent_before)
+            summary["where"]["staged_by_workers"] = staged_by_workers(client, staged_before)
         return summary
     except click.ClickException:
         raise

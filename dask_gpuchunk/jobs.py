@@ -29,6 +29,7 @@ from ._kernels.bitpack import BitValueError, check_bits_dtype, check_words_dtype
 from ._kernels.elementwise import check_dtype
 from ._kernels.gram import GPU_METHODS
 from .arrays import asarray
+from .backend import staging_totals
 from .budget import DeviceBudgetError, budget_report
 from .devices import (
     DEVICES,
@@ -89,6 +90,7 @@ __all__ = [
     "multiply_files",
     "multiply_job",
     "sent_by_workers",
+    "staged_by_workers",
     "watch_device_memory",
     "where_it_ran",
 ]
@@ -884,6 +886,30 @@ def sent_by_workers(client: Any | None, since: dict[str, int] | None = None
         return {}
     now = client.run(_bytes_sent)
     return {worker: sent - (since or {}).get(worker, 0) for worker, sent in now.items()}
+
+
+def _staged(dask_worker: Any = None) -> dict[str, float]:
+    return staging_totals.snapshot()
+
+
+def staged_by_workers(client: Any | None, since: dict[str, dict[str, float]] | None = None
+                      ) -> dict[str, dict[str, float]]:
+    """What host-fed chunks of each worker of ``client``'s cluster (or, without a client, of
+    this process, as ``"this process"``) sent to its GPU and spent doing it
+    (:class:`~dask_gpuchunk.backend.StagingTotals`: bytes to and from the device, host copies,
+    waits for the device, time on it), less what it had at ``since`` (an earlier call).
+
+    Examples
+    --------
+    >>> before = staged_by_workers(None)
+    >>> staged_by_workers(None, before)["this process"]["h2d_bytes"]
+    0
+    """
+    now = client.run(_staged) if client is not None else {"this process": _staged()}
+    since = since or {}
+    return {worker: {name: value - since.get(worker, {}).get(name, 0)
+                     for name, value in totals.items()}
+            for worker, totals in now.items()}
 
 
 def where_it_ran(client: Any | None) -> dict[str, Any]:

@@ -1,12 +1,29 @@
-"""Gram on 1 GPU and on every GPU of this node, from a .npy of packed bits: the scaling figure.
+"""Gram on 1 GPU and on every GPU of this node, from a .npy of packed bits: the scaling figure,
+and where each worker's time goes.
 
-Usage (on a machine with 2 or more GPUs):
-    python tools/gram_scaling.py --rows 65536 --bits 1048576 --out $OUT/gram-scaling.json
+Usage (on a machine with 2 or more GPUs; on a CPU machine it runs on a local CPU cluster of
+``--cpu-workers`` workers, for checking the tool itself at small sizes):
+    python tools/gram_scaling.py --rows 65536 --bits 262144 --out $OUT/gram-scaling.json
 
 The input is written once (packed random bits); then, on a fresh ``dg.local_cluster`` with
-1 GPU and with all of them, ``dg.gram(dg.from_npy(...), packed=True)`` is reduced to its sum on
-the workers (so the figure is the computation, not the output's transfer or a disk) and to a
-few sampled rows, checked against NumPy. Timed twice per cluster (the first run compiles).
+1 GPU and with all of them, for each ``--methods`` entry and each ``--variants`` entry:
+
+* ``host``: ``dg.gram(dg.from_npy(...), packed=True)``, as a user writes it (NumPy chunks,
+  each block staging its two word chunks to a GPU);
+* ``device``: the same words moved to the GPUs first (``map_blocks(cupy.asarray)``,
+  persisted, its time reported apart), then ``dg.gram`` on them: what the Gram costs when each
+  chunk is staged once;
+
+``C`` is reduced to its sum on the workers (so the figure is the computation, not the output's
+transfer or a disk) and to a few sampled rows, checked against NumPy. Timed twice (the first
+run compiles). Each timed run reports, per worker: its tasks' seconds by kind (dask's task
+stream: ``compute`` by task prefix, ``transfer`` between workers), the bytes it sent
+(:func:`dask_gpuchunk.jobs.sent_by_workers`) and what its host-fed chunks staged
+(:func:`dask_gpuchunk.jobs.staged_by_workers`: H2D and D2H bytes, host copies, waits for the
+device, time on it).
+
+The ``if __name__ == "__main__"`` guard matters: a local cluster's workers are spawned
+processes that import this file again.
 """
 
 from __future__ import annotations
@@ -14,54 +31,143 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 import dask_gpuchunk as dg
+from dask_gpuchunk.jobs import sent_by_workers, staged_by_workers
+
+
+def _on_device(block: Any) -> Any:
+    import cupy
+
+    return cupy.asarray(block)
+
+
+def _task_seconds(stream: list[dict]) -> dict[str, dict[str, float]]:
+    """Per worker, seconds by ``compute <prefix>`` and by other actions (transfers)."""
+    from dask.utils import key_split
+
+    seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for task in stream:
+        for part in task.get("startstops", ()):
+            action = part["action"]
+            name = f"compute {key_split(task['key'])}" if action == "compute" else action
+            seconds[task["worker"]][name] += part["stop"] - part["start"]
+    return {worker: {name: round(s, 4) for name, s in sorted(by.items())}
+            for worker, by in seconds.items()}
+
+
+def _timed(client: Any, compute: Any) -> dict[str, Any]:
+    from distributed import get_task_stream
+
+    sent, staged = sent_by_workers(client), staged_by_workers(client)
+    with get_task_stream(client) as stream:
+        t0 = time.perf_counter()
+        value = compute()
+        seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "value": value,
+            "tasks_by_worker": _task_seconds(stream.data),
+            "sent_by_workers": sent_by_workers(client, sent),
+            "staged_by_workers": staged_by_workers(client, staged)}
+
+
+def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant: str,
+         sample: np.ndarray, expected_rows: np.ndarray) -> dict[str, Any]:
+    words = dg.from_npy(path, chunks=(args.chunk_rows, -1))
+    entry: dict[str, Any] = {}
+    if variant == "device":
+        import cupy
+
+        from distributed import wait
+
+        def persisted() -> Any:
+            on_device = client.persist(words.map_blocks(
+                _on_device, dtype=words.dtype, meta=cupy.empty((0, 0), words.dtype)))
+            wait(on_device)
+            return on_device
+
+        moved = _timed(client, persisted)
+        words = moved.pop("value")
+        entry["to_device"] = moved
+    runs = []
+    for _ in range(2):
+        g = dg.gram(words, packed=True, method=method)
+        sample_rows = g[sample]
+        if variant == "device":
+            sample_rows = sample_rows.map_blocks(lambda b: b.get(), dtype=np.int32,
+                                                 meta=np.empty((0, 0), np.int32))
+        run = _timed(client, lambda g=g, rows=sample_rows: client.compute(
+            [g.sum(dtype=np.int64), rows], sync=True))
+        _total, rows = run.pop("value")
+        run["sampled_rows_exact"] = bool(np.array_equal(np.asarray(rows), expected_rows))
+        runs.append(run)
+    best = min(runs, key=lambda r: r["seconds"])
+    entry.update(seconds=[r["seconds"] for r in runs], best=best["seconds"],
+                 sampled_rows_exact=all(r["sampled_rows_exact"] for r in runs),
+                 bit_macs_per_s=float(args.rows) ** 2 * args.bits / best["seconds"],
+                 breakdown=best)
+    if variant == "device":
+        del words
+    return entry
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=65536)
-    parser.add_argument("--bits", type=int, default=1 << 20)
+    parser.add_argument("--bits", type=int, default=262144)
     parser.add_argument("--chunk-rows", type=int, default=4096)
-    parser.add_argument("--method", default="auto")
+    parser.add_argument("--methods", default="auto,popcount")
+    parser.add_argument("--variants", default="host,device")
+    parser.add_argument("--cpu-workers", type=int, default=2)
+    parser.add_argument("--threads-per-gpu", default=None,
+                        help="dg.local_cluster's threads_per_gpu (default: its own)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/gram-scaling"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.threads_per_gpu is not None and args.threads_per_gpu.isdigit():
+        args.threads_per_gpu = int(args.threads_per_gpu)
     args.workdir.mkdir(parents=True, exist_ok=True)
     path = args.workdir / "bits.npy"
     rng = np.random.default_rng(5)
     packed = rng.integers(0, 256, size=(args.rows, args.bits // 8), dtype=np.uint8)
     np.save(path, packed)
     sample = np.sort(rng.choice(args.rows, 4, replace=False))
-    words = packed.view(np.uint8)
-    expected_rows = np.stack([np.bitwise_count(words & words[r]).sum(axis=1, dtype=np.int64)
+    expected_rows = np.stack([np.bitwise_count(packed & packed[r]).sum(axis=1, dtype=np.int64)
                               for r in sample]).astype(np.int32)
+    del packed
+    gpus_visible = dg.gpu_count()
+    variants = args.variants.split(",") if gpus_visible else ["host"]
     result: dict = {"rows": args.rows, "bits": args.bits, "chunk_rows": args.chunk_rows,
-                    "method": args.method, "gpus_visible": dg.gpu_count(), "runs": {}}
-    for gpus in sorted({1, dg.gpu_count()}):
-        with dg.local_cluster(gpus=gpus, dashboard_address=None,
-                              threads_per_gpu="cores") as client:
-            times = []
-            for _ in range(2):
-                g = dg.gram(dg.from_npy(path, chunks=(args.chunk_rows, -1)), packed=True,
-                            method=args.method)
-                t0 = time.perf_counter()
-                _total, rows = client.compute([g.sum(dtype=np.int64), g[sample]], sync=True)
-                times.append(time.perf_counter() - t0)
-            exact = bool(np.array_equal(np.asarray(rows), expected_rows))
-            result["runs"][gpus] = {"seconds": times, "best": min(times), "sampled_rows_exact": exact,
-                                    "bit_macs_per_s": float(args.rows) ** 2 * args.bits / min(times),
+                    "gpus_visible": gpus_visible, "runs": {}}
+    sizes = sorted({1, gpus_visible}) if gpus_visible else [1, args.cpu_workers]
+    for size in sizes:
+        options = ({"gpus": size, "threads_per_gpu": args.threads_per_gpu} if gpus_visible
+                   else {"n_workers": size, "threads_per_worker": 1})
+        t0 = time.perf_counter()
+        with dg.local_cluster(dashboard_address=None, **options) as client:
+            started = time.perf_counter() - t0
+            runs: dict[str, Any] = {"cluster_start": started,
                                     "workers": len(client.scheduler_info()["workers"])}
-            print(json.dumps({gpus: result["runs"][gpus]}), flush=True)
-    if len(result["runs"]) > 1:
-        one, all_ = result["runs"][1]["best"], result["runs"][max(result["runs"])]["best"]
-        result["speedup"] = one / all_
-        print(f"speed-up on {max(result['runs'])} GPUs: {one / all_:.2f} x", flush=True)
+            for method in args.methods.split(","):
+                for variant in variants:
+                    entry = _run(client, path, args, method, variant, sample, expected_rows)
+                    runs[f"{method} {variant}"] = entry
+                    print(json.dumps({"gpus" if gpus_visible else "workers": size,
+                                      "run": f"{method} {variant}", "best": entry["best"],
+                                      "exact": entry["sampled_rows_exact"]}), flush=True)
+            result["runs"][size] = runs
+    if len(sizes) > 1:
+        one, many = (result["runs"][s] for s in sizes)
+        result["speedup"] = {name: one[name]["best"] / many[name]["best"]
+                             for name in one if isinstance(one[name], dict)}
+        print(f"speed-up on {sizes[-1]}: " + json.dumps(
+            {k: round(v, 2) for k, v in result["speedup"].items()}), flush=True)
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+        args.out.write_text(json.dumps(result, indent=1, default=str))
     path.unlink()
 
 
