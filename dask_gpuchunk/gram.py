@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ from dask.array.utils import meta_from_array
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from . import backend
+from . import backend, config
 from ._kernels import bitpack as bits
 from ._kernels import gram as kernels
 from ._kernels.bmma import BMMA_MIN_CC, TILE, bmma_cuda
@@ -43,6 +44,8 @@ from .devices import (
     distributed_client_active,
     gpu_available,
 )
+from .io import npy_reader_of
+from .resident import ResidentSource, on_gpu_here
 
 __all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "block_bytes", "block_counts",
            "block_scratch_bytes", "check_block_fits", "check_method", "device_block_counts",
@@ -537,6 +540,9 @@ def _gram_graph(words: da.Array, method: str, device: str) -> da.Array:
     if not words.chunks[1]:  # no bits at all: every count is zero
         return da.zeros((words.shape[0],) * 2, chunks=(words.chunks[0],) * 2, dtype=np.int32,
                         meta=meta)
+    reader = npy_reader_of(words)
+    if reader is not None:
+        return _resident_graph(words, reader, method, device, meta)
     if listed_graphs():
         return _listed_graph(words, method, device, meta)
     rows = da.arange(words.shape[0], chunks=(words.chunks[0],))
@@ -551,6 +557,61 @@ def _gram_graph(words: da.Array, method: str, device: str) -> da.Array:
                              dtype=np.int32, concatenate=False, split_every=SPLIT_EVERY,
                              meta=meta)
     return da.blockwise(_mirrored, "ij", upper, "ij", upper, "ji", dtype=np.int32, meta=meta)
+
+
+def _resident_block(source: ResidentSource, rows_a: tuple[int, int], rows_b: tuple[int, int],
+                    diagonal: bool, method: str, device: str) -> Any:
+    """Block ``(rows_a, rows_b)`` of the Gram of the words ``source`` reads from a file, each
+    chunk read once per process and kept where the block runs (on this process's GPU, or in
+    host memory for the CPU); a NumPy block, as the file's words are NumPy."""
+    on_gpu = on_gpu_here(device)
+    a = source.rows(*rows_a, on_gpu)
+    b = a if diagonal else source.rows(*rows_b, on_gpu)
+    block = _gram_block(a, b, diagonal, method, device)
+    return _on_host(block) if backend.is_cupy(block) else block
+
+
+def _on_host(block: Any) -> np.ndarray:
+    """A CuPy block copied to host memory (pinned, as the staged path's results are)."""
+    import cupy
+
+    from .staging import copy_to_host, pinned_pool
+
+    host = (pinned_pool.lend(block.shape, block.dtype) if config.get("pinned-results")
+            else np.empty(block.shape, block.dtype))
+    t0 = time.perf_counter()
+    stream = cupy.cuda.get_current_stream()
+    copy_to_host(host, block, stream)
+    stream.synchronize()
+    backend.staging_totals.add(d2h_bytes=int(block.nbytes), device_seconds=time.perf_counter() - t0)
+    return host
+
+
+def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta: Any
+                    ) -> da.Array:
+    """The graph of :func:`_gram_graph` for words straight from a ``.npy`` (:func:`from_npy`):
+    a task per block on or above the diagonal that reads its two row chunks itself
+    (:func:`_resident_block`), a transpose per block below. No task reads a chunk for the
+    others, so none is sent between workers: on two GPUs the words' chunks had been sent (2.3 GB
+    over TLS for 2.1 GB of words) and staged again for every block (34 GB of H2D). The reader
+    is a value of the graph, where :func:`dask_gpuchunk.to_npy` finds its inputs; a task makes
+    the :class:`~dask_gpuchunk.resident.ResidentSource` from it at each compute, so that the
+    chunks it keeps go when the compute's last block that needs them is done, not with the
+    graph."""
+    token = tokenize(words, method, device, "resident")
+    name, reader_key, source_key = (f"gram-{token}", f"npy-reader-{token}",
+                                    f"resident-words-{token}")
+    bounds = list(itertools.pairwise(itertools.accumulate(words.chunks[0], initial=0)))
+    dsk: dict[Any, Any] = {reader_key: reader,
+                           source_key: (ResidentSource, reader_key, tokenize(reader))}
+    for i, rows_a in enumerate(bounds):
+        for j in range(i, len(bounds)):
+            dsk[(name, i, j)] = (_resident_block, source_key, rows_a, bounds[j], i == j,
+                                 method, device)
+        for j in range(i):
+            dsk[(name, i, j)] = (_transposed, (name, j, i))
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[])
+    return da.Array(graph, name, (words.chunks[0], words.chunks[0]), dtype=np.int32, meta=meta)
 
 
 def _add_tree(dsk: dict, parts: list[tuple], final: tuple, prefix: str) -> None:

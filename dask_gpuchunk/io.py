@@ -64,7 +64,7 @@ from .staging import copy_to_host, pinned_pool
 __all__ = ["NoSpaceError", "NoWorkersError", "NpyFormatError", "NpyHeader",
            "NpyTrailingDataWarning", "check_output_directory", "check_space", "check_target",
            "checked_chunks", "from_npy", "in_flight", "no_workers_timeout", "npy_bytes",
-           "npy_in_place", "read_header", "run_writes", "to_npy", "write_region"]
+           "npy_in_place", "npy_reader_of", "read_header", "run_writes", "to_npy", "write_region"]
 
 
 _log = logging.getLogger("dask_gpuchunk")
@@ -353,6 +353,34 @@ def from_npy(path: str | os.PathLike, chunks: Any = "auto", *, pinned: bool | No
     kwargs = {} if da.array_expr_enabled() else {"name": f"from-npy-{tokenize(reader, chunks)}"}
     return da.from_array(reader, chunks=chunks, asarray=False, fancy=False,
                          meta=np.empty((0,) * len(chunks), dtype), **kwargs)
+
+
+def npy_reader_of(x: Any) -> NpyReader | None:
+    """The reader of ``x`` where ``x`` is a :func:`from_npy` array as it was made (no operation
+    since, whole rows in each chunk), else ``None``: an operator may then read its chunks itself
+    (:func:`dask_gpuchunk.resident.resident`) instead of through ``x``'s tasks.
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "w.npy")
+    >>> np.save(path, np.zeros((4, 3), np.uint8))
+    >>> npy_reader_of(from_npy(path, chunks=(2, -1))).shape
+    (4, 3)
+    >>> npy_reader_of(from_npy(path, chunks=(2, -1)) + 1) is None
+    True
+    """
+    if not isinstance(x, da.Array) or da.array_expr_enabled() or x.ndim != 2:
+        return None
+    if len(x.chunks[1]) != 1:
+        return None
+    layers = getattr(x.__dask_graph__(), "layers", None)
+    original = "original-" + x.name
+    if layers is None or set(layers) != {x.name, original}:
+        return None
+    values = [getattr(v, "value", v) for v in layers[original].values()]
+    reader = values[0] if len(values) == 1 else None
+    return reader if isinstance(reader, NpyReader) else None
 
 
 class NpyReader:

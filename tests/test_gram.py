@@ -300,3 +300,93 @@ def test_bitpack_on_gpu_names_bad_value(rng):
         dg.bitpack(x).compute()
     with pytest.raises(BitValueError, match=r"row 44, column 99\b"):
         dg.bitpack(a, device="gpu").compute()
+
+
+# ---- words straight from a .npy: each chunk read once per process, never sent between workers
+
+# Under dask's array query planning the words are read through their tasks, as before.
+needs_legacy_graphs = pytest.mark.skipif(
+    type(da.ones(1)).__module__.startswith("dask.array._array_expr"),
+    reason="the Gram reads a .npy's chunks itself only outside array query planning")
+
+
+@needs_legacy_graphs
+@pytest.mark.parametrize("words_dtype", ["uint8", "uint64"])
+@pytest.mark.parametrize("device", ["auto", "cpu"])
+def test_gram_of_a_npy_reads_its_chunks_where_the_blocks_run(rng, tmp_path, words_dtype, device):
+    from dask_gpuchunk.io import npy_reader_of
+
+    a = random_bits(rng, (203, 1000 if words_dtype == "uint8" else 1024), 0.3)
+    words = (np.packbits(a, axis=1) if words_dtype == "uint8"
+             else np.packbits(a, axis=1, bitorder="little").view(np.uint64))
+    np.save(tmp_path / "w.npy", words)
+    x = dg.from_npy(tmp_path / "w.npy", chunks=((50, 1, 77, 75), -1))
+    assert npy_reader_of(x) is not None
+    g = dg.gram(x, packed=True, device=device)
+    assert any(str(k).startswith("resident-words") for k in dict(g.__dask_graph__()))
+    assert g.chunks == (x.chunks[0], x.chunks[0])
+    np.testing.assert_array_equal(g.compute(), reference_gram(a))
+    # Anything done to the words first: read through their tasks, as before.
+    for y in (x.rechunk((60, -1)), x[1:], x.rechunk((50, 64))):
+        assert npy_reader_of(y) is None
+        np.testing.assert_array_equal(dg.gram(y, packed=True, device=device).compute(),
+                                      reference_gram(a[1:] if y.shape[0] == 202 else a))
+
+
+def test_gram_of_a_npy_refuses_a_file_changed_since_and_names_it_to_to_npy(rng, tmp_path):
+    from dask_gpuchunk.files import InputChangedError
+    from dask_gpuchunk.io import _inputs_of
+
+    words = np.packbits(random_bits(rng, (40, 64), 0.5), axis=1)
+    np.save(tmp_path / "w.npy", words)
+    g = dg.gram(dg.from_npy(tmp_path / "w.npy", chunks=(15, -1)), packed=True)
+    assert [path for path, _ in _inputs_of(g)] == [str(tmp_path / "w.npy")]
+    np.save(tmp_path / "w.npy", words[::-1])
+    with pytest.raises(InputChangedError):
+        g.compute()
+
+
+@needs_legacy_graphs
+def test_gram_of_a_npy_sends_no_words_between_workers(rng, tmp_path):
+    # Two workers: before, each block read its chunks through the tasks that read them, and a
+    # block on the other worker was sent them (1.0 x the words' bytes between the two; on
+    # two GPUs, 2.3 GB over TLS for 2.1 GB of words). Now each worker reads what it needs.
+    from distributed import Client, LocalCluster
+
+    words = np.packbits(random_bits(rng, (600, 32768), 0.3), axis=1)  # 2.4 MB
+    np.save(tmp_path / "w.npy", words)
+    g = dg.gram(dg.from_npy(tmp_path / "w.npy", chunks=(100, -1)), packed=True, device="cpu")
+    want = reference_gram(np.unpackbits(words, axis=1))
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        before = jobs.sent_by_workers(client)
+        total = client.compute(g.sum(dtype=np.int64), sync=True)
+        sent = jobs.sent_by_workers(client, before)
+        assert total == want.sum(dtype=np.int64)
+        assert len(sent) == 2 and sum(sent.values()) < words.nbytes // 20
+        np.testing.assert_array_equal(client.compute(g[::97], sync=True), want[::97])
+
+
+@needs_legacy_graphs
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["auto", "int8", "popcount"])
+def test_gram_of_a_npy_stages_each_chunk_to_the_gpu_once(rng, tmp_path, device_cap, method):
+    from dask_gpuchunk.jobs import staged_by_workers
+    from dask_gpuchunk.resident import resident_stats
+
+    device_cap(1 << 30)
+    a = random_bits(rng, (1000, 3000), 0.3)
+    words = np.packbits(a, axis=1)
+    np.save(tmp_path / "w.npy", words)
+    x = dg.from_npy(tmp_path / "w.npy", chunks=(300, -1))  # 300, 300, 300, 100 rows
+    before = staged_by_workers(None)
+    reads = resident_stats().get("device 0", {}).get("reads", 0)
+    c = dg.gram(x, packed=True, device="gpu", method=method).compute()
+    np.testing.assert_array_equal(c, reference_gram(a))
+    staged = staged_by_workers(None, before)["this process"]
+    assert staged["h2d_bytes"] == words.nbytes  # each chunk once (10 blocks read them)
+    sizes = x.chunks[0]
+    upper = sum(sizes[i] * sizes[j] for i in range(4) for j in range(i, 4))
+    assert staged["d2h_bytes"] == upper * 4
+    stats = resident_stats()["device 0"]
+    assert stats["reads"] - reads == 4 and stats["nbytes"] == 0  # nothing kept after

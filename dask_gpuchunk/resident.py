@@ -1,0 +1,237 @@
+"""Input chunks kept where the blocks that read them run: one cache per process and device.
+
+A Gram of ``n`` row chunks runs ``n (n + 1) / 2`` blocks, each reading two chunks of words.
+Read through Dask, a chunk is one task's result: blocks on other workers receive it over the
+cluster's comm (TLS on a local cluster: 0.5-1.5 GB/s between two workers), it arrives in pageable
+memory and is copied into pinned buffers again, and every block stages both of its chunks to the
+GPU again (on two H100s, 65,536 × 262,144 bits in 4,096-row chunks: 2.3 GB sent between the
+workers, 34 GB of H2D for 2.1 GB of words; docs/perf-notes.md, item 29). Blocks that read their
+chunks themselves through a :class:`ResidentSource` get each chunk once per process: read (from
+a file, into pinned memory), moved to this process's GPU (or kept in host memory for the CPU),
+and kept while it fits, the least recently used dropped first. The source is a value of the
+graph: the chunks it keeps go with it when the last block that needs it is done (in each
+worker, when the worker lets it go).
+
+What a device keeps is allocated from CuPy's pool, so the budget's admission
+(:func:`dask_gpuchunk.budget.reserve`) counts it as held outside the running chunks: blocks wait
+for room rather than run out of memory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from .backend import staging_totals
+from .budget import working_budget
+from .devices import gpu_available
+
+__all__ = ["DEVICE_FRACTION", "HOST_BYTES", "ResidentChunks", "ResidentSource", "on_gpu_here",
+           "resident_stats"]
+
+#: Share of the working budget (:func:`dask_gpuchunk.budget.working_budget`) that a device's
+#: cache may keep: half, the other half for the blocks running beside it (a 4,096² block of
+#: counts and its scratch is well under 100 MB).
+DEVICE_FRACTION = 0.5
+#: Bytes of host memory that the chunks kept for the CPU may take, at most an eighth of the
+#: machine's memory.
+HOST_BYTES = 2 << 30
+_STAT_NAMES = ("reads", "hits", "bytes_read", "dropped")
+
+
+class ResidentChunks:
+    """A least-recently-used cache of chunks by key, holding at most ``limit(cache)`` bytes; a
+    chunk being read by one thread is waited for by the others that need it (read once).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> cache = ResidentChunks(lambda cache: 16)
+    >>> a = cache.get("a", lambda: np.zeros(8, np.uint8))
+    >>> cache.get("a", lambda: np.ones(8, np.uint8)) is a  # kept: not read again
+    True
+    >>> _ = cache.get("b", lambda: np.zeros(8, np.uint8))
+    >>> _ = cache.get("c", lambda: np.zeros(8, np.uint8))  # 24 bytes > 16: "a" dropped
+    >>> sorted(cache.keys()), cache.stats["reads"], cache.stats["dropped"]
+    (['b', 'c'], 3, 1)
+    """
+
+    def __init__(self, limit: Callable[[ResidentChunks], int],
+                 stats: dict[str, int] | None = None) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._chunks: OrderedDict[Hashable, Any] = OrderedDict()
+        self._reading: dict[Hashable, threading.Event] = {}
+        self.nbytes = 0
+        self.stats = stats if stats is not None else dict.fromkeys(_STAT_NAMES, 0)
+
+    def keys(self) -> list[Hashable]:
+        with self._lock:
+            return list(self._chunks)
+
+    def get(self, key: Hashable, read: Callable[[], Any]) -> Any:
+        """The chunk ``key``: kept, or ``read()`` now (once, whichever thread asks first)."""
+        while True:
+            with self._lock:
+                if key in self._chunks:
+                    self._chunks.move_to_end(key)
+                    self.stats["hits"] += 1
+                    return self._chunks[key]
+                reading = self._reading.get(key)
+                if reading is None:
+                    reading = self._reading[key] = threading.Event()
+                    break
+            reading.wait()  # another thread reads it; then it is kept (or failed: try again)
+        try:
+            chunk = read()
+        except BaseException:
+            with self._lock:
+                self._reading.pop(key).set()
+            raise
+        with self._lock:
+            self.stats["reads"] += 1
+            self.stats["bytes_read"] += int(chunk.nbytes)
+            limit = self.limit(self)
+            if chunk.nbytes <= limit:
+                self._chunks[key] = chunk
+                self.nbytes += int(chunk.nbytes)
+                while self.nbytes > limit:
+                    _, dropped = self._chunks.popitem(last=False)
+                    self.nbytes -= int(dropped.nbytes)
+                    self.stats["dropped"] += 1
+            self._reading.pop(key).set()
+        return chunk
+
+    def clear(self) -> None:
+        """Drop every kept chunk (those in use stay alive with their users)."""
+        with self._lock:
+            self._chunks.clear()
+            self.nbytes = 0
+
+
+def _host_limit() -> int:
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return HOST_BYTES
+    return min(HOST_BYTES, memory // 8)
+
+
+def _device_limit() -> int:
+    return int(working_budget() * DEVICE_FRACTION)
+
+
+# Every cache alive in this process, by where it keeps its chunks ("host", or a device number):
+# each may keep what the others of its place leave of the place's limit. Totals of what they
+# did, for resident_stats().
+_live: dict[Any, weakref.WeakSet] = {}
+_totals: dict[Any, dict[str, int]] = {}
+_registry_lock = threading.Lock()
+
+
+def _cache_for(place: Any) -> ResidentChunks:
+    limit_of = _host_limit if place == "host" else _device_limit
+    with _registry_lock:
+        stats = _totals.setdefault(place, dict.fromkeys(_STAT_NAMES, 0))
+        live = _live.setdefault(place, weakref.WeakSet())
+
+    def limit(cache: ResidentChunks) -> int:
+        # The cache is an argument, not a name this closure holds: no cycle keeps it alive.
+        others = sum(c.nbytes for c in list(live) if c is not cache)
+        return max(limit_of() - others, 0)
+
+    cache = ResidentChunks(limit, stats)
+    with _registry_lock:
+        live.add(cache)
+    return cache
+
+
+def _to_device(chunk: Any) -> Any:
+    import cupy
+
+    t0 = time.perf_counter()
+    on_device = cupy.asarray(chunk)
+    # From pinned memory the copy is asynchronous: done before other threads' streams read the
+    # chunk, and before its pinned buffer goes back to the pool.
+    cupy.cuda.get_current_stream().synchronize()
+    staging_totals.add(h2d_bytes=int(chunk.nbytes), device_seconds=time.perf_counter() - t0)
+    return on_device
+
+
+class ResidentSource:
+    """Row chunks of ``reader`` (indexed by ``reader[start:stop, :]``, a NumPy array, pinned
+    where a GPU is visible), each read once per process and kept (:class:`ResidentChunks`) on
+    the GPU that reads it or in host memory, for as long as this object lives in the process.
+    Pickled without what it keeps; ``token`` names the reader's content.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> source = ResidentSource(np.arange(12).reshape(6, 2), "arange")
+    >>> source.rows(2, 4, on_gpu=False)
+    array([[4, 5],
+           [6, 7]])
+    >>> source.rows(2, 4, on_gpu=False) is source.rows(2, 4, on_gpu=False)
+    True
+    """
+
+    def __init__(self, reader: Any, token: str) -> None:
+        self.reader, self.token = reader, token
+        self._caches: dict[Any, ResidentChunks] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"reader": self.reader, "token": self.token}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["reader"], state["token"])
+
+    def __dask_tokenize__(self) -> tuple:
+        return ("dask-gpuchunk-resident", self.token)
+
+    def _cache(self, place: Any) -> ResidentChunks:
+        with self._lock:
+            cache = self._caches.get(place)
+            if cache is None:
+                cache = self._caches[place] = _cache_for(place)
+            return cache
+
+    def rows(self, start: int, stop: int, on_gpu: bool) -> Any:
+        """Rows ``start:stop``: on this process's current GPU (``on_gpu``: CuPy) or NumPy."""
+        def read() -> Any:
+            return self.reader[slice(start, stop), :]
+
+        if not on_gpu:
+            return self._cache("host").get((start, stop), read)
+        import cupy
+
+        device = cupy.cuda.runtime.getDevice()
+        return self._cache(device).get((start, stop), lambda: _to_device(read()))
+
+
+def resident_stats() -> dict[str, dict[str, int]]:
+    """What this process's sources read, found kept and dropped, and keep now (``nbytes``):
+    in host memory, and on each device by its number.
+
+    Examples
+    --------
+    >>> sorted(resident_stats()["host"])
+    ['bytes_read', 'dropped', 'hits', 'nbytes', 'reads']
+    """
+    with _registry_lock:
+        places = {"host", *_totals}
+        return {(place if place == "host" else f"device {place}"): {
+                    **_totals.get(place, dict.fromkeys(_STAT_NAMES, 0)),
+                    "nbytes": sum(c.nbytes for c in list(_live.get(place, ())))}
+                for place in places}
+
+
+def on_gpu_here(device: str) -> bool:
+    """Whether chunks for ``device`` (``"auto"``, ``"gpu"``, ``"cpu"``) go to a GPU in this
+    process."""
+    return device != "cpu" and gpu_available()

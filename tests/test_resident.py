@@ -1,0 +1,111 @@
+"""``dask_gpuchunk.resident``: chunks read once per process and kept while they fit."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+
+import numpy as np
+import pytest
+from dask.base import tokenize
+
+from dask_gpuchunk import resident
+from dask_gpuchunk.resident import ResidentChunks, ResidentSource, resident_stats
+
+
+def test_chunks_are_kept_least_recently_used_first_out():
+    reads = []
+
+    def reader(name, nbytes=8):
+        return lambda: reads.append(name) or np.full(nbytes, len(reads), np.uint8)
+
+    cache = ResidentChunks(lambda cache: 24)
+    a = cache.get("a", reader("a"))
+    cache.get("b", reader("b"))
+    assert cache.get("a", reader("a again")) is a  # kept: "a" is now the most recent
+    cache.get("c", reader("c"))
+    cache.get("d", reader("d"))  # 32 bytes > 24: "b", the least recently used, goes
+    assert sorted(cache.keys()) == ["a", "c", "d"] and cache.nbytes == 24
+    big = cache.get("big", reader("big", 40))  # more than the limit: returned, never kept
+    assert big.nbytes == 40 and "big" not in cache.keys()
+    assert reads == ["a", "b", "c", "d", "big"]
+    assert cache.stats == {"reads": 5, "hits": 1, "bytes_read": 72, "dropped": 1}
+    cache.clear()
+    assert cache.keys() == [] and cache.nbytes == 0
+
+
+def test_threads_that_need_the_same_chunk_read_it_once():
+    cache = ResidentChunks(lambda cache: 1 << 20)
+    calls = []
+
+    def slow_read():
+        calls.append(1)
+        time.sleep(0.2)
+        return np.arange(10)
+
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(cache.get("x", slow_read)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 4 and all(g is got[0] for g in got)
+
+
+def test_a_failed_read_is_not_kept_and_the_next_get_reads_again():
+    cache = ResidentChunks(lambda cache: 1 << 20)
+
+    def broken():
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        cache.get("x", broken)
+    np.testing.assert_array_equal(cache.get("x", lambda: np.ones(3)), np.ones(3))
+
+
+class CountingReader:
+    """Rows of an array, each read logged."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows, self.reads = rows, []
+
+    def __getitem__(self, region):
+        self.reads.append(region[0])
+        return self.rows[region].copy()
+
+
+def test_a_source_reads_rows_once_and_drops_them_with_itself():
+    rows = np.arange(60, dtype=np.uint64).reshape(20, 3)
+    reader = CountingReader(rows)
+    reads = reader.reads
+    before = resident_stats()["host"]
+    source = ResidentSource(reader, "twenty rows")
+    first = source.rows(5, 9, on_gpu=False)
+    np.testing.assert_array_equal(first, rows[5:9])
+    assert source.rows(5, 9, on_gpu=False) is first
+    np.testing.assert_array_equal(source.rows(0, 5, on_gpu=False), rows[:5])
+    assert reads == [slice(5, 9), slice(0, 5)]
+    now = resident_stats()["host"]
+    assert now["reads"] - before["reads"] == 2 and now["hits"] - before["hits"] == 1
+    assert now["nbytes"] >= 9 * 3 * 8
+    # Pickled (sent to a worker) without what it keeps; named by its reader's content.
+    copy = pickle.loads(pickle.dumps(source))
+    assert copy.token == "twenty rows" and tokenize(copy) == tokenize(source)
+    del source, first
+    assert resident_stats()["host"]["nbytes"] == 0
+    np.testing.assert_array_equal(copy.rows(5, 9, on_gpu=False), rows[5:9])
+    assert copy.reader.reads == [slice(5, 9), slice(0, 5), slice(5, 9)]  # its own reader copy
+
+
+def test_sources_of_one_place_share_its_limit(monkeypatch):
+    monkeypatch.setattr(resident, "_host_limit", lambda: 100)
+    rows = np.zeros((10, 8), np.uint8)  # 8 bytes a row
+    first, second = ResidentSource(rows, "first"), ResidentSource(rows, "second")
+    first.rows(0, 10, on_gpu=False)  # 80 bytes kept
+    second.rows(0, 5, on_gpu=False)  # 40 more: over 100 with the first's, not kept
+    assert resident_stats()["host"]["nbytes"] == 80
+    del first
+    second.rows(0, 5, on_gpu=False)
+    assert resident_stats()["host"]["nbytes"] == 40
