@@ -357,16 +357,18 @@ def from_npy(path: str | os.PathLike, chunks: Any = "auto", *, pinned: bool | No
 
 def npy_reader_of(x: Any) -> NpyReader | None:
     """The reader of ``x`` where ``x`` is a :func:`from_npy` array as it was made (no operation
-    since, whole rows in each chunk), else ``None``: an operator may then read its chunks itself
-    (:func:`dask_gpuchunk.resident.resident`) instead of through ``x``'s tasks.
+    since, whole rows in each chunk; outside dask's array query planning), else ``None``: an
+    operator may then read its chunks itself (:class:`dask_gpuchunk.resident.ResidentSource`)
+    instead of through ``x``'s tasks.
 
     Examples
     --------
     >>> import tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "w.npy")
     >>> np.save(path, np.zeros((4, 3), np.uint8))
-    >>> npy_reader_of(from_npy(path, chunks=(2, -1))).shape
-    (4, 3)
+    >>> reader = npy_reader_of(from_npy(path, chunks=(2, -1)))
+    >>> reader is None or reader.shape == (4, 3)  # None under dask's array query planning
+    True
     >>> npy_reader_of(from_npy(path, chunks=(2, -1)) + 1) is None
     True
     """
