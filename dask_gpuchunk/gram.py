@@ -419,6 +419,13 @@ def gram(x: Any, *, packed: bool = False, method: str = "auto", device: str = "a
     GPUNotAvailableError
         ``device="gpu"`` or ``method="int8"`` where no GPU is visible.
 
+    Notes
+    -----
+    Words straight from :func:`dask_gpuchunk.from_npy` (nothing done to them, whole rows in
+    each chunk) are read by the blocks themselves: each row chunk once per process, kept on its
+    GPU (at most half the device budget) or in host memory while the compute needs it, and never
+    sent between workers (:mod:`dask_gpuchunk.resident`).
+
     Examples
     --------
     >>> import numpy as np
