@@ -59,6 +59,8 @@ from .gram import (
     packed_words,
     resolve_method,
 )
+from .io import npy_reader_of
+from .resident import ResidentSource, on_gpu_here
 
 __all__ = ["METRICS", "block_bytes", "similarity"]
 
@@ -423,6 +425,35 @@ def _round_robin(count: int) -> list[tuple[int, int]]:
     return order
 
 
+def _resident_words(source: ResidentSource, start: int, stop: int, device: str) -> Any:
+    """Rows ``start:stop`` of a ``.npy``'s words, read once per process and kept where the task
+    runs (on its GPU, or in host memory), as :func:`dask_gpuchunk.gram` reads them."""
+    return source.rows(start, stop, on_gpu_here(device))
+
+
+def _resident_popcounts(source: ResidentSource, start: int, stop: int, device: str) -> Any:
+    return _popcounts(_resident_words(source, start, stop, device))
+
+
+def _chunk_refs(words: da.Array, pops: da.Array, starts: list[int], device: str, dsk: dict,
+                tag: str) -> tuple[list[Any], list[Any], list[da.Array]]:
+    """What a task of the top-k chain names for each row chunk's words and popcounts: the keys
+    of ``words`` and ``pops``, or, for words straight from a ``.npy``
+    (:func:`dask_gpuchunk.io.npy_reader_of`), tasks inside the task that read them where it
+    runs (:func:`_resident_words`, through a source that ``dsk`` gains): then no chunk of words
+    is sent between workers. Last, the collections the names need."""
+    reader = npy_reader_of(words)
+    if reader is None:
+        return ([(words.name, i, 0) for i in range(len(words.chunks[0]))],
+                [(pops.name, i) for i in range(len(words.chunks[0]))], [words, pops])
+    reader_key, source_key = f"npy-reader-{tag}", f"resident-words-{tag}"
+    dsk[reader_key] = reader
+    dsk[source_key] = (ResidentSource, reader_key, tokenize(reader))
+    bounds = list(zip(starts[:-1], starts[1:]))
+    return ([(_resident_words, source_key, a, b, device) for a, b in bounds],
+            [(_resident_popcounts, source_key, a, b, device) for a, b in bounds], [])
+
+
 def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
                  all_pairs: bool, selection: _Selection, method: str, device: str,
                  meta: Any) -> da.Array:
@@ -442,12 +473,18 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     opts = {"selection": selection, "method": method, "device": device}
     first_task = functools.partial(_first_state, **opts)
     next_task = functools.partial(_next_states_of_blocks, **opts)
-    dsk: dict[tuple, Any] = {}
+    dsk: dict[Any, Any] = {}
+    words_x, pops_x, needs = _chunk_refs(wx, pop_x, starts_x, device, dsk, f"x-{token}")
+    if wy is wx:
+        words_y, pops_y = words_x, pops_x
+    else:
+        words_y, pops_y, needs_y = _chunk_refs(wy, pop_y, starts_y, device, dsk, f"y-{token}")
+        needs = needs + needs_y
     latest: dict[int, tuple[tuple, int]] = {}
     for i in range(chunks_x):
         j = i if all_pairs else 0
-        dsk[(first, i)] = (first_task, (wx.name, i, 0), (wy.name, j, 0), (pop_x.name, i),
-                           (pop_y.name, j), starts_x[i], starts_y[j], all_pairs)
+        dsk[(first, i)] = (first_task, words_x[i], words_y[j], pops_x[i], pops_y[j],
+                           starts_x[i], starts_y[j], all_pairs)
         latest[i] = ((first, i), 0)
     if all_pairs:  # rounds of disjoint chunk pairs
         order = _round_robin(chunks_x)
@@ -463,8 +500,8 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
             mine = blocks[t * len(blocks) // tasks:(t + 1) * len(blocks) // tasks]
             for i, j in mine:
                 column_state: tuple = latest[j] if all_pairs else (None, 0)
-                args += [(wx.name, i, 0), (wy.name, j, 0), (pop_x.name, i), (pop_y.name, j),
-                         starts_x[i], starts_y[j], *latest[i], *column_state]
+                args += [words_x[i], words_y[j], pops_x[i], pops_y[j], starts_x[i],
+                         starts_y[j], *latest[i], *column_state]
             dsk[key] = (next_task, *args)
             for b, (i, j) in enumerate(mine):
                 latest[i] = (key, 2 * b)
@@ -472,7 +509,7 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
                     latest[j] = (key, 2 * b + 1)
     for i in range(chunks_x):
         dsk[(name, i, 0)] = (_state_of, *latest[i])
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[wx, wy, pop_x, pop_y])
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=needs)
     return da.Array(graph, name, (wx.chunks[0], (k,)), dtype=np.uint64, meta=meta)
 
 
@@ -691,12 +728,14 @@ def _decoded(keys: da.Array, on_device: bool, metric: str, dtype: np.dtype
 
 def _placed(block: Any, decode: Any, on_device: bool, *args: Any) -> Any:
     """``decode(block, *args)`` as a CuPy array where the input was on the device (the merges
-    ran on the host), else as it comes."""
+    ran on the host), else as a NumPy array."""
     out = decode(block, *args)
     if on_device and not is_cupy(out):
         import cupy
 
         return cupy.asarray(out)
+    if not on_device and is_cupy(out):  # host words kept on a GPU (a .npy's): NumPy out
+        return out.get()
     return out
 
 

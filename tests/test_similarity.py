@@ -14,6 +14,7 @@ import pytest
 from helpers import random_bits
 
 import dask_gpuchunk as dg
+from dask_gpuchunk.config import listed_graphs
 from dask_gpuchunk.similarity import METRICS
 
 QUERY_PLANNING = type(da.ones(1)).__module__.startswith("dask.array._array_expr")
@@ -382,3 +383,72 @@ def test_blocks_that_cannot_fit_the_device_are_refused_by_what_they_hold(rng, de
     with pytest.raises(DeviceBudgetError, match="a similarity block of 32768 x 32768 rows"):
         dg.similarity(w, packed=True)
     dg.similarity(w, packed=True, top_k=10)  # built, not computed
+
+
+@pytest.mark.skipif(not listed_graphs(),
+                    reason="the top-k chain reads a .npy's chunks itself only in listed graphs")
+@pytest.mark.parametrize("queries", [False, True])
+def test_top_k_of_a_npy_reads_its_chunks_where_the_blocks_run(rng, tmp_path, queries):
+    x = fingerprints(rng, 230, 300)
+    np.save(tmp_path / "x.npy", np.packbits(x, axis=1))
+    wx = dg.from_npy(tmp_path / "x.npy", chunks=((60, 1, 90, 79), -1))
+    wy = None
+    if queries:
+        np.save(tmp_path / "y.npy", np.packbits(x[::-3], axis=1))
+        wy = dg.from_npy(tmp_path / "y.npy", chunks=(25, -1))
+    indices, scores = dg.similarity(wx, wy, packed=True, metric="dice", top_k=6, device="cpu")
+    graph = dict(indices.__dask_graph__())
+    assert any(str(key).startswith("resident-words") for key in graph)
+    assert not any(str(key).startswith("from-npy") for key in graph)  # no task reads for others
+    s = reference(x, x if wy is None else x[::-3], "dice")
+    want_i, want_s = brute_top_k(s, 6, False, not queries)
+    got_i, got_s = dask.compute(indices, scores)
+    assert isinstance(got_i, np.ndarray)
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_s, want_s.astype(np.float32))
+
+
+@pytest.mark.skipif(not listed_graphs(),
+                    reason="the top-k chain reads a .npy's chunks itself only in listed graphs")
+def test_top_k_of_a_npy_sends_no_words_between_workers(rng, tmp_path):
+    # Only the states (8 bytes a row per neighbour) move between two workers' tasks; the words
+    # (4 KiB a row here) are read by each worker that needs them. Before, a third of their
+    # bytes were sent between the two (8 KiB rows).
+    from distributed import Client, LocalCluster
+
+    from dask_gpuchunk.jobs import sent_by_workers
+
+    x = random_bits(rng, (600, 32768), 0.1)
+    words = np.packbits(x, axis=1)
+    np.save(tmp_path / "x.npy", words)
+    wx = dg.from_npy(tmp_path / "x.npy", chunks=(100, -1))
+    indices, _ = dg.similarity(wx, packed=True, top_k=3, device="cpu")
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        before = sent_by_workers(client)
+        got = client.compute(indices, sync=True)
+        sent = sent_by_workers(client, before)
+    np.testing.assert_array_equal(got, brute_top_k(reference(x, x, "tanimoto"), 3, False,
+                                                   True)[0])
+    assert sum(sent.values()) < words.nbytes // 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not listed_graphs(),
+                    reason="the top-k chain reads a .npy's chunks itself only in listed graphs")
+@pytest.mark.parametrize("method", ["auto", "popcount"])
+def test_top_k_of_a_npy_keeps_its_chunks_on_the_gpu(rng, tmp_path, device_cap, method):
+    from dask_gpuchunk.resident import resident_stats
+
+    device_cap(1 << 30)
+    x = fingerprints(rng, 500, 2048)
+    np.save(tmp_path / "x.npy", np.packbits(x, axis=1))
+    wx = dg.from_npy(tmp_path / "x.npy", chunks=(128, -1))  # 4 chunks
+    reads = resident_stats().get("device 0", {}).get("reads", 0)
+    indices, scores = dask.compute(*dg.similarity(wx, packed=True, top_k=7, method=method))
+    assert isinstance(indices, np.ndarray) and isinstance(scores, np.ndarray)
+    want_i, want_s = brute_top_k(reference(x, x, "tanimoto"), 7, False, True)
+    np.testing.assert_array_equal(indices, want_i)
+    np.testing.assert_array_equal(scores, want_s.astype(np.float32))
+    stats = resident_stats()["device 0"]
+    assert stats["reads"] - reads == 4 and stats["nbytes"] == 0
