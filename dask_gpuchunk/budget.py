@@ -312,7 +312,8 @@ def run_reserved(fn: Callable[[], Any], nbytes: int, what: str = "a chunk",
     """``fn()`` holding ``nbytes`` of the budget (:func:`reserve`). If the device runs out of
     memory while other chunks run (they had not yet allocated what they reserved, or the
     process holds more than the budget saw), wait until they are done and run ``fn`` again,
-    alone, with CuPy's cached blocks returned to the device first."""
+    alone, with what :data:`out_of_memory_hooks` drop and CuPy's cached blocks returned to the
+    device first."""
     import cupy
 
     try:
@@ -322,6 +323,8 @@ def run_reserved(fn: Callable[[], Any], nbytes: int, what: str = "a chunk",
         pass
     retried_alone["chunks"] += 1
     with reserve(nbytes, what, option, alone=True):
+        for drop in out_of_memory_hooks:
+            drop()
         cupy.get_default_memory_pool().free_all_blocks()
         return fn()
 
@@ -329,6 +332,10 @@ def run_reserved(fn: Callable[[], Any], nbytes: int, what: str = "a chunk",
 #: Chunks that ran out of device memory beside others and ran again alone
 #: (:func:`run_reserved`).
 retried_alone = {"chunks": 0}
+#: What :func:`run_reserved` calls before a chunk that ran out of device memory runs again
+#: alone: each drops what this process keeps on its devices and can read again
+#: (:mod:`dask_gpuchunk.resident` adds its own).
+out_of_memory_hooks: list[Callable[[], None]] = []
 
 
 def peak_bytes() -> dict[str, int]:

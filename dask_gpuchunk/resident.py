@@ -14,7 +14,8 @@ worker, when the worker lets it go).
 
 What a device keeps is allocated from CuPy's pool, so the budget's admission
 (:func:`dask_gpuchunk.budget.reserve`) counts it as held outside the running chunks: blocks wait
-for room rather than run out of memory.
+for room rather than run out of memory; a chunk that runs out all the same runs again alone
+after the kept chunks are dropped (:data:`dask_gpuchunk.budget.out_of_memory_hooks`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from .backend import staging_totals
-from .budget import working_budget
+from .budget import out_of_memory_hooks, run_reserved, working_budget
 from .devices import gpu_available
 
 __all__ = ["DEVICE_FRACTION", "HOST_BYTES", "ResidentChunks", "ResidentSource", "on_gpu_here",
@@ -151,14 +152,32 @@ def _cache_for(place: Any) -> ResidentChunks:
     return cache
 
 
+def _drop_device_chunks() -> None:
+    """Drop what every source keeps on a device (a chunk that ran out of device memory runs
+    again without them; they are read again where needed)."""
+    with _registry_lock:
+        caches = [c for place, live in _live.items() if place != "host" for c in list(live)]
+    for cache in caches:
+        cache.clear()
+
+
+out_of_memory_hooks.append(_drop_device_chunks)
+
+
 def _to_device(chunk: Any) -> Any:
     import cupy
 
+    def sent() -> Any:
+        on_device = cupy.asarray(chunk)
+        # From pinned memory the copy is asynchronous: done before other threads' streams read
+        # the chunk, and before its pinned buffer goes back to the pool.
+        cupy.cuda.get_current_stream().synchronize()
+        return on_device
+
     t0 = time.perf_counter()
-    on_device = cupy.asarray(chunk)
-    # From pinned memory the copy is asynchronous: done before other threads' streams read the
-    # chunk, and before its pinned buffer goes back to the pool.
-    cupy.cuda.get_current_stream().synchronize()
+    # Admitted as a running chunk is (it waits for room, and runs alone where the device ran
+    # out); once kept, the budget counts it as held outside the running chunks.
+    on_device = run_reserved(sent, int(chunk.nbytes), "a chunk of words kept on the GPU")
     staging_totals.add(h2d_bytes=int(chunk.nbytes), device_seconds=time.perf_counter() - t0)
     return on_device
 

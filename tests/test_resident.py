@@ -109,3 +109,17 @@ def test_sources_of_one_place_share_its_limit(monkeypatch):
     del first
     second.rows(0, 5, on_gpu=False)
     assert resident_stats()["host"]["nbytes"] == 40
+
+
+def test_kept_device_chunks_are_dropped_when_a_chunk_runs_out_of_memory(monkeypatch):
+    # budget.run_reserved calls its hooks before it runs an out-of-memory chunk again alone.
+    from dask_gpuchunk import budget
+
+    monkeypatch.setattr(resident, "_device_limit", lambda: 1 << 20)
+    on_device, on_host = resident._cache_for(7), ResidentSource(np.ones((4, 4)), "host rows")
+    on_device.get("rows", lambda: np.zeros(100, np.uint8))
+    on_host.rows(0, 2, on_gpu=False)
+    assert resident._drop_device_chunks in budget.out_of_memory_hooks
+    for drop in budget.out_of_memory_hooks:
+        drop()
+    assert on_device.nbytes == 0 and resident_stats()["host"]["nbytes"] == 2 * 4 * 8
