@@ -25,8 +25,9 @@ def set_up_worker(worker: Any) -> None:
     """Prepare a worker before its first task.
 
     A fresh worker otherwise imports the package, numba and CuPy when it unpickles its first
-    task (~1 s on the H200 machine, every task of a job waiting behind it), and initialises
-    numba's threading layer in its first CPU chunk (:func:`dask_gpuchunk.backend.prepare_process`).
+    task (~1 s on the H200 machine, every task of a job waiting behind it), and, without a GPU,
+    initialises numba's threading layer in its first CPU chunk
+    (:func:`dask_gpuchunk.backend.prepare_process`).
     In a dask-cuda worker it also makes spilling hold the device budget
     (:func:`dask_gpuchunk.spilling.hold_budget`); in a worker with a GPU it samples the device
     memory the driver counts for the process (:func:`dask_gpuchunk.process_memory.watch`).
