@@ -284,9 +284,9 @@ def prepare_process() -> None:
     (:func:`dask_gpuchunk.cluster.dask_setup`). It creates no CUDA context: dask-cuda creates
     each worker's, on its own device, after the preload (and warns if one exists already).
 
-    A GPU worker starts numba's threading layer at its first CPU kernel, if it runs one (a
-    similarity job from device words runs none): on this 2-core CI machine the layer took
-    0.9 s of a worker's setup and 0.5 s of its close."""
+    A GPU worker starts numba's threading layer at its first CPU kernel, if it runs one: on
+    this 2-core CI machine the layer took 0.9 s of a worker's setup and 0.5 s of its close
+    (not yet measured on a GPU machine)."""
     if gpu_available():
         import cupy  # noqa: F401
         from numba import cuda  # noqa: F401
