@@ -12,8 +12,10 @@ Writes, under ``--out``:
   60 costliest calls (cumulative, cProfile);
 * ``cluster.txt``: the parts of a local cluster's start timed one by one in this process:
   ``import distributed, dask_cuda``; a bare ``LocalCUDACluster`` over TCP (``LocalCluster``
-  without a GPU); the same with TLS credentials; ``dask_gpuchunk.local_cluster()`` whole; how
-  long its worker process took from its start to its first answer; each close.
+  without a GPU); the same with TLS credentials; the worker setup's parts (the package's
+  imports, the whole setup, numba's threading layer), each registered alone on a bare cluster;
+  ``dask_gpuchunk.local_cluster()`` whole; how long its worker process took from its start to
+  its first answer; each close.
 
 The ``if __name__ == "__main__"`` guard matters: a local cluster's workers are spawned
 processes that import this file again.
@@ -22,6 +24,7 @@ processes that import this file again.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import pstats
 import subprocess
@@ -29,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from distributed import WorkerPlugin
 
 
 def _importtime(out: Path) -> None:
@@ -71,6 +76,26 @@ def _first_use(out: Path, fps: Path) -> None:
     (out / "first-use.txt").write_text("\n".join(lines) + "\n")
 
 
+class _ImportsOnly(WorkerPlugin):
+    """A worker plugin that imports what dask_gpuchunk's setup imports, and nothing more."""
+
+    name = "startup-imports"
+
+    def setup(self, worker) -> None:
+        importlib.import_module("dask_gpuchunk.worker")
+
+
+class _ThreadingLayer(WorkerPlugin):
+    """A worker plugin that starts numba's threading layer (a first parallel kernel)."""
+
+    name = "startup-threading-layer"
+
+    def setup(self, worker) -> None:
+        from dask_gpuchunk import backend
+
+        backend._threadsafe_layer()
+
+
 def _cluster(out: Path) -> None:
     lines = []
 
@@ -92,6 +117,7 @@ def _cluster(out: Path) -> None:
         factory = distributed.LocalCluster
     import dask_gpuchunk as dg
     from dask_gpuchunk.cluster import temporary_security
+    from dask_gpuchunk.worker import WorkerSetup
 
     def boot(dask_worker=None) -> float:  # seconds from the worker process's start to now
         import psutil
@@ -110,6 +136,19 @@ def _cluster(out: Path) -> None:
         client.close()
         cluster.close()
         note(f"{label}: close", t0)
+    # The worker setup's parts, each registered alone on a bare cluster of one worker.
+    for label, part in (("imports", _ImportsOnly()), ("setup whole", WorkerSetup()),
+                        ("numba threading layer", _ThreadingLayer())):
+        cluster = factory(host="127.0.0.1", dashboard_address="127.0.0.1:0", protocol="tcp://",
+                          **({} if gpu_count() else {"n_workers": 1}))
+        client = Client(cluster)
+        t0 = time.perf_counter()
+        client.register_plugin(part)
+        note(f"setup part {label}: register", t0)
+        t0 = time.perf_counter()
+        client.close()
+        cluster.close()
+        note(f"setup part {label}: close", t0)
     t0 = time.perf_counter()
     with dg.local_cluster(dashboard_address=None) as client:
         note("dask_gpuchunk.local_cluster(): start", t0)
