@@ -45,7 +45,7 @@ from .devices import (
     gpu_available,
 )
 from .io import npy_reader_of
-from .resident import ResidentSource, on_gpu_here
+from .resident import ResidentSource, rows_where_it_runs, source_tasks
 
 __all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "block_bytes", "block_counts",
            "block_scratch_bytes", "check_block_fits", "check_method", "device_block_counts",
@@ -571,9 +571,8 @@ def _resident_block(source: ResidentSource, rows_a: tuple[int, int], rows_b: tup
     """Block ``(rows_a, rows_b)`` of the Gram of the words ``source`` reads from a file, each
     chunk read once per process and kept where the block runs (on this process's GPU, or in
     host memory for the CPU); a NumPy block, as the file's words are NumPy."""
-    on_gpu = on_gpu_here(device)
-    a = source.rows(*rows_a, on_gpu)
-    b = a if diagonal else source.rows(*rows_b, on_gpu)
+    a = rows_where_it_runs(source, *rows_a, device)
+    b = a if diagonal else rows_where_it_runs(source, *rows_b, device)
     block = _gram_block(a, b, diagonal, method, device)
     return _on_host(block) if backend.is_cupy(block) else block
 
@@ -601,16 +600,12 @@ def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta
     (:func:`_resident_block`), a transpose per block below. No task reads a chunk for the
     others, so none is sent between workers: on two GPUs the words' chunks had been sent (2.3 GB
     over TLS for 2.1 GB of words) and staged again for every block (34 GB of H2D). The reader
-    is a value of the graph, where :func:`dask_gpuchunk.to_npy` finds its inputs; a task makes
-    the :class:`~dask_gpuchunk.resident.ResidentSource` from it at each compute, so that the
-    chunks it keeps go when the compute's last block that needs them is done, not with the
-    graph."""
+    and the source that reads it are entries of the graph
+    (:func:`~dask_gpuchunk.resident.source_tasks`)."""
     token = tokenize(words, method, device, "resident")
-    name, reader_key, source_key = (f"gram-{token}", f"npy-reader-{token}",
-                                    f"resident-words-{token}")
+    name = f"gram-{token}"
     bounds = list(itertools.pairwise(itertools.accumulate(words.chunks[0], initial=0)))
-    dsk: dict[Any, Any] = {reader_key: reader,
-                           source_key: (ResidentSource, reader_key, tokenize(reader))}
+    dsk, source_key = source_tasks(reader, token)
     for i, rows_a in enumerate(bounds):
         for j in range(i, len(bounds)):
             dsk[(name, i, j)] = (_resident_block, source_key, rows_a, bounds[j], i == j,

@@ -28,12 +28,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from dask.base import tokenize
+
 from .backend import staging_totals
 from .budget import out_of_memory_hooks, run_reserved, working_budget
 from .devices import gpu_available
 
 __all__ = ["DEVICE_FRACTION", "HOST_BYTES", "ResidentChunks", "ResidentSource", "on_gpu_here",
-           "resident_stats"]
+           "resident_stats", "rows_where_it_runs", "source_tasks"]
 
 #: Share of the working budget (:func:`dask_gpuchunk.budget.working_budget`) that a device's
 #: cache may keep: half, the other half for the blocks running beside it (a 4,096² block of
@@ -254,3 +256,26 @@ def on_gpu_here(device: str) -> bool:
     """Whether chunks for ``device`` (``"auto"``, ``"gpu"``, ``"cpu"``) go to a GPU in this
     process."""
     return device != "cpu" and gpu_available()
+
+
+def rows_where_it_runs(source: ResidentSource, start: int, stop: int, device: str) -> Any:
+    """Rows ``start:stop`` of ``source``, kept where the calling task runs for ``device``: on
+    this process's GPU (:func:`on_gpu_here`) or in host memory."""
+    return source.rows(start, stop, on_gpu_here(device))
+
+
+def source_tasks(reader: Any, tag: str) -> tuple[dict[str, Any], str]:
+    """The graph entries that make a :class:`ResidentSource` of ``reader`` at each compute, and
+    the source's key: the reader as a value of the graph (where :func:`dask_gpuchunk.to_npy`
+    finds a graph's inputs) and a task that makes the source from it, so that the chunks it
+    keeps go when the compute's last task that needs them is done, not with the graph.
+
+    Examples
+    --------
+    >>> entries, key = source_tasks("a reader", "t")
+    >>> key, sorted(entries)
+    ('resident-words-t', ['npy-reader-t', 'resident-words-t'])
+    """
+    reader_key, source_key = f"npy-reader-{tag}", f"resident-words-{tag}"
+    return ({reader_key: reader, source_key: (ResidentSource, reader_key, tokenize(reader))},
+            source_key)

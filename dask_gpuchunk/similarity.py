@@ -60,7 +60,7 @@ from .gram import (
     resolve_method,
 )
 from .io import npy_reader_of
-from .resident import ResidentSource, on_gpu_here
+from .resident import ResidentSource, rows_where_it_runs, source_tasks
 
 __all__ = ["METRICS", "block_bytes", "similarity"]
 
@@ -425,14 +425,8 @@ def _round_robin(count: int) -> list[tuple[int, int]]:
     return order
 
 
-def _resident_words(source: ResidentSource, start: int, stop: int, device: str) -> Any:
-    """Rows ``start:stop`` of a ``.npy``'s words, read once per process and kept where the task
-    runs (on its GPU, or in host memory), as :func:`dask_gpuchunk.gram` reads them."""
-    return source.rows(start, stop, on_gpu_here(device))
-
-
 def _resident_popcounts(source: ResidentSource, start: int, stop: int, device: str) -> Any:
-    return _popcounts(_resident_words(source, start, stop, device))
+    return _popcounts(rows_where_it_runs(source, start, stop, device))
 
 
 def _chunk_refs(words: da.Array, pops: da.Array, starts: list[int], device: str, dsk: dict,
@@ -440,17 +434,17 @@ def _chunk_refs(words: da.Array, pops: da.Array, starts: list[int], device: str,
     """What a task of the top-k chain names for each row chunk's words and popcounts: the keys
     of ``words`` and ``pops``, or, for words straight from a ``.npy``
     (:func:`dask_gpuchunk.io.npy_reader_of`), tasks inside the task that read them where it
-    runs (:func:`_resident_words`, through a source that ``dsk`` gains): then no chunk of words
-    is sent between workers. Last, the collections the names need."""
+    runs (:func:`~dask_gpuchunk.resident.rows_where_it_runs`, through a source that ``dsk``
+    gains): then no chunk of words is sent between workers. Last, the collections the names
+    need."""
     reader = npy_reader_of(words)
     if reader is None:
         return ([(words.name, i, 0) for i in range(len(words.chunks[0]))],
                 [(pops.name, i) for i in range(len(words.chunks[0]))], [words, pops])
-    reader_key, source_key = f"npy-reader-{tag}", f"resident-words-{tag}"
-    dsk[reader_key] = reader
-    dsk[source_key] = (ResidentSource, reader_key, tokenize(reader))
+    entries, source_key = source_tasks(reader, tag)
+    dsk.update(entries)
     bounds = list(zip(starts[:-1], starts[1:]))
-    return ([(_resident_words, source_key, a, b, device) for a, b in bounds],
+    return ([(rows_where_it_runs, source_key, a, b, device) for a, b in bounds],
             [(_resident_popcounts, source_key, a, b, device) for a, b in bounds], [])
 
 
