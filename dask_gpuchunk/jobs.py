@@ -59,6 +59,7 @@ from .io import (
     from_npy,
     npy_bytes,
     npy_in_place,
+    npy_reader_of,
     read_header,
     run_writes,
     to_npy,
@@ -781,7 +782,8 @@ def similarity_job(
     ``threshold``: a ``.npz`` of ``rows``, ``cols`` and ``scores``; else the dense scores into
     a ``.npy`` or Zarr store. ``chunk_rows``: rows per chunk of each input; ``None``:
     :data:`SIMILARITY_CHUNK_ROWS` on GPUs, halved while a block would not fit the workers'
-    budget, 4,096 on the CPU. On GPUs the packed words are moved to the devices once.
+    budget, 4,096 on the CPU. On GPUs the packed words are moved to the devices once: for
+    top-k of a packed ``.npy``, read there by each worker (none sent between workers).
     """
     from ._kernels.similarity import score_dtype
     from .similarity import METRICS, similarity
@@ -811,7 +813,11 @@ def similarity_job(
         if not packed:
             x = bitpack(x, device="cpu" if device == "cpu" else "auto")
         x = x.rechunk({1: -1})
-        return x.map_blocks(_on_device, dtype=x.dtype, meta=x._meta) if on_gpu else x
+        if not on_gpu or (top_k is not None and npy_reader_of(x) is not None):
+            # The top-k chain reads a .npy's words itself where its blocks run, once per
+            # worker (dask_gpuchunk.resident): none are sent between workers.
+            return x
+        return x.map_blocks(_on_device, dtype=x.dtype, meta=x._meta)
 
     def run(progress: Progress) -> dict[str, Any]:
         _check_gpus_where_it_runs(method, device)

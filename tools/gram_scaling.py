@@ -14,6 +14,12 @@ The input is written once (packed random bits); then, on a fresh ``dg.local_clus
   persisted, its time reported apart), then ``dg.gram`` on them: what the Gram costs when each
   chunk is staged once;
 
+With ``--cli``, the job a user runs on the same file: ``dask-gpuchunk gram BITS.npy -o C.npy
+--packed --gpus G`` for each size, timed end to end and until ``sync`` returns (C's bytes on the
+disk), each from a clean page cache where this process may drop it (root); beside it, the
+disk's own write rate: the same number of bytes written in 64 MiB pieces and fsynced. A
+disk-bound job cannot scale past that.
+
 ``C`` is reduced to its sum on the workers (so the figure is the computation, not the output's
 transfer or a disk) and to a few sampled rows, checked against NumPy. Timed twice (the first
 run compiles). Each timed run reports, per worker: its tasks' seconds by kind (dask's task
@@ -30,6 +36,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -115,6 +124,69 @@ def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant
     return entry
 
 
+def _drop_page_cache() -> bool:
+    """Write back dirty pages and drop clean ones (root only): each timed file run starts from
+    the same state."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _disk_write_rate(path: Path, nbytes: int) -> dict[str, Any]:
+    """``nbytes`` written to ``path`` in 64 MiB pieces, then fsynced: the disk's rate for a
+    file of C's size, which a job writing C cannot beat."""
+    piece = memoryview(np.random.default_rng(0).integers(0, 2**31, 2**24, dtype=np.int32)
+                       ).cast("B")  # 64 MiB
+    dropped = _drop_page_cache()
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(piece[: min(left, len(piece))])
+        buffered = time.perf_counter() - t0
+        os.fsync(f.fileno())
+    durable = time.perf_counter() - t0
+    path.unlink()
+    return {"bytes": nbytes, "buffered_seconds": buffered, "durable_seconds": durable,
+            "durable_gb_per_s": nbytes / durable / 1e9, "page_cache_dropped": dropped}
+
+
+def _cli_runs(path: Path, sizes: list[int | None], args: argparse.Namespace, sample: np.ndarray,
+              expected_rows: np.ndarray) -> dict[str, Any]:
+    """The gram job as a user runs it on ``sizes`` GPUs (a fresh local cluster each), and the
+    disk's write rate for C's bytes beside it."""
+    out = args.workdir / "C.npy"
+    result: dict[str, Any] = {"disk": _disk_write_rate(out, args.rows * args.rows * 4)}
+    print("disk: " + json.dumps(result["disk"]), flush=True)
+    for size in sizes:
+        dropped = _drop_page_cache()
+        cmd = [sys.executable, "-m", "dask_gpuchunk", "gram", str(path), "-o", str(out),
+               "--packed", "--overwrite", "--json"] + (["--gpus", str(size)] if size else [])
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cli_timeout,
+                           check=False)
+        end_to_end = time.perf_counter() - t0
+        os.sync()
+        durable = time.perf_counter() - t0
+        run: dict[str, Any] = {"returncode": p.returncode, "end_to_end_seconds": end_to_end,
+                               "durable_seconds": durable, "page_cache_dropped": dropped}
+        if p.returncode == 0:
+            summary = json.loads(p.stdout.strip().splitlines()[-1])
+            c = np.load(out, mmap_mode="r")
+            run.update(job_seconds=summary.get("seconds"), where=summary.get("where"),
+                       sampled_rows_exact=bool(np.array_equal(c[sample], expected_rows)))
+        else:
+            run["stderr"] = p.stderr[-2000:]
+        out.unlink(missing_ok=True)
+        print(json.dumps({"cli gpus": size, **{k: v for k, v in run.items() if k != "where"}}),
+              flush=True)
+        result[size] = run
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=65536)
@@ -127,6 +199,12 @@ def main() -> None:
                         help="dg.local_cluster's threads_per_gpu (default: its own)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/gram-scaling"))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--cli", action="store_true",
+                        help="also the gram job through the CLI to a .npy, beside the disk's "
+                             "write rate")
+    parser.add_argument("--api", default="yes", choices=["yes", "no"],
+                        help="no: only the --cli runs")
+    parser.add_argument("--cli-timeout", type=float, default=300)
     args = parser.parse_args()
     if args.threads_per_gpu is not None and args.threads_per_gpu.isdigit():
         args.threads_per_gpu = int(args.threads_per_gpu)
@@ -144,7 +222,7 @@ def main() -> None:
     result: dict = {"rows": args.rows, "bits": args.bits, "chunk_rows": args.chunk_rows,
                     "gpus_visible": gpus_visible, "runs": {}}
     sizes = sorted({1, gpus_visible}) if gpus_visible else [1, args.cpu_workers]
-    for size in sizes:
+    for size in sizes if args.api == "yes" else []:
         options = ({"gpus": size, "threads_per_gpu": args.threads_per_gpu} if gpus_visible
                    else {"n_workers": size, "threads_per_worker": 1})
         t0 = time.perf_counter()
@@ -160,7 +238,10 @@ def main() -> None:
                                       "run": f"{method} {variant}", "best": entry["best"],
                                       "exact": entry["sampled_rows_exact"]}), flush=True)
             result["runs"][size] = runs
-    if len(sizes) > 1:
+    if args.cli:  # on a CPU machine once, on its default local cluster (checks the tool)
+        result["cli"] = _cli_runs(path, sizes if gpus_visible else [None], args, sample,
+                                  expected_rows)
+    if len(sizes) > 1 and args.api == "yes":
         one, many = (result["runs"][s] for s in sizes)
         result["speedup"] = {name: one[name]["best"] / many[name]["best"]
                              for name in one if isinstance(one[name], dict)}
