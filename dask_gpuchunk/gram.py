@@ -368,10 +368,13 @@ def _sum_blocks(*blocks: Any) -> Any:
 
 
 def _transposed(block: Any) -> Any:
-    """``block.T`` in C order, where the block is (a host block is not worth a GPU's time)."""
+    """``block.T`` where the block is: a view of a host block, a C-order copy on a GPU. A sum
+    reads the view in memory order; a file write copies it tile by tile
+    (:func:`dask_gpuchunk._kernels.gram.c_ordered`). Copied here, the 120 mirrored blocks of a
+    65,536-row Gram from a file (7.7 GB) took more of one GPU worker's two threads than the
+    kernels did (2 x H100, docs/perf-notes.md item 31)."""
     return backend.run_chunk(backend.ChunkWork(
-        "a transposed block",
-        on_cpu=lambda: backend.run_cpu_kernel(kernels.transpose_cpu, block),
+        "a transposed block", on_cpu=lambda: block.T,
         on_device=lambda: block.T.copy(), stage=False), [block])
 
 
@@ -603,15 +606,21 @@ def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta
     and the source that reads it are entries of the graph
     (:func:`~dask_gpuchunk.resident.source_tasks`)."""
     token = tokenize(words, method, device, "resident")
-    name = f"gram-{token}"
+    name, upper = f"gram-{token}", f"gram-upper-{token}"
     bounds = list(itertools.pairwise(itertools.accumulate(words.chunks[0], initial=0)))
     dsk, source_key = source_tasks(reader, token)
+    # The computed blocks are a task group of their own, whose only dependency is the source:
+    # distributed then takes them as root tasks and hands them to whichever worker has a free
+    # thread. Named as the Gram's own blocks, the group depended on itself (the transposes),
+    # so each went where the source was made: on two GPUs one worker ran ~3/4 of the blocks
+    # and sent the other 1.3 GB of them for its transposes.
     for i, rows_a in enumerate(bounds):
         for j in range(i, len(bounds)):
-            dsk[(name, i, j)] = (_resident_block, source_key, rows_a, bounds[j], i == j,
-                                 method, device)
+            dsk[(upper, i, j)] = (_resident_block, source_key, rows_a, bounds[j], i == j,
+                                  method, device)
+            dsk[(name, i, j)] = (upper, i, j)
         for j in range(i):
-            dsk[(name, i, j)] = (_transposed, (name, j, i))
+            dsk[(name, i, j)] = (_transposed, (upper, j, i))
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=[])
     return da.Array(graph, name, (words.chunks[0], words.chunks[0]), dtype=np.int32, meta=meta)
 

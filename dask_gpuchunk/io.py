@@ -43,6 +43,7 @@ from dask.base import tokenize
 from dask.utils import format_bytes
 
 from . import config
+from ._kernels.gram import c_ordered
 from .arrays import asarray
 from .backend import ChunkWork, run_chunk
 from .config import map_blocks_prefix
@@ -554,8 +555,8 @@ def write_region(block: Any, path: str, header: NpyHeader, region: tuple[slice, 
 def _pwrite_region(fd: int, block: np.ndarray, header: NpyHeader, region: tuple[slice, ...]) -> None:
     """``pwrite`` a chunk into its region of a C-order file: one call per contiguous run
     (:func:`_region_runs`), through the page cache, without a page fault per 4 KiB as a memory
-    map would take."""
-    block = np.ascontiguousarray(block)
+    map would take. A transposed view (a Gram's mirrored block) is copied tile by tile."""
+    block = c_ordered(block)
     raw = memoryview(block.reshape(-1).view(np.uint8))
     run, offsets = _region_runs(header, region)
     if not _each_run(lambda view, offset: os.pwrite(fd, view, offset), raw, run, offsets):

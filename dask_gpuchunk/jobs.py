@@ -918,14 +918,25 @@ def staged_by_workers(client: Any | None, since: dict[str, dict[str, float]] | N
             for worker, totals in now.items()}
 
 
+def _gpu_in_use(dask_worker: Any = None) -> str | None:
+    """The PCI bus id of the GPU this process runs on (its first visible), or ``None``."""
+    if not gpu_count():
+        return None
+    import cupy
+
+    return str(cupy.cuda.Device(0).pci_bus_id)
+
+
 def where_it_ran(client: Any | None) -> dict[str, Any]:
-    """Workers, threads and GPUs of the cluster behind ``client`` (or this process)."""
+    """Workers, threads and GPUs of the cluster behind ``client`` (or this process): ``gpus``
+    counts the GPUs the workers run on (each worker of a local CUDA cluster sees every GPU,
+    its own first)."""
     if client is None:
         return {"cluster": "local threads", "workers": 1, "gpus": gpu_count(),
                 "device_memory": [_device_report()] if gpu_count() else []}
     info = client.scheduler_info()
     workers = info.get("workers", {})
-    gpus = client.run(gpu_count) if workers else {}
+    gpus = client.run(_gpu_in_use) if workers else {}
     reports = client.run(_device_report) if any(gpus.values()) else {}
     cluster = getattr(client, "cluster", None)
     return {
@@ -933,7 +944,7 @@ def where_it_ran(client: Any | None) -> dict[str, Any]:
         else f"scheduler {client.scheduler.address}",
         "workers": len(workers),
         "threads": sum(int(w.get("nthreads", 0)) for w in workers.values()),
-        "gpus": int(sum(gpus.values())),
+        "gpus": len({gpu for gpu in gpus.values() if gpu is not None}),
         # Per worker with a GPU: its budget and the high-water marks of its device memory.
         "device_memory": [dict(worker=address, **report) for address, report in reports.items()],
     }

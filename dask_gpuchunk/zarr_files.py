@@ -34,6 +34,7 @@ import dask.array as da
 import numpy as np
 from dask.base import tokenize
 
+from ._kernels.gram import c_ordered
 from .arrays import asarray
 from .backend import ChunkWork, run_chunk
 from .config import map_blocks_prefix
@@ -340,7 +341,7 @@ def _write_file(path: str, data: np.ndarray) -> None:
     if data.ndim >= 2 and not data.flags.c_contiguous and data[0].flags.c_contiguous:
         pieces = [memoryview(np.ascontiguousarray(row)).cast("B") for row in data]
     else:
-        pieces = [memoryview(np.ascontiguousarray(data)).cast("B")]
+        pieces = [memoryview(c_ordered(data)).cast("B")]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     try:
         batch = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024

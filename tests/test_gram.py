@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import importlib
 
 import dask
@@ -365,6 +367,46 @@ def test_gram_of_a_npy_sends_no_words_between_workers(rng, tmp_path):
         assert total == want.sum(dtype=np.int64)
         assert len(sent) == 2 and sum(sent.values()) < words.nbytes // 20
         np.testing.assert_array_equal(client.compute(g[::97], sync=True), want[::97])
+
+
+@needs_legacy_graphs
+def test_gram_of_a_npy_shares_its_blocks_between_workers_and_sends_none(rng, tmp_path):
+    # distributed hands out a task group whose dependencies are few tasks as root tasks, to
+    # whichever worker has a free thread. Named as the Gram's own blocks, the computed blocks
+    # depended on their own group (the transposes below the diagonal): each then went where
+    # the source was made, and on two GPUs one worker ran 3/4 of them and sent the other
+    # 1.3 GB of blocks for its transposes. Small blocks on the CPU do not show it (work
+    # stealing evens them out), so the graph's shape is checked, then the cluster's outcome.
+    from dask.core import get_dependencies
+    from dask.utils import key_split
+    from distributed import Client, LocalCluster, get_task_stream
+
+    from dask_gpuchunk.gram import _resident_block
+
+    words = np.packbits(random_bits(rng, (2400, 4096), 0.3), axis=1)
+    np.save(tmp_path / "w.npy", words)
+    g = dg.gram(dg.from_npy(tmp_path / "w.npy", chunks=(200, -1)), packed=True, device="cpu")
+    layer = dict(g.__dask_graph__().layers[g.name])
+    computed = [key for key, task in layer.items()
+                if isinstance(task, tuple) and task and task[0] is _resident_block]
+    assert len(computed) == 78  # 12 row chunks: the blocks on and above the diagonal
+    groups = {key_split(key) for key in computed}
+    assert len(groups) == 1 and groups != {key_split(g.name)}, groups
+    sources = set().union(*(get_dependencies(layer, key) for key in computed))
+    assert len(sources) == 1, sources  # the source only: not the group itself
+
+    block_bytes = 200 * 200 * 4
+    want = reference_gram(np.unpackbits(words, axis=1)).sum(dtype=np.int64)
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        assert client.compute(g.sum(dtype=np.int64), sync=True) == want  # compiles, warms
+        before = jobs.sent_by_workers(client)
+        with get_task_stream(client) as stream:
+            assert client.compute(g.sum(dtype=np.int64), sync=True) == want
+        sent = jobs.sent_by_workers(client, before)
+    blocks = Counter(t["worker"] for t in stream.data if key_split(t["key"]) in groups)
+    assert len(blocks) == 2 and min(blocks.values()) >= sum(blocks.values()) // 5, blocks
+    assert sum(sent.values()) < block_bytes, sent  # not one block of C between the workers
 
 
 @needs_legacy_graphs

@@ -36,6 +36,7 @@ __all__ = [
     "GPU_METHODS",
     "METHODS",
     "TileShape",
+    "c_ordered",
     "int8_cuda",
     "mirror_upper_cpu",
     "popcount_cpu",
@@ -183,6 +184,23 @@ def transpose_cpu(block: np.ndarray) -> np.ndarray:
     if out.size:
         _cpu_kernels()[2](np.ascontiguousarray(block), out)
     return out
+
+
+def c_ordered(block: np.ndarray) -> np.ndarray:
+    """``block`` in C order: itself where it is, a tiled copy (:func:`transpose_cpu`) where it is
+    the transposed view of a C-order array (a Gram's mirrored block), else NumPy's copy.
+
+    Examples
+    --------
+    >>> a = np.arange(6, dtype=np.int32).reshape(2, 3)
+    >>> c_ordered(a) is a, c_ordered(a.T).flags.c_contiguous, np.array_equal(c_ordered(a.T), a.T)
+    (True, True, True)
+    """
+    if block.flags.c_contiguous:
+        return block
+    if block.ndim == 2 and block.T.flags.c_contiguous:
+        return transpose_cpu(block.T)
+    return np.ascontiguousarray(block)
 
 
 def mirror_upper_cpu(c: np.ndarray) -> None:
