@@ -48,7 +48,7 @@ from . import __version__, jobs
 from .budget import DeviceBudgetError, cap_device_memory
 from .cluster import connect, local_cluster, parse_memory_limit
 from .config import check_settings
-from .devices import GPUNotAvailableError, _probe_gpus, gpu_available
+from .devices import GPUNotAvailableError, _probe_gpus, gpu_available, gpu_count
 from .gram import _compute_capability, resolve_method
 from .partials import partials_in, remove_partials
 from .jobs import (
@@ -652,6 +652,22 @@ def gram_command(bits: str, output: str, overwrite: bool, compression: str, zarr
         zarr_format=int(zarr_format)))
 
 
+#: The options that configure or name a cluster, with their defaults.
+_CLUSTER_DEFAULTS = {"scheduler_file": None, "scheduler_address": None, "workers": None,
+                     "gpus": None, "spill_dir": None, "threads_per_gpu": None, "no_tls": False,
+                     "device_memory_limit": "default", "memory_limit": "auto"}
+
+
+def _in_process_by_default(opts: dict[str, Any]) -> bool:
+    """Whether a job with nothing to spill runs in this process unless told otherwise: no
+    cluster option given and at most one GPU visible. A local cluster would add its start and
+    close (6-8 s on the GPU machines; docs/perf-notes.md, items 26, 28 and 31) and give such a
+    job nothing: one GPU's worker, and results of a few bytes a row."""
+    return (not opts.get("in_process")
+            and all(opts.get(k, default) == default for k, default in _CLUSTER_DEFAULTS.items())
+            and gpu_count() <= 1)
+
+
 @main.command("similarity")
 @click.argument("fingerprints", type=click.Path())
 @click.option("--queries", type=click.Path(), default=None,
@@ -676,16 +692,28 @@ def gram_command(bits: str, output: str, overwrite: bool, compression: str, zarr
 @click.option("--chunk-rows", type=click.IntRange(min=1),
               help="Rows per chunk of each input [default: 32768 on GPUs, halved while a "
               "block would not fit their memory budget; 4096 on the CPU].")
+@click.option("--local-cluster", "use_local_cluster", is_flag=True,
+              help="Start a local cluster even for --top-k and --threshold on one GPU (or "
+              "none), which run in this process by default.")
 @_cluster_options
 def similarity_command(fingerprints: str, queries: str | None, metric: str, top_k: int | None,
                        threshold: float | None, dense: bool, include_self: bool, output: str,
                        overwrite: bool, compression: str, zarr_format: str, packed: bool,
                        method: str, chunk_rows: int | None, device: str, as_json: bool,
-                       **opts: Any) -> None:
+                       use_local_cluster: bool, **opts: Any) -> None:
     """Similarity of the binary rows in FINGERPRINTS (.npy or .zarr): each row's top K, the
-    pairs over a threshold, or every score, exact, written to OUTPUT."""
+    pairs over a threshold, or every score, exact, written to OUTPUT.
+
+    Top-k and threshold jobs keep a few bytes a row and spill nothing: with no cluster option
+    and one GPU or none, they run in this process (as --in-process); --local-cluster starts a
+    cluster all the same. Dense scores and several GPUs take a local cluster."""
     if sum((top_k is not None, threshold is not None, dense)) > 1:
         raise click.UsageError("give one of --top-k, --threshold and --dense")
+    if use_local_cluster and opts.get("in_process"):
+        raise click.UsageError("give --local-cluster or --in-process, not both")
+    if (not use_local_cluster and (top_k is not None or threshold is not None)
+            and _in_process_by_default(opts)):
+        opts["in_process"] = True
     _run_job(as_json, opts, lambda: similarity_job(
         fingerprints, output, queries=queries, metric=metric, top_k=top_k,
         threshold=threshold, packed=packed,

@@ -580,6 +580,17 @@ def test_similarity_top_k_through_the_command_line(rng, tmp_path):
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["command"] == "similarity" and summary["output"]["shape"] == [90, 3]
+    # Top-k on one GPU or none runs in this process unless a cluster is asked for.
+    assert summary["where"]["cluster"] == "local threads"
+    with np.load(tmp_path / "top.npz") as got:
+        in_process = dict(got)
+    r = run_cli("similarity", str(tmp_path / "fps.npy"), "--packed", "--top-k", "3",
+                "--chunk-rows", "32", "-o", str(tmp_path / "top.npz"), "--json", "--overwrite",
+                "--local-cluster")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["where"]["cluster"] == "LocalCluster"
+    with np.load(tmp_path / "top.npz") as got:
+        assert all(np.array_equal(got[name], in_process[name]) for name in in_process)
     c = fps.astype(np.int64) @ fps.T
     a = fps.sum(axis=1)
     s = np.float32(c) / np.float32(a[:, None] + a[None, :] - c)
@@ -590,6 +601,10 @@ def test_similarity_top_k_through_the_command_line(rng, tmp_path):
     both = CliRunner().invoke(main, ["similarity", str(tmp_path / "fps.npy"), "--top-k", "3",
                                      "--threshold", "0.5", "-o", str(tmp_path / "x.npz")])
     assert both.exit_code == 2 and "one of --top-k, --threshold and --dense" in both.output
+    both = CliRunner().invoke(main, ["similarity", str(tmp_path / "fps.npy"), "--top-k", "3",
+                                     "--local-cluster", "--in-process", "-o",
+                                     str(tmp_path / "x.npz")])
+    assert both.exit_code == 2 and "--local-cluster or --in-process" in both.output
     assert sorted(os.listdir(tmp_path)) == ["fps.npy", "top.npz"]
 
 
@@ -619,3 +634,17 @@ def test_a_job_in_process_needs_no_cluster_and_refuses_cluster_options(rng, tmp_
         assert r.exit_code == 2 and "--in-process runs the job without a cluster" in r.output
         assert extra[0] in r.output
     assert sorted(os.listdir(tmp_path)) == ["fps.npy", "top.npz"]
+
+
+def test_which_similarity_jobs_run_in_process_by_default(monkeypatch):
+    from dask_gpuchunk import cli
+
+    defaults = dict(cli._CLUSTER_DEFAULTS, in_process=False)
+    monkeypatch.setattr(cli, "gpu_count", lambda: 1)
+    assert cli._in_process_by_default(defaults)
+    for name, value in (("gpus", "1"), ("scheduler_file", "s.json"), ("memory_limit", "8GB"),
+                        ("device_memory_limit", "4GB"), ("threads_per_gpu", 4),
+                        ("no_tls", True), ("spill_dir", "/tmp")):
+        assert not cli._in_process_by_default({**defaults, name: value}), name
+    monkeypatch.setattr(cli, "gpu_count", lambda: 2)  # several GPUs: a worker each
+    assert not cli._in_process_by_default(defaults)
