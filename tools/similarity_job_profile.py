@@ -2,16 +2,18 @@
 with ``--rows`` small).
 
     python3 tools/similarity_job_profile.py --rows 1000000 --out $OUT/job-profile.json
+    python3 tools/similarity_job_profile.py --defaults-only --cap 2147483648 --out $OUT/d.json
 
 Writes ``--rows`` random packed 2048-bit fingerprints (7.5 % density) to a ``.npy``, then
 times:
 
 * a bare interpreter, and the imports the CLI pays (``dask_gpuchunk.cli``; with CuPy,
   distributed and dask-cuda);
-* ``dask-gpuchunk similarity FPS.npy --packed --top-k 10`` end to end, twice, as a user runs
-  it (a local cluster), then with ``--in-process`` (no cluster) at the default chunks and at
-  16,384-row ones, each with the job's own ``seconds``; with ``--cap`` set, once more each way
-  (cluster, in process) under that pool cap (``CUPY_GPU_MEMORY_LIMIT``);
+* ``dask-gpuchunk similarity FPS.npy --packed --top-k 10`` end to end, twice, on a local
+  cluster (``--local-cluster``), then with ``--in-process`` (no cluster; what the command does
+  by default on one GPU) at the default chunks and at 16,384-row ones, each with the job's own
+  ``seconds``; with ``--cap`` set, once more each way under that pool cap
+  (``CUPY_GPU_MEMORY_LIMIT``);
 * in this process: the local cluster's start, two jobs on it, its report and its close; then
   two jobs with no cluster (dask's threads), and whether both gave the same result file.
 
@@ -30,10 +32,11 @@ import time
 from pathlib import Path
 
 
-def _cli(work: Path, label: str, *extra: str, env: dict | None = None) -> list:
+def _cli(work: Path, label: str, *extra: str, env: dict | None = None,
+         select: tuple[str, ...] = ("--top-k", "10")) -> list:
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "dask_gpuchunk", "similarity", str(work / "fps.npy"),
-                        "--packed", "--top-k", "10", "-o", str(work / "nn.npz"), "--json",
+                        "--packed", *select, "-o", str(work / "nn.npz"), "--json",
                         "--overwrite", *extra], capture_output=True, text=True, timeout=300,
                        env=env)
     total = time.perf_counter() - t0
@@ -53,6 +56,9 @@ def main() -> None:
     parser.add_argument("--cap", help="also run the CLI job under this CUPY_GPU_MEMORY_LIMIT "
                         "(bytes)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--defaults-only", action="store_true",
+                        help="only the command as a user runs it: top-10 twice, threshold 0.7, "
+                             "and top-10 under --cap")
     args = parser.parse_args()
     import numpy as np
 
@@ -73,13 +79,23 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", code], capture_output=True)
         out[label] = round(time.perf_counter() - t0, 3)
     print(out, flush=True)
-    out["cli"] = [_cli(work, "cli, local cluster") for _ in range(2)]
+    if args.defaults_only:
+        out["cli default"] = [_cli(work, "cli, default") for _ in range(2)]
+        out["cli default, threshold 0.7"] = _cli(work, "cli, default, threshold 0.7",
+                                                 select=("--threshold", "0.7"))
+        if args.cap:
+            out["cli default capped"] = _cli(work, f"cli, default, cap {args.cap}", env={
+                **os.environ, "CUPY_GPU_MEMORY_LIMIT": args.cap})
+        if args.out:
+            args.out.write_text(json.dumps(out, indent=1))
+        return
+    out["cli"] = [_cli(work, "cli, local cluster", "--local-cluster") for _ in range(2)]
     out["cli in process"] = _cli(work, "cli, --in-process", "--in-process")
     out["cli in process, 16384-row chunks"] = _cli(work, "cli, --in-process, 16384-row chunks",
                                                    "--in-process", "--chunk-rows", "16384")
     if args.cap:
         capped = {**os.environ, "CUPY_GPU_MEMORY_LIMIT": args.cap}
-        out["cli capped"] = _cli(work, f"cli, cap {args.cap}", env=capped)
+        out["cli capped"] = _cli(work, f"cli, cap {args.cap}", "--local-cluster", env=capped)
         out["cli in process capped"] = _cli(work, f"cli, --in-process, cap {args.cap}",
                                             "--in-process", env=capped)
     t0 = time.perf_counter()
