@@ -50,6 +50,19 @@ import dask_gpuchunk as dg
 from dask_gpuchunk.jobs import sent_by_workers, staged_by_workers
 
 
+def write_random_bits(path: Path, rows: int, bits: int, seed: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Random packed bits ``(rows, bits // 8)`` uint8 saved to ``path``; four sampled row
+    indices and their rows of the Gram (NumPy popcounts), to check a result against."""
+    rng = np.random.default_rng(seed)
+    packed = rng.integers(0, 256, size=(rows, bits // 8), dtype=np.uint8)
+    np.save(path, packed)
+    sample = np.sort(rng.choice(rows, 4, replace=False))
+    expected_rows = np.stack([np.bitwise_count(packed & packed[r]).sum(axis=1, dtype=np.int64)
+                              for r in sample]).astype(np.int32)
+    return sample, expected_rows
+
+
 def _on_device(block: Any) -> Any:
     import cupy
 
@@ -210,13 +223,7 @@ def main() -> None:
         args.threads_per_gpu = int(args.threads_per_gpu)
     args.workdir.mkdir(parents=True, exist_ok=True)
     path = args.workdir / "bits.npy"
-    rng = np.random.default_rng(5)
-    packed = rng.integers(0, 256, size=(args.rows, args.bits // 8), dtype=np.uint8)
-    np.save(path, packed)
-    sample = np.sort(rng.choice(args.rows, 4, replace=False))
-    expected_rows = np.stack([np.bitwise_count(packed & packed[r]).sum(axis=1, dtype=np.int64)
-                              for r in sample]).astype(np.int32)
-    del packed
+    sample, expected_rows = write_random_bits(path, args.rows, args.bits, seed=5)
     gpus_visible = dg.gpu_count()
     variants = args.variants.split(",") if gpus_visible else ["host"]
     result: dict = {"rows": args.rows, "bits": args.bits, "chunk_rows": args.chunk_rows,

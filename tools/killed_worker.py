@@ -123,17 +123,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     import dask_gpuchunk as dg
+    from gram_scaling import write_random_bits  # this folder's tool: run as tools/...py
 
     work = args.workdir
     (work / "workers").mkdir(parents=True, exist_ok=True)
     bits = work / "bits.npy"
-    rng = np.random.default_rng(11)
-    packed = rng.integers(0, 256, size=(args.rows, args.bits // 8), dtype=np.uint8)
-    np.save(bits, packed)
-    sample = np.sort(rng.choice(args.rows, 4, replace=False))
-    expected_rows = np.stack([np.bitwise_count(packed & packed[r]).sum(axis=1, dtype=np.int64)
-                              for r in sample]).astype(np.int32)
-    del packed
+    sample, expected_rows = write_random_bits(bits, args.rows, args.bits, seed=11)
     gpus = dg.gpu_count()
     count = gpus or 2
     sched_file, procs = _cluster(work, gpus)
