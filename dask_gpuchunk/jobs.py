@@ -929,10 +929,10 @@ def _gpu_in_use(dask_worker: Any = None) -> str | None:
 
 def where_it_ran(client: Any | None) -> dict[str, Any]:
     """Workers, threads and GPUs of the cluster behind ``client`` (or this process): ``gpus``
-    counts the GPUs the workers run on (each worker of a local CUDA cluster sees every GPU,
-    its own first)."""
+    counts the GPUs the jobs' chunks run on: each worker's first visible GPU (a worker of a
+    local CUDA cluster sees every GPU, its own first), or this process's."""
     if client is None:
-        return {"cluster": "local threads", "workers": 1, "gpus": gpu_count(),
+        return {"cluster": "local threads", "workers": 1, "gpus": min(gpu_count(), 1),
                 "device_memory": [_device_report()] if gpu_count() else []}
     info = client.scheduler_info()
     workers = info.get("workers", {})
