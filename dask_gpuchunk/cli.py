@@ -711,6 +711,10 @@ def similarity_command(fingerprints: str, queries: str | None, metric: str, top_
         raise click.UsageError("give one of --top-k, --threshold and --dense")
     if use_local_cluster and opts.get("in_process"):
         raise click.UsageError("give --local-cluster or --in-process, not both")
+    joined = [f"--{k.replace('_', '-')}" for k in ("scheduler_file", "scheduler_address")
+              if opts.get(k)]
+    if use_local_cluster and joined:
+        raise click.UsageError(f"--local-cluster starts a cluster; {joined[0]} joins one")
     if (not use_local_cluster and (top_k is not None or threshold is not None)
             and _in_process_by_default(opts)):
         opts["in_process"] = True

@@ -605,6 +605,10 @@ def test_similarity_top_k_through_the_command_line(rng, tmp_path):
                                      "--local-cluster", "--in-process", "-o",
                                      str(tmp_path / "x.npz")])
     assert both.exit_code == 2 and "--local-cluster or --in-process" in both.output
+    both = CliRunner().invoke(main, ["similarity", str(tmp_path / "fps.npy"), "--top-k", "3",
+                                     "--local-cluster", "--scheduler-file", "s.json", "-o",
+                                     str(tmp_path / "x.npz")])
+    assert both.exit_code == 2 and "--scheduler-file joins one" in both.output
     assert sorted(os.listdir(tmp_path)) == ["fps.npy", "top.npz"]
 
 
