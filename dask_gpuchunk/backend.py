@@ -78,6 +78,7 @@ __all__ = [
     "chunk_site",
     "cpu_threads",
     "dask_threads",
+    "host_result",
     "is_cupy",
     "prepare_process",
     "run_cpu",
@@ -690,6 +691,15 @@ def run_gpu_from_host(
 
 
 
+def host_result(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A host array for a result coming from the device: page-locked where
+    ``gpuchunk.pinned-results`` is on (the result lands in it with no staging copy, and a file
+    writer sends it on from there: one host copy less per chunk), else plain NumPy."""
+    if config.get("pinned-results") and int(np.prod(shape)):
+        return pinned_pool.lend(shape, dtype)
+    return np.empty(shape, dtype=dtype)
+
+
 def run_staged(
     launch: Callable[[Any, list[Any], Any], None],
     shape: tuple[int, ...],
@@ -732,13 +742,7 @@ def run_staged(
     for k, dt in enumerate(out_dtypes):
         if dests[k] is not None:
             continue
-        # ``gpuchunk.pinned-results``: one host copy less per chunk.
-        if config.get("pinned-results") and int(np.prod(shape)):
-            # The result lands in it from the device with no staging copy (and a file writer
-            # sends it on from there).
-            dests[k] = pinned_pool.lend(shape, dt)
-        else:
-            dests[k] = np.empty(shape, dtype=dt)
+        dests[k] = host_result(shape, dt)
     if not several and dests[0].size == 0:
         return dests[0]
     reduced: Any = ()

@@ -385,6 +385,18 @@ def _cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
         yield client
 
 
+#: The options that configure a local cluster or name one to join, with their defaults.
+_CLUSTER_DEFAULTS = {"gpus": None, "spill_dir": None, "threads_per_gpu": None, "no_tls": False,
+                     "scheduler_file": None, "scheduler_address": None, "workers": None,
+                     "device_memory_limit": "default", "memory_limit": "auto"}
+
+
+def _cluster_options_given(opts: dict[str, Any]) -> list[str]:
+    """The cluster options of ``opts`` given other than their defaults, as their flags."""
+    return [f"--{k.replace('_', '-')}" for k, default in _CLUSTER_DEFAULTS.items()
+            if opts.get(k, default) != default]
+
+
 @contextlib.contextmanager
 def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
     joined = opts["scheduler_file"] or opts["scheduler_address"]
@@ -396,11 +408,7 @@ def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]
         raise click.UsageError(f"{', '.join(local_only)} configure a local cluster; the joined "
                                "cluster's workers are configured where they are started")
     if opts.get("in_process"):
-        cluster_options = local_only + [
-            f"--{k.replace('_', '-')}" for k, default in (
-                ("scheduler_file", None), ("scheduler_address", None), ("workers", None),
-                ("device_memory_limit", "default"), ("memory_limit", "auto"))
-            if opts[k] != default]
+        cluster_options = _cluster_options_given(opts)
         if cluster_options:
             raise click.UsageError(f"--in-process runs the job without a cluster; "
                                    f"{', '.join(cluster_options)} configure one")
@@ -652,19 +660,12 @@ def gram_command(bits: str, output: str, overwrite: bool, compression: str, zarr
         zarr_format=int(zarr_format)))
 
 
-#: The options that configure or name a cluster, with their defaults.
-_CLUSTER_DEFAULTS = {"scheduler_file": None, "scheduler_address": None, "workers": None,
-                     "gpus": None, "spill_dir": None, "threads_per_gpu": None, "no_tls": False,
-                     "device_memory_limit": "default", "memory_limit": "auto"}
-
-
 def _in_process_by_default(opts: dict[str, Any]) -> bool:
     """Whether a job with nothing to spill runs in this process unless told otherwise: no
     cluster option given and at most one GPU visible. A local cluster would add its start and
     close (6-8 s on the GPU machines; docs/perf-notes.md, items 26, 28 and 31) and give such a
     job nothing: one GPU's worker, and results of a few bytes a row."""
-    return (not opts.get("in_process")
-            and all(opts.get(k, default) == default for k, default in _CLUSTER_DEFAULTS.items())
+    return (not opts.get("in_process") and not _cluster_options_given(opts)
             and gpu_count() <= 1)
 
 

@@ -30,7 +30,7 @@ from dask.array.utils import meta_from_array
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from . import backend, config
+from . import backend
 from ._kernels import bitpack as bits
 from ._kernels import gram as kernels
 from ._kernels.bmma import BMMA_MIN_CC, TILE, bmma_cuda
@@ -584,10 +584,9 @@ def _on_host(block: Any) -> np.ndarray:
     """A CuPy block copied to host memory (pinned, as the staged path's results are)."""
     import cupy
 
-    from .staging import copy_to_host, pinned_pool
+    from .staging import copy_to_host
 
-    host = (pinned_pool.lend(block.shape, block.dtype) if config.get("pinned-results")
-            else np.empty(block.shape, block.dtype))
+    host = backend.host_result(block.shape, block.dtype)
     t0 = time.perf_counter()
     stream = cupy.cuda.get_current_stream()
     copy_to_host(host, block, stream)
