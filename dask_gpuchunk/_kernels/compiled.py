@@ -1,9 +1,11 @@
 """One compiled kernel per key and process: the memo every kernel module keeps its kernels in.
 
 Compiling takes from milliseconds (a CuPy raw module from its cache) to seconds (numba's
-parallel CPU kernels), and Dask runs a worker's first chunks in several threads at once: each
-key is compiled by one thread while the others wait for it, then served from a dict without a
-lock.
+parallel CPU kernels, NVRTC's tensor-core kernels), and Dask runs a worker's first chunks in
+several threads at once: each key is compiled by one thread while the others wanting it wait,
+then served from a dict without a lock. Different keys compile side by side (one lock per key:
+a first similarity job's selection kernel takes seconds of NVRTC, which the kernels its other
+tasks need should not wait behind).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def compiled_once(make: F) -> F:
     (9, 9, [3])
     """
     made: dict[tuple, Any] = {}
-    lock = threading.Lock()
+    locks: dict[tuple, threading.Lock] = {}
+    locks_lock = threading.Lock()
 
     @functools.wraps(make)
     def get(*key: Any) -> Any:
@@ -41,6 +44,8 @@ def compiled_once(make: F) -> F:
             return made[key]
         except KeyError:
             pass
+        with locks_lock:
+            lock = locks.setdefault(key, threading.Lock())
         with lock:
             if key not in made:
                 made[key] = make(*key)
