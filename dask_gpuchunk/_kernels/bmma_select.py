@@ -59,7 +59,8 @@ SLOTS = 64
 #: Pairs :func:`pairs_at_least_bmma` makes room for before it knows how many there are.
 PAIRS_FIRST_CAPACITY = 1 << 16
 
-_SELECT_SOURCE = TILE_SOURCE + RANK_SOURCE + r"""
+# What every selection kernel builds on (each kernel is a module of its own: see _kernel).
+_SELECT_COMMON = TILE_SOURCE + RANK_SOURCE + r"""
 #define LD (BN + 4)  // a staged tile's row stride in ints: 16-byte rows; see stage_tile
 
 #define LINE_WORDS ((BM > BN ? BM : BN) / 32)
@@ -173,6 +174,9 @@ __device__ __forceinline__ void candidates_of(const int* line, int stride, int l
     }
 }
 
+"""
+
+_TOP_K_CANDIDATES = r"""
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 top_k_candidates(const unsigned* __restrict__ a, const unsigned* __restrict__ b, int na, int nb,
                  int kw, const int* __restrict__ pop_a, const int* __restrict__ pop_b,
@@ -207,6 +211,9 @@ top_k_candidates(const unsigned* __restrict__ a, const unsigned* __restrict__ b,
                       exclude, slots_b, count_b, nslots);
 }
 
+"""
+
+_MERGE_CANDIDATES = r"""
 extern "C" __global__ void
 merge_candidates(const unsigned long long* __restrict__ state,
                  const unsigned long long* __restrict__ slots, const int* __restrict__ count,
@@ -229,6 +236,9 @@ merge_candidates(const unsigned long long* __restrict__ state,
     for (int i = 0; i < k; ++i) out[(size_t)target * k + i] = best[i];
 }
 
+"""
+
+_PAIRS_AT_LEAST = r"""
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 pairs_at_least(const unsigned* __restrict__ a, const unsigned* __restrict__ b, int na, int nb,
                int kw, const int* __restrict__ pop_a, const int* __restrict__ pop_b,
@@ -289,6 +299,10 @@ pairs_at_least(const unsigned* __restrict__ a, const unsigned* __restrict__ b, i
 }
 """
 
+_SELECT_KERNELS = {"top_k_candidates": _TOP_K_CANDIDATES,
+                   "merge_candidates": _MERGE_CANDIDATES,
+                   "pairs_at_least": _PAIRS_AT_LEAST}
+
 
 def _kernel(name: str, tile: BmmaTile) -> Any:
     staged = (tile.bm * (tile.bn + 4) + tile.bm + tile.bn) * 4
@@ -296,7 +310,9 @@ def _kernel(name: str, tile: BmmaTile) -> Any:
         raise ValueError(f"bmma tile {tile} cannot stage its counts for selection: "
                          f"{staged} bytes of shared memory (it has {tile.shared_bytes}), "
                          "bm a multiple of the threads, bm and bn of 32")
-    source = f"#define MAX_K {CUDA_TOP_K_MAX}\n" + _SELECT_SOURCE
+    # One module per kernel: a job compiles only those it runs (the three in one module took
+    # 14 s of NVRTC on an H100), and they compile side by side in a job's threads.
+    source = f"#define MAX_K {CUDA_TOP_K_MAX}\n" + _SELECT_COMMON + _SELECT_KERNELS[name]
     return tile_kernel(tile, source, name)
 
 
@@ -366,14 +382,17 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
         merge((-(-n // 128),), (128,), (state, slots, count, np.int32(n), np.int32(k),
                                         np.int32(SLOTS), out))
         new_states.append(out)
-    full = [count > SLOTS for *_, count in sides]
-    over = int(sum(cupy.count_nonzero(f) for f in full))
+    # The targets whose slots overflowed, by index (a scan: cupy.count_nonzero compiles a CUB
+    # reduction, ~12 s of a first job's 40 s on an H100).
+    full = [cupy.flatnonzero(count > SLOTS) for *_, count in sides]
+    over = sum(int(which.size) for which in full)
     if over:
         redone["targets"] += over
-        for side, state, over in zip(sides, new_states, full):
+        for side, state, which in zip(sides, new_states, full):
             targets, others, pop_t, pop_o, first_t, first_o, old, _, _ = side
-            _redone(cupy.nonzero(over)[0], targets, others, pop_t, pop_o, first_t, first_o,
-                    old, state, metric, exclude)
+            if which.size:
+                _redone(which, targets, others, pop_t, pop_o, first_t, first_o, old, state,
+                        metric, exclude)
     return new_states[0], (new_states[1] if both else None)
 
 
