@@ -16,7 +16,9 @@ The same loop runs as:
   ``ElementwiseKernel`` for both outputs, then ``cupy.sum`` (a second read of ``F``);
 - ``peer numba-cuda kernel + sum``: a hand-written ``@cuda.jit`` kernel for both outputs, then
   ``cupy.sum``;
-- ``floor: dask persist of one task + one scalar``: what any Dask step costs, measured here.
+- ``floor: dask persist of one task + one scalar``: what any Dask step costs, measured here;
+- ``floor: dask persist of the four-chunk step's graph``: the same for a graph of the four-chunk
+  step's shape (13 tasks that compute nothing): what Dask costs that step.
 
 Times are per step; ``vs_cupy`` divides by the CuPy row of the same size. Bytes per step: the
 fused pass reads ``F`` and ``G`` and writes them (4 arrays); the peers read ``F`` once more.
@@ -24,6 +26,7 @@ fused pass reads ``F`` and ``G`` and writes them (4 arrays); the peers read ``F`
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable
 from typing import Any
@@ -192,6 +195,46 @@ def _same(x: Any) -> Any:
     return x
 
 
+def _both(f: Any, g: Any) -> tuple[Any, Any]:
+    return f, g
+
+
+def _first_value(*pairs: Any) -> Any:
+    return pairs[0][0].reshape(-1)[0]
+
+
+def _dask_step_floor(chunks: tuple[int, ...]) -> Callable[..., Any]:
+    """A persist of a graph shaped as a step's in ``chunks``: per block a task taking both
+    arrays' blocks and two tasks picking them, one task over every block for ``delta``; none
+    computes anything. What Dask costs for that step, whatever its tasks do."""
+    import dask
+    import dask.array as da
+    from dask.highlevelgraph import HighLevelGraph
+
+    from ..arrays import asarray
+
+    def loop(f: Any, g: Any, delta: Any, dt: np.float32, steps: int, history: Any) -> Any:
+        fd, gd = dask.persist(asarray(f, chunks=chunks), asarray(g, chunks=chunks))
+        meta, scalar_meta = f[(slice(0, 0),) * f.ndim], delta[0]
+        tail = (0,) * (f.ndim - 1)
+        for i in range(steps):
+            name = f"step-floor-{i}"
+            blocks = [(name, b, *tail) for b in range(fd.numblocks[0])]
+            graph: dict[Any, Any] = {(f"{name}-delta",): (_first_value, *blocks)}
+            for key in blocks:
+                graph[key] = (_both, (fd.name, *key[1:]), (gd.name, *key[1:]))
+                graph[(f"{name}-f", *key[1:])] = (operator.getitem, key, 0)
+                graph[(f"{name}-g", *key[1:])] = (operator.getitem, key, 1)
+            layers = HighLevelGraph.from_collections(name, graph, dependencies=[fd, gd])
+            fd, gd, _ = dask.persist(
+                da.Array(layers, f"{name}-f", fd.chunks, dtype=f.dtype, meta=meta),
+                da.Array(layers, f"{name}-g", gd.chunks, dtype=g.dtype, meta=meta),
+                da.Array(layers, f"{name}-delta", (), dtype=delta.dtype, meta=scalar_meta))
+        return f, g, delta
+
+    return loop
+
+
 def run_loop(sizes: list[int], steps: int, repeat: int, log: Callable[[str], None],
              skip: tuple[str, ...] = (), dt: float = 1e-4) -> list[Entry]:
     """Every form of the loop at each size (number of values per array); one entry per form
@@ -217,7 +260,9 @@ def run_loop(sizes: list[int], steps: int, repeat: int, log: Callable[[str], Non
                  ("ours, Dask, one chunk", "ours", _ours_dask(shape, False)),
                  ("ours, Dask, four chunks", "ours", _ours_dask(four, False)),
                  ("ours, Dask, one chunk, fetch delta", "ours", _ours_dask(shape, True)),
-                 ("floor: dask persist of one task + one scalar", "limit", _dask_floor())]
+                 ("floor: dask persist of one task + one scalar", "limit", _dask_floor()),
+                 ("floor: dask persist of the four-chunk step's graph", "limit",
+                  _dask_step_floor(four))]
         results: dict[str, Any] = {}
         first = len(entries)  # this size's entries (skipped forms add none)
         for name, kind, loop in sized:
