@@ -434,9 +434,11 @@ def _warm_similarity(dtype: str, width: int, packed: bool, queries: bool, on_gpu
     kernel is now compiled once, here, and its tasks find it made."""
     import dask
 
-    from .similarity import similarity
+    from .similarity import compile_selection_ahead, similarity
 
     top_k = options.get("top_k")
+    if on_gpu:  # the longest compile first, beside the rest
+        compile_selection_ahead(options.get("method", "auto"), top_k, options.get("threshold"))
     rows = max(32, (top_k or 0) + 1)
     rng = np.random.default_rng(0)
     dt = np.dtype(dtype)

@@ -40,6 +40,7 @@ from ._kernels import similarity as kernels
 from ._kernels.similarity_cpu import best_keys_of_columns, best_keys_of_rows, pairs_at_least_cpu
 from ._kernels.bmma_select import (
     PAIRS_FIRST_CAPACITY,
+    compile_ahead,
     pairs_at_least_bmma,
     top_k_candidates,
     top_k_scratch_bytes,
@@ -62,7 +63,7 @@ from .gram import (
 from .io import npy_reader_of
 from .resident import ResidentSource, rows_where_it_runs, source_tasks
 
-__all__ = ["METRICS", "block_bytes", "similarity"]
+__all__ = ["METRICS", "block_bytes", "compile_selection_ahead", "similarity"]
 
 #: ``metric=`` values of :func:`similarity`.
 METRICS = kernels.METRICS
@@ -243,6 +244,20 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
 #: block of 32,768 x 32,768 rows holds 4 GiB, more than a small card's budget beside the
 #: chunks' words.
 SELECT_COUNTS_BYTES = 256 << 20
+
+
+def compile_selection_ahead(method: str, top_k: int | None, threshold: Any) -> Any:
+    """On a GPU whose ``method`` resolves to the 1-bit tensor cores, start compiling the fused
+    kernel a ``top_k`` or ``threshold`` selection will run there, in a thread of its own
+    (:func:`~dask_gpuchunk._kernels.bmma_select.compile_ahead`); return the thread, or
+    ``None`` where no fused kernel will run."""
+    if not gpu_available() or resolve_method(method, on_gpu=True) != "bmma":
+        return None
+    if top_k is not None and top_k <= kernels.CUDA_TOP_K_MAX:
+        return compile_ahead("top_k")
+    if threshold is not None:
+        return compile_ahead("threshold")
+    return None
 
 
 def _select_counts_bytes() -> int:

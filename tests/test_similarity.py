@@ -452,3 +452,19 @@ def test_top_k_of_a_npy_keeps_its_chunks_on_the_gpu(rng, tmp_path, device_cap, m
     np.testing.assert_array_equal(scores, want_s.astype(np.float32))
     stats = resident_stats()["device 0"]
     assert stats["reads"] - reads == 4 and stats["nbytes"] == 0
+
+
+def test_no_kernel_is_compiled_ahead_where_no_fused_kernel_will_run(monkeypatch):
+    similarity = importlib.import_module("dask_gpuchunk.similarity")
+
+    monkeypatch.setattr(similarity, "gpu_available", lambda: False)
+    assert similarity.compile_selection_ahead("auto", 10, None) is None
+    monkeypatch.setattr(similarity, "gpu_available", lambda: True)
+    assert similarity.compile_selection_ahead("popcount", 10, None) is None
+    assert similarity.compile_selection_ahead("bmma", None, None) is None  # dense: no selection
+    started = []
+    monkeypatch.setattr(similarity, "compile_ahead", started.append)
+    similarity.compile_selection_ahead("bmma", 64, None)  # k beyond the fused kernel's
+    similarity.compile_selection_ahead("bmma", 10, None)
+    similarity.compile_selection_ahead("bmma", None, 0.5)
+    assert started == ["top_k", "threshold"]

@@ -35,6 +35,7 @@ rounded: ``c / den >= s`` needs ``c >= s * den * (1 - 2**-24)``). No dask here.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,8 @@ from .similarity import (
     smallest_keys,
 )
 
-__all__ = ["PAIRS_FIRST_CAPACITY", "REDONE_TARGETS", "SLOTS", "pairs_at_least_bmma", "redone",
+__all__ = ["PAIRS_FIRST_CAPACITY", "REDONE_TARGETS", "SLOTS", "compile_ahead",
+           "pairs_at_least_bmma", "redone",
            "top_k_candidates", "top_k_scratch_bytes"]
 
 #: Candidate slots per target and block in :func:`top_k_candidates`.
@@ -314,6 +316,33 @@ def _kernel(name: str, tile: BmmaTile) -> Any:
     # 14 s of NVRTC on an H100), and they compile side by side in a job's threads.
     source = f"#define MAX_K {CUDA_TOP_K_MAX}\n" + _SELECT_COMMON + _SELECT_KERNELS[name]
     return tile_kernel(tile, source, name)
+
+
+def compile_ahead(selection: str, tile: BmmaTile = TILE) -> threading.Thread:
+    """Start compiling the fused kernels of a ``"top_k"`` or ``"threshold"`` selection for
+    the current device, in a thread of its own; return the thread.
+
+    The top-k kernel takes ~11 s of NVRTC on an H100 machine; begun first, it compiles while
+    the rest of a job gets ready, and the first block that needs it waits for this compile, not
+    for one of its own (one lock per kernel: :func:`~dask_gpuchunk._kernels.compiled.compiled_once`).
+    A compile that fails here is left for that block, which compiles again and raises."""
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    names = (("top_k_candidates", "merge_candidates") if selection == "top_k"
+             else ("pairs_at_least",))
+
+    def run() -> None:
+        try:
+            with cupy.cuda.Device(device):
+                for name in names:
+                    _kernel(name, tile)
+        except Exception:  # noqa: BLE001 - raised again where the kernel is needed
+            pass
+
+    thread = threading.Thread(target=run, name="dask-gpuchunk-compile-ahead", daemon=True)
+    thread.start()
+    return thread
 
 
 def _operands(a: Any, b: Any, tile: BmmaTile) -> tuple[Any, Any]:

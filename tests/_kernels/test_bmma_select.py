@@ -123,3 +123,18 @@ def test_threshold_pairs_equal_the_host_path(rng, metric, upper, monkeypatch):
     got, count = bmma_select.pairs_at_least_bmma(*args, capacity=len(want))
     assert count == len(want)
     np.testing.assert_array_equal(kernels.sorted_pairs([got.get()]), want)
+
+
+@pytest.mark.parametrize("selection, names", [
+    ("top_k", {"top_k_candidates", "merge_candidates"}), ("threshold", {"pairs_at_least"})])
+def test_compile_ahead_compiles_each_kernel_of_the_selection_in_its_thread(selection, names):
+    import cupy
+
+    from dask_gpuchunk._kernels import bmma
+
+    thread = bmma_select.compile_ahead(selection)
+    thread.join(120)
+    assert not thread.is_alive()
+    device = cupy.cuda.runtime.getDevice()
+    made = {key[3] for key in bmma._compiled_kernel.made if key[0] == device}
+    assert names <= made
