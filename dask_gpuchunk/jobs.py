@@ -880,7 +880,10 @@ def similarity_job(
         if distributed_client_active():  # each worker compiles while the words are read
             warming = _start_warmup(_warm_similarity, *warm, **options)  # noqa: F841
         else:
-            _warm_similarity(*warm, **options)
+            try:
+                _warm_similarity(*warm, **options)
+            except Exception as exc:  # noqa: BLE001 - the job meets the same code, and says
+                logging.getLogger("dask_gpuchunk").debug("similarity warm-up: %r", exc)
         result = similarity(x, y, packed=True, **options)
         if dense:
             _write(result, target, overwrite, progress, output)

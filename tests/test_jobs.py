@@ -114,6 +114,40 @@ def test_similarity_files_top_k_threshold_and_dense(rng, tmp_path):
         "dense.npy", "fps.npy", "fps01.npy", "pairs.npz", "q.npy", "top.npz"]
 
 
+def test_a_similarity_job_warms_up_first_and_a_failed_warm_up_loses_nothing(rng, tmp_path,
+                                                                             monkeypatch):
+    from dask_gpuchunk import jobs
+
+    fps = random_bits(rng, (90, 200), 0.2)
+    np.save(tmp_path / "fps.npy", np.packbits(fps, axis=1))
+    calls = []
+
+    def failing_warm_up(*args, **options):
+        calls.append((args, options["top_k"]))
+        raise RuntimeError("no warm-up here")
+
+    monkeypatch.setattr(jobs, "_warm_similarity", failing_warm_up)
+    jobs.similarity_job(tmp_path / "fps.npy", tmp_path / "top.npz", packed=True, top_k=3,
+                        chunk_rows=40, device="cpu")(None)
+    assert calls == [(("|u1", 25, True, False, False), 3)]
+    s = _similarity_reference(fps, fps)
+    np.fill_diagonal(s, -1)
+    with np.load(tmp_path / "top.npz") as got:
+        order = np.argsort(-s.astype(np.float64), axis=1, kind="stable")[:, :3]
+        np.testing.assert_array_equal(got["indices"], order)
+
+
+def test_the_similarity_warm_up_runs_the_job_kind_on_a_few_rows(monkeypatch):
+    from dask_gpuchunk import jobs
+
+    for packed, dtype, width in [(True, ">u8", 4), (False, "bool", 200)]:
+        jobs._warm_similarity(dtype, width, packed, True, False, metric="dice", top_k=40,
+                              threshold=None, exclude_self=None, method="auto", device="cpu")
+    if not type(da.ones(1)).__module__.startswith("dask.array._array_expr"):  # no pairs there
+        jobs._warm_similarity("uint8", 8, True, False, False, metric="hamming", top_k=None,
+                              threshold=10, exclude_self=None, method="auto", device="cpu")
+
+
 @pytest.mark.gpu
 def test_similarity_files_on_the_gpu(rng, tmp_path):
     from dask_gpuchunk.jobs import similarity_job
