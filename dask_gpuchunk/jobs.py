@@ -422,6 +422,25 @@ def _warm_gram(words_dtype: str, method: str, device: str, layout: str) -> None:
         scheduler="sync")
 
 
+def _similarity_words(x: Any, packed: bool, device: str, on_gpu: bool, top_k: bool) -> Any:
+    """A similarity job's input rows as the job computes on them: packed (unless ``packed``)
+    into whole-row chunks, on the GPUs where ``on_gpu``; for ``top_k`` of a ``.npy``'s words
+    left as they are, since the top-k chain reads those itself where its blocks run, once per
+    worker (:mod:`dask_gpuchunk.resident`): none are sent between workers."""
+    if not packed:
+        x = bitpack(x, device="cpu" if device == "cpu" else "auto")
+    x = x.rechunk({1: -1})
+    if not on_gpu or (top_k and npy_reader_of(x) is not None):
+        return x
+    return x.map_blocks(_on_device, dtype=x.dtype, meta=x._meta)
+
+
+def _on_host_all(result: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A top-k's or threshold's arrays with NumPy blocks (:func:`_on_host`)."""
+    return tuple(a.map_blocks(_on_host, dtype=a.dtype, meta=np.empty((0,) * a.ndim, a.dtype))
+                 for a in result)
+
+
 def _warm_similarity(dtype: str, width: int, packed: bool, queries: bool, on_gpu: bool,
                      **options: Any) -> None:
     """Compile the kernels a similarity job runs (``options``: :func:`similarity`'s), on
@@ -447,18 +466,13 @@ def _warm_similarity(dtype: str, width: int, packed: bool, queries: bool, on_gpu
               else rng.integers(0, 2, (3 * rows, width))).astype(dt)
 
     def words_of(v: np.ndarray) -> Any:
-        x = asarray(v, chunks=(rows, -1))
-        if not packed:
-            x = bitpack(x, device="cpu" if options.get("device") == "cpu" else "auto")
-        x = x.rechunk({1: -1})
-        return x.map_blocks(_on_device, dtype=x.dtype, meta=x._meta) if on_gpu else x
+        return _similarity_words(asarray(v, chunks=(rows, -1)), packed,
+                                 options.get("device", "auto"), on_gpu, top_k is not None)
 
     result = similarity(words_of(values), words_of(values[:2 * rows]) if queries else None,
                         packed=True, **options)
-    if isinstance(result, tuple):
-        result = tuple(a.map_blocks(_on_host, dtype=a.dtype, meta=np.empty((0,) * a.ndim, a.dtype))
-                       for a in result)
-    dask.compute(result, scheduler="sync")
+    dask.compute(_on_host_all(result) if isinstance(result, tuple) else result,
+                 scheduler="sync")
 
 
 def _start_warmup(fn: Callable[..., None], *args: Any, **kwargs: Any) -> list[Any]:
@@ -849,15 +863,8 @@ def similarity_job(
     target = _check_output(out, paths, overwrite, nbytes, output)
 
     def words_of(path: str | os.PathLike, rows: int, on_gpu: bool) -> Any:
-        x = _read(path, chunks=(rows, -1))
-        if not packed:
-            x = bitpack(x, device="cpu" if device == "cpu" else "auto")
-        x = x.rechunk({1: -1})
-        if not on_gpu or (top_k is not None and npy_reader_of(x) is not None):
-            # The top-k chain reads a .npy's words itself where its blocks run, once per
-            # worker (dask_gpuchunk.resident): none are sent between workers.
-            return x
-        return x.map_blocks(_on_device, dtype=x.dtype, meta=x._meta)
+        return _similarity_words(_read(path, chunks=(rows, -1)), packed, device, on_gpu,
+                                 top_k is not None)
 
     def run(progress: Progress) -> dict[str, Any]:
         _check_gpus_where_it_runs(method, device)
@@ -891,9 +898,7 @@ def similarity_job(
         else:
             import dask
 
-            computed = dask.compute(*(a.map_blocks(_on_host, dtype=a.dtype,
-                                                   meta=np.empty((0,) * a.ndim, a.dtype))
-                                      for a in result))
+            computed = dask.compute(*_on_host_all(result))
             names = ("indices", "scores") if top_k is not None else ("rows", "cols", "scores")
             _save_arrays(target, dict(zip(names, computed)), overwrite)
             pairs_found = None if top_k is not None else int(computed[0].shape[0])
