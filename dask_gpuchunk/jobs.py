@@ -457,7 +457,8 @@ def _warm_similarity(dtype: str, width: int, packed: bool, queries: bool, on_gpu
 
     top_k = options.get("top_k")
     if on_gpu:  # the longest compile first, beside the rest
-        compile_selection_ahead(options.get("method", "auto"), top_k, options.get("threshold"))
+        compile_selection_ahead(options.get("method", "auto"), top_k, options.get("threshold"),
+                                options.get("metric", "tanimoto"))
     rows = max(32, (top_k or 0) + 1)
     rng = np.random.default_rng(0)
     dt = np.dtype(dtype)

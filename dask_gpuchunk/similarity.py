@@ -246,17 +246,19 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
 SELECT_COUNTS_BYTES = 256 << 20
 
 
-def compile_selection_ahead(method: str, top_k: int | None, threshold: Any) -> Any:
+def compile_selection_ahead(method: str, top_k: int | None, threshold: Any,
+                            metric: str = "tanimoto") -> Any:
     """On a GPU whose ``method`` resolves to the 1-bit tensor cores, start compiling the fused
-    kernel a ``top_k`` or ``threshold`` selection will run there, in a thread of its own
+    kernel a ``top_k`` or ``threshold`` selection by ``metric`` will run there, in a thread of
+    its own
     (:func:`~dask_gpuchunk._kernels.bmma_select.compile_ahead`); return the thread, or
     ``None`` where no fused kernel will run."""
     if not gpu_available() or resolve_method(method, on_gpu=True) != "bmma":
         return None
     if top_k is not None and top_k <= kernels.CUDA_TOP_K_MAX:
-        return compile_ahead("top_k")
+        return compile_ahead("top_k", metric)
     if threshold is not None:
-        return compile_ahead("threshold")
+        return compile_ahead("threshold", metric)
     return None
 
 

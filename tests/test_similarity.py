@@ -463,8 +463,8 @@ def test_no_kernel_is_compiled_ahead_where_no_fused_kernel_will_run(monkeypatch)
     assert similarity.compile_selection_ahead("popcount", 10, None) is None
     assert similarity.compile_selection_ahead("bmma", None, None) is None  # dense: no selection
     started = []
-    monkeypatch.setattr(similarity, "compile_ahead", started.append)
+    monkeypatch.setattr(similarity, "compile_ahead", lambda *args: started.append(args))
     similarity.compile_selection_ahead("bmma", 64, None)  # k beyond the fused kernel's
     similarity.compile_selection_ahead("bmma", 10, None)
-    similarity.compile_selection_ahead("bmma", None, 0.5)
-    assert started == ["top_k", "threshold"]
+    similarity.compile_selection_ahead("bmma", None, 0.5, "dice")
+    assert started == [("top_k", "tanimoto"), ("threshold", "dice")]

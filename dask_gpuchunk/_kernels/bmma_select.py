@@ -192,6 +192,9 @@ top_k_candidates(const unsigned* __restrict__ a, const unsigned* __restrict__ b,
     // row's state (k sorted keys a row) into its slots; with both, also for the columns
     // against state_b. Pairs of equal ids left out with exclude. The tile's counts are staged
     // in shared memory, then each thread takes a row of it (and a column).
+#ifdef SELECT_METRIC
+    metric = SELECT_METRIC;  // one metric a module: the others' branches fold away
+#endif
     extern __shared__ uint4 smem[];
     TilePlace p;
     tile_place(na, nb, 0, p);
@@ -251,6 +254,9 @@ pairs_at_least(const unsigned* __restrict__ a, const unsigned* __restrict__ b, i
     // Every pair whose rank is at most limit, as (row id << 32 | column id, the score's bits),
     // appended to out; found counts them all, also those beyond capacity. upper: a symmetric
     // block (a is b), only pairs with r <= c. Each thread takes a row of the staged tile.
+#ifdef SELECT_METRIC
+    metric = SELECT_METRIC;  // one metric a module: the others' branches fold away
+#endif
     extern __shared__ uint4 smem[];
     TilePlace p;
     if (!tile_place(na, nb, upper, p)) return;
@@ -306,37 +312,42 @@ _SELECT_KERNELS = {"top_k_candidates": _TOP_K_CANDIDATES,
                    "pairs_at_least": _PAIRS_AT_LEAST}
 
 
-def _kernel(name: str, tile: BmmaTile) -> Any:
+def _kernel(name: str, tile: BmmaTile, metric: str | None = None) -> Any:
     staged = (tile.bm * (tile.bn + 4) + tile.bm + tile.bn) * 4
     if staged > tile.shared_bytes or tile.bm % tile.threads or tile.bn % 32 or tile.bm % 32:
         raise ValueError(f"bmma tile {tile} cannot stage its counts for selection: "
                          f"{staged} bytes of shared memory (it has {tile.shared_bytes}), "
                          "bm a multiple of the threads, bm and bn of 32")
     # One module per kernel: a job compiles only those it runs (the three in one module took
-    # 14 s of NVRTC on an H100), and they compile side by side in a job's threads.
-    source = f"#define MAX_K {CUDA_TOP_K_MAX}\n" + _SELECT_COMMON + _SELECT_KERNELS[name]
+    # 14 s of NVRTC on an H100), and they compile side by side in a job's threads. A kernel
+    # that scores pairs is compiled for one metric: the scan's unrolled tests, five metrics in
+    # each at two call sites, made the top-k kernel's 10-11 s of NVRTC on an H100.
+    fixed = f"#define SELECT_METRIC {METRIC_CODES[metric]}\n" if metric is not None else ""
+    source = (f"#define MAX_K {CUDA_TOP_K_MAX}\n" + fixed + _SELECT_COMMON
+              + _SELECT_KERNELS[name])
     return tile_kernel(tile, source, name)
 
 
-def compile_ahead(selection: str, tile: BmmaTile = TILE) -> threading.Thread:
-    """Start compiling the fused kernels of a ``"top_k"`` or ``"threshold"`` selection for
-    the current device, in a thread of its own; return the thread.
+def compile_ahead(selection: str, metric: str = "tanimoto", tile: BmmaTile = TILE
+                  ) -> threading.Thread:
+    """Start compiling the fused kernels of a ``"top_k"`` or ``"threshold"`` selection by
+    ``metric`` for the current device, in a thread of its own; return the thread.
 
-    The top-k kernel takes ~11 s of NVRTC on an H100 machine; begun first, it compiles while
+    The top-k kernel took ~11 s of NVRTC on an H100 machine; begun first, it compiles while
     the rest of a job gets ready, and the first block that needs it waits for this compile, not
     for one of its own (one lock per kernel: :func:`~dask_gpuchunk._kernels.compiled.compiled_once`).
     A compile that fails here is left for that block, which compiles again and raises."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
-    names = (("top_k_candidates", "merge_candidates") if selection == "top_k"
-             else ("pairs_at_least",))
+    kernels = ((("top_k_candidates", metric), ("merge_candidates", None))
+               if selection == "top_k" else (("pairs_at_least", metric),))
 
     def run() -> None:
         try:
             with cupy.cuda.Device(device):
-                for name in names:
-                    _kernel(name, tile)
+                for name, scored_by in kernels:
+                    _kernel(name, tile, scored_by)
         except Exception:  # noqa: BLE001 - raised again where the kernel is needed
             pass
 
@@ -393,7 +404,7 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
     else:  # never read: both = 0
         state_b, slots_b, count_b = state_a, slots_a, count_a
     grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
-    _kernel("top_k_candidates", tile)(
+    _kernel("top_k_candidates", tile, metric)(
         grid, (tile.threads,),
         (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
          np.int64(first_a), np.int64(first_b), state_a, state_b, np.int32(k),
@@ -477,7 +488,7 @@ def pairs_at_least_bmma(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, fi
     grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
     out = cupy.empty((capacity, 2), dtype=np.uint64)
     found = cupy.zeros(1, dtype=np.uint64)
-    _kernel("pairs_at_least", tile)(
+    _kernel("pairs_at_least", tile, metric)(
         grid, (tile.threads,),
         (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
          np.int64(first_a), np.int64(first_b), np.uint32(limit), np.float32(least),
