@@ -442,15 +442,18 @@ def _on_host_all(result: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _warm_similarity(dtype: str, width: int, packed: bool, queries: bool, on_gpu: bool,
-                     **options: Any) -> None:
+                     from_npy_file: bool = False, **options: Any) -> None:
     """Compile the kernels a similarity job runs (``options``: :func:`similarity`'s), on
     random rows of its input's ``dtype`` and ``width`` (packed words, or 0/1 values) in three
-    row chunks (two of queries), made ready as the job makes its inputs, in this thread
-    (dask's synchronous scheduler).
+    row chunks (two of queries), made ready as the job makes its inputs (``from_npy_file``:
+    read back from a small ``.npy`` in a temporary folder, as the job reads its ``.npy``), in
+    this thread (dask's synchronous scheduler).
 
     A first job's tasks otherwise each compiled the CuPy kernels they met first, the same ones
     in every thread at once: on an H100 machine (16 threads), 91 NVRTC compiles of 40 s; each
-    kernel is now compiled once, here, and its tasks find it made."""
+    kernel is now compiled once, here, and its tasks find it made. Rows made in memory missed
+    the kernels of a ``.npy``'s read and of the top-k chain over it: ~1.7 s of a first 7.0 s
+    job's compiles, in its tasks."""
     import dask
 
     from .similarity import compile_selection_ahead, similarity
@@ -466,14 +469,22 @@ def _warm_similarity(dtype: str, width: int, packed: bool, queries: bool, on_gpu
                            endpoint=True) if packed
               else rng.integers(0, 2, (3 * rows, width))).astype(dt)
 
-    def words_of(v: np.ndarray) -> Any:
-        return _similarity_words(asarray(v, chunks=(rows, -1)), packed,
-                                 options.get("device", "auto"), on_gpu, top_k is not None)
+    with tempfile.TemporaryDirectory(prefix="dask-gpuchunk-warm-up-") as folder:
+        def words_of(v: np.ndarray, name: str) -> Any:
+            if from_npy_file:
+                path = os.path.join(folder, f"{name}.npy")
+                np.save(path, v)
+                x = _read(path, chunks=(rows, -1))
+            else:
+                x = asarray(v, chunks=(rows, -1))
+            return _similarity_words(x, packed, options.get("device", "auto"), on_gpu,
+                                     top_k is not None)
 
-    result = similarity(words_of(values), words_of(values[:2 * rows]) if queries else None,
-                        packed=True, **options)
-    dask.compute(_on_host_all(result) if isinstance(result, tuple) else result,
-                 scheduler="sync")
+        result = similarity(words_of(values, "x"),
+                            words_of(values[:2 * rows], "y") if queries else None,
+                            packed=True, **options)
+        dask.compute(_on_host_all(result) if isinstance(result, tuple) else result,
+                     scheduler="sync")
 
 
 def _start_warmup(fn: Callable[..., None], *args: Any, **kwargs: Any) -> list[Any]:
@@ -884,7 +895,8 @@ def similarity_job(
         t0 = time.perf_counter()
         options = dict(metric=metric, top_k=top_k, threshold=threshold,
                        exclude_self=exclude_self, method=method, device=device)
-        warm = (h.dtype.str, h.shape[1], packed, queries is not None, bool(budgets))
+        warm = (h.dtype.str, h.shape[1], packed, queries is not None, bool(budgets),
+                not is_zarr_path(paths[0]))
         if distributed_client_active():  # each worker compiles while the words are read
             warming = _start_warmup(_warm_similarity, *warm, **options)  # noqa: F841
         else:

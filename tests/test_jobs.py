@@ -7,6 +7,8 @@ clusters; these run in every CI job (that file only in the first: its processes 
 
 from __future__ import annotations
 
+import os
+
 import dask.array as da
 import numpy as np
 import pytest
@@ -129,7 +131,7 @@ def test_a_similarity_job_warms_up_first_and_a_failed_warm_up_loses_nothing(rng,
     monkeypatch.setattr(jobs, "_warm_similarity", failing_warm_up)
     jobs.similarity_job(tmp_path / "fps.npy", tmp_path / "top.npz", packed=True, top_k=3,
                         chunk_rows=40, device="cpu")(None)
-    assert calls == [(("|u1", 25, True, False, False), 3)]
+    assert calls == [(("|u1", 25, True, False, False, True), 3)]
     s = _similarity_reference(fps, fps)
     np.fill_diagonal(s, -1)
     with np.load(tmp_path / "top.npz") as got:
@@ -146,6 +148,28 @@ def test_the_similarity_warm_up_runs_the_job_kind_on_a_few_rows(monkeypatch):
     if not type(da.ones(1)).__module__.startswith("dask.array._array_expr"):  # no pairs there
         jobs._warm_similarity("uint8", 8, True, False, False, metric="hamming", top_k=None,
                               threshold=10, exclude_self=None, method="auto", device="cpu")
+
+
+def test_the_similarity_warm_up_reads_its_rows_from_a_npy_as_the_job_does(monkeypatch):
+    from dask_gpuchunk import jobs
+
+    read = []
+    real_read = jobs._read
+
+    def recorded_read(path, chunks, pinned=None):
+        read.append((path, chunks))
+        return real_read(path, chunks, pinned)
+
+    monkeypatch.setattr(jobs, "_read", recorded_read)
+    jobs._warm_similarity("<u8", 4, True, True, False, True, metric="tanimoto", top_k=40,
+                          threshold=None, exclude_self=None, method="auto", device="cpu")
+    assert [(os.path.basename(p), chunks) for p, chunks in read] == [
+        ("x.npy", (41, -1)), ("y.npy", (41, -1))]
+    assert not any(os.path.exists(os.path.dirname(p)) for p, _ in read)  # gone with it
+    read.clear()
+    jobs._warm_similarity("<u8", 4, True, False, False, False, metric="tanimoto", top_k=3,
+                          threshold=None, exclude_self=None, method="auto", device="cpu")
+    assert read == []  # a Zarr job's warm-up makes its rows in memory
 
 
 @pytest.mark.gpu
