@@ -441,6 +441,13 @@ def _on_host_all(result: tuple[Any, ...]) -> tuple[Any, ...]:
                  for a in result)
 
 
+#: Rows a chunk of the similarity job's warm-up: more than a target's candidate slots in the
+#: fused top-k (:data:`dask_gpuchunk._kernels.bmma_select.SLOTS`), so that its empty rows, which
+#: tie with every row, overflow them and the exact redo of such targets is compiled too (its
+#: ~2 s of kernels had compiled in a first 10^6-row job's last task).
+WARM_UP_ROWS = 96
+
+
 def _warm_similarity(dtype: str, width: int, packed: bool, queries: bool, on_gpu: bool,
                      from_npy_file: bool = False, **options: Any) -> None:
     """Compile the kernels a similarity job runs (``options``: :func:`similarity`'s), on
@@ -462,12 +469,13 @@ def _warm_similarity(dtype: str, width: int, packed: bool, queries: bool, on_gpu
     if on_gpu:  # the longest compile first, beside the rest
         compile_selection_ahead(options.get("method", "auto"), top_k, options.get("threshold"),
                                 options.get("metric", "tanimoto"))
-    rows = max(32, (top_k or 0) + 1)
+    rows = max(WARM_UP_ROWS, (top_k or 0) + 1)
     rng = np.random.default_rng(0)
     dt = np.dtype(dtype)
     values = (rng.integers(0, np.iinfo(dt).max, (3 * rows, width), dtype=dt.newbyteorder("="),
                            endpoint=True) if packed
               else rng.integers(0, 2, (3 * rows, width))).astype(dt)
+    values.reshape(3, rows, width)[:, -4:] = 0  # empty rows: they tie with every row
 
     with tempfile.TemporaryDirectory(prefix="dask-gpuchunk-warm-up-") as folder:
         def words_of(v: np.ndarray, name: str) -> Any:

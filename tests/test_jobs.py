@@ -163,13 +163,26 @@ def test_the_similarity_warm_up_reads_its_rows_from_a_npy_as_the_job_does(monkey
     monkeypatch.setattr(jobs, "_read", recorded_read)
     jobs._warm_similarity("<u8", 4, True, True, False, True, metric="tanimoto", top_k=40,
                           threshold=None, exclude_self=None, method="auto", device="cpu")
+    rows = jobs.WARM_UP_ROWS
     assert [(os.path.basename(p), chunks) for p, chunks in read] == [
-        ("x.npy", (41, -1)), ("y.npy", (41, -1))]
+        ("x.npy", (rows, -1)), ("y.npy", (rows, -1))]
     assert not any(os.path.exists(os.path.dirname(p)) for p, _ in read)  # gone with it
     read.clear()
     jobs._warm_similarity("<u8", 4, True, False, False, False, metric="tanimoto", top_k=3,
                           threshold=None, exclude_self=None, method="auto", device="cpu")
     assert read == []  # a Zarr job's warm-up makes its rows in memory
+
+
+@pytest.mark.gpu
+def test_the_similarity_warm_up_meets_the_redo_of_overflowing_targets_on_the_gpu():
+    from dask_gpuchunk import jobs
+    from dask_gpuchunk._kernels import bmma_select
+
+    assert jobs.WARM_UP_ROWS > bmma_select.SLOTS
+    before = bmma_select.redone["targets"]
+    jobs._warm_similarity("|u1", 256, True, False, True, True, metric="tanimoto", top_k=10,
+                          threshold=None, exclude_self=None, method="bmma", device="gpu")
+    assert bmma_select.redone["targets"] > before
 
 
 @pytest.mark.gpu

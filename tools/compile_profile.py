@@ -19,6 +19,7 @@ import json
 import re
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,12 @@ def _timed_nvrtc(source: str, *args: Any, **kwargs: Any) -> Any:
                  "chars": len(source), "options": [str(o) for o in (args[0] if args else ())],
                  "seconds": round(seconds, 3), "start": round(start - T0, 3),
                  "thread": threading.current_thread().name,
-                 "binary_bytes": len(result[0]) if isinstance(result, tuple) else None})
+                 "binary_bytes": len(result[0]) if isinstance(result, tuple) else None,
+                 # where in the package (or a tool) the compile was asked for
+                 "called_from": [f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                                 for f in traceback.extract_stack()[:-1]
+                                 if "dask_gpuchunk" in f.filename or "tools" in f.filename
+                                 ][-4:]})
     _calls.append(((source, *args), kwargs))
     return result
 
