@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import tempfile
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 from dask.array.core import normalize_chunks
+from dask.base import tokenize
 from dask.utils import format_bytes, parse_bytes
 
 from . import process_memory
@@ -49,6 +51,7 @@ from .gram import (
     check_block_fits,
     gram,
     gram_slab,
+    resident_gram_slab,
     resolve_method,
 )
 from .io import (
@@ -66,6 +69,7 @@ from .io import (
     write_region,
 )
 from .partials import remove_stale, temporary_name
+from .resident import source_tasks
 from .zarr_files import (
     ZarrFormatError,
     ZarrInfo,
@@ -172,6 +176,37 @@ def _slab_after(_previous: Any, a: Any, others: list[Any], method: str, device: 
     return gram_slab(a, others, method, device)
 
 
+def _resident_slab_after(_previous: Any, source: Any, rows_a: tuple[int, int],
+                         others: list[tuple[int, int]], method: str, device: str) -> Any:
+    """:func:`_slab_after` for words straight from a ``.npy``, which the slab reads itself
+    (:func:`dask_gpuchunk.gram.resident_gram_slab`): no chunk of words is sent between
+    workers, and each is read and staged once per worker."""
+    return resident_gram_slab(source, rows_a, others, method, device)
+
+
+def _slab_tasks(words: Any, method: str, device: str, upper: bool
+                ) -> Callable[[int, Any], Any]:
+    """``slab(i, previous)``: the delayed task of row slab ``i`` of the Gram of ``words``
+    (:func:`_slab_after`), waiting for ``previous``; over a ``.npy``'s words, read by the slab
+    where it runs (:func:`_resident_slab_after`)."""
+    from dask import delayed
+    from dask.delayed import Delayed
+    from dask.highlevelgraph import HighLevelGraph
+
+    starts = [0, *itertools.accumulate(words.chunks[0])]
+    reader = npy_reader_of(words)
+    if reader is None:
+        chunks = _row_chunks_delayed(words)
+        return lambda i, previous: delayed(_slab_after, pure=True)(
+            previous, chunks[i], chunks[i:] if upper else chunks, method, device)
+    dsk, source_key = source_tasks(reader, tokenize(words, "gram-slabs"))
+    source = Delayed(source_key, HighLevelGraph.from_collections(source_key, dsk,
+                                                                 dependencies=[]))
+    bounds = list(itertools.pairwise(starts))
+    return lambda i, previous: delayed(_resident_slab_after, pure=True)(
+        previous, source, bounds[i], bounds[i:] if upper else bounds, method, device)
+
+
 def _write_upper_strip(strip: Any, n: int, start: int, writer: Callable[..., np.ndarray]
                        ) -> np.ndarray:
     """Write the part of a row slab from its diagonal block rightwards (rows ``start`` on,
@@ -217,13 +252,12 @@ def _gram_slabs_to_file(words: Any, target: Path, method: str, device: str, over
         # Delayed tasks, not blockwise: slab i waits for the write of slab i - SLABS_AHEAD, a
         # dependency between blocks that no blockwise construct states; the measured
         # pipelining of the row-slab layout (docs/perf-notes.md, item 8) rests on it.
-        chunks = _row_chunks_delayed(words)
+        slab_task = _slab_tasks(words, method, device, upper)
         writes: list[Any] = []
         start = 0
         for i, rows in enumerate(words.chunks[0]):
             previous = writes[i - SLABS_AHEAD] if i >= SLABS_AHEAD else None
-            slab = delayed(_slab_after, pure=True)(previous, chunks[i],
-                                                   chunks[i:] if upper else chunks, method, device)
+            slab = slab_task(i, previous)
             if upper:
                 write = delayed(_write_upper_strip, pure=True)(slab, n, start, writer)
             else:

@@ -37,6 +37,29 @@ def test_gram_files_of_packed_words_in_row_slabs(rng, tmp_path):
     np.testing.assert_array_equal(np.load(tmp_path / "g.npy"), bits.astype(np.int64) @ bits.T)
 
 
+@pytest.mark.parametrize("layout", ["rows", "upper"])
+def test_gram_files_in_row_slabs_send_no_words_between_workers(rng, tmp_path, layout):
+    # Each slab task took every row chunk of words as a Dask input: on two H100s each worker
+    # was sent 1 GB of words and copied 9.1 GB into pinned buffers. Slabs of a .npy's words
+    # now read them where they run, each chunk once per worker.
+    from distributed import Client, LocalCluster
+
+    from dask_gpuchunk.jobs import sent_by_workers
+
+    bits = random_bits(rng, (480, 20000), 0.3)
+    words = np.packbits(bits, axis=1)  # 1.2 MB in 8 row chunks
+    np.save(tmp_path / "packed.npy", words)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        before = sent_by_workers(client)
+        summary = gram_files(tmp_path / "packed.npy", tmp_path / "g.npy", packed=True,
+                             chunk_rows=60, layout=layout, device="cpu")
+        sent = sent_by_workers(client, before)
+    assert summary["layout"] == layout and summary["chunks"] == 8
+    assert len(sent) == 2 and sum(sent.values()) < words.nbytes // 20
+    np.testing.assert_array_equal(np.load(tmp_path / "g.npy"), bits.astype(np.int64) @ bits.T)
+
+
 def test_gram_on_the_cpu_holds_strips_not_the_output(rng, tmp_path):
     # NumPy's buffers are traced by tracemalloc: the peak is what the job held at once.
     import tracemalloc
