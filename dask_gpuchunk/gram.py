@@ -45,7 +45,7 @@ from .devices import (
     gpu_available,
 )
 from .io import npy_reader_of
-from .resident import ResidentSource, rows_where_it_runs, source_tasks
+from .resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 
 __all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "block_bytes", "block_counts",
            "block_scratch_bytes", "check_block_fits", "check_method", "device_block_counts",
@@ -629,7 +629,7 @@ def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta
     (:func:`~dask_gpuchunk.resident.source_tasks`)."""
     token = tokenize(words, method, device, "resident")
     name, upper = f"gram-{token}", f"gram-upper-{token}"
-    bounds = list(itertools.pairwise(itertools.accumulate(words.chunks[0], initial=0)))
+    bounds = row_bounds(words.chunks[0])
     dsk, source_key = source_tasks(reader, token)
     # The computed blocks are a task group of their own, whose only dependency is the source:
     # distributed then takes them as root tasks and hands them to whichever worker has a free

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import os
 import tempfile
@@ -69,7 +68,7 @@ from .io import (
     write_region,
 )
 from .partials import remove_stale, temporary_name
-from .resident import source_tasks
+from .resident import row_bounds, source_tasks
 from .zarr_files import (
     ZarrFormatError,
     ZarrInfo,
@@ -193,7 +192,6 @@ def _slab_tasks(words: Any, method: str, device: str, upper: bool
     from dask.delayed import Delayed
     from dask.highlevelgraph import HighLevelGraph
 
-    starts = [0, *itertools.accumulate(words.chunks[0])]
     reader = npy_reader_of(words)
     if reader is None:
         chunks = _row_chunks_delayed(words)
@@ -202,7 +200,7 @@ def _slab_tasks(words: Any, method: str, device: str, upper: bool
     dsk, source_key = source_tasks(reader, tokenize(words, "gram-slabs"))
     source = Delayed(source_key, HighLevelGraph.from_collections(source_key, dsk,
                                                                  dependencies=[]))
-    bounds = list(itertools.pairwise(starts))
+    bounds = row_bounds(words.chunks[0])
     return lambda i, previous: delayed(_resident_slab_after, pure=True)(
         previous, source, bounds[i], bounds[i:] if upper else bounds, method, device)
 
@@ -1026,7 +1024,7 @@ def staged_by_workers(client: Any | None, since: dict[str, dict[str, float]] | N
             for worker, totals in now.items()}
 
 
-def _gpu_in_use(dask_worker: Any = None) -> str | None:
+def _gpu_in_use() -> str | None:
     """The PCI bus id of the GPU this process runs on (its first visible), or ``None``."""
     if not gpu_count():
         return None

@@ -20,6 +20,7 @@ after the kept chunks are dropped (:data:`dask_gpuchunk.budget.out_of_memory_hoo
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -35,7 +36,7 @@ from .budget import out_of_memory_hooks, run_reserved, working_budget
 from .devices import gpu_available
 
 __all__ = ["DEVICE_FRACTION", "HOST_BYTES", "ResidentChunks", "ResidentSource", "on_gpu_here",
-           "resident_stats", "rows_where_it_runs", "source_tasks"]
+           "resident_stats", "row_bounds", "rows_where_it_runs", "source_tasks"]
 
 #: Share of the working budget (:func:`dask_gpuchunk.budget.working_budget`) that a device's
 #: cache may keep: half, the other half for the blocks running beside it (a 4,096² block of
@@ -262,6 +263,17 @@ def rows_where_it_runs(source: ResidentSource, start: int, stop: int, device: st
     """Rows ``start:stop`` of ``source``, kept where the calling task runs for ``device``: on
     this process's GPU (:func:`on_gpu_here`) or in host memory."""
     return source.rows(start, stop, on_gpu_here(device))
+
+
+def row_bounds(row_chunks: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each row chunk of ``row_chunks``, the rows a source is read by.
+
+    Examples
+    --------
+    >>> row_bounds((3, 3, 1))
+    [(0, 3), (3, 6), (6, 7)]
+    """
+    return list(itertools.pairwise(itertools.accumulate(row_chunks, initial=0)))
 
 
 def source_tasks(reader: Any, tag: str) -> tuple[dict[str, Any], str]:

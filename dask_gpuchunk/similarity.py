@@ -61,7 +61,7 @@ from .gram import (
     resolve_method,
 )
 from .io import npy_reader_of
-from .resident import ResidentSource, rows_where_it_runs, source_tasks
+from .resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 
 __all__ = ["METRICS", "block_bytes", "compile_selection_ahead", "similarity"]
 
@@ -250,8 +250,7 @@ def compile_selection_ahead(method: str, top_k: int | None, threshold: Any,
                             metric: str = "tanimoto") -> Any:
     """On a GPU whose ``method`` resolves to the 1-bit tensor cores, start compiling the fused
     kernel a ``top_k`` or ``threshold`` selection by ``metric`` will run there, in a thread of
-    its own
-    (:func:`~dask_gpuchunk._kernels.bmma_select.compile_ahead`); return the thread, or
+    its own (:func:`~dask_gpuchunk._kernels.bmma_select.compile_ahead`); return the thread, or
     ``None`` where no fused kernel will run."""
     if not gpu_available() or resolve_method(method, on_gpu=True) != "bmma":
         return None
@@ -446,8 +445,8 @@ def _resident_popcounts(source: ResidentSource, start: int, stop: int, device: s
     return _popcounts(rows_where_it_runs(source, start, stop, device))
 
 
-def _chunk_refs(words: da.Array, pops: da.Array, starts: list[int], device: str, dsk: dict,
-                tag: str) -> tuple[list[Any], list[Any], list[da.Array]]:
+def _chunk_refs(words: da.Array, pops: da.Array, device: str, dsk: dict, tag: str
+                ) -> tuple[list[Any], list[Any], list[da.Array]]:
     """What a task of the top-k chain names for each row chunk's words and popcounts: the keys
     of ``words`` and ``pops``, or, for words straight from a ``.npy``
     (:func:`dask_gpuchunk.io.npy_reader_of`), tasks inside the task that read them where it
@@ -460,7 +459,7 @@ def _chunk_refs(words: da.Array, pops: da.Array, starts: list[int], device: str,
                 [(pops.name, i) for i in range(len(words.chunks[0]))], [words, pops])
     entries, source_key = source_tasks(reader, tag)
     dsk.update(entries)
-    bounds = list(zip(starts[:-1], starts[1:]))
+    bounds = row_bounds(words.chunks[0])
     return ([(rows_where_it_runs, source_key, a, b, device) for a, b in bounds],
             [(_resident_popcounts, source_key, a, b, device) for a, b in bounds], [])
 
@@ -485,11 +484,11 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     first_task = functools.partial(_first_state, **opts)
     next_task = functools.partial(_next_states_of_blocks, **opts)
     dsk: dict[Any, Any] = {}
-    words_x, pops_x, needs = _chunk_refs(wx, pop_x, starts_x, device, dsk, f"x-{token}")
+    words_x, pops_x, needs = _chunk_refs(wx, pop_x, device, dsk, f"x-{token}")
     if wy is wx:
         words_y, pops_y = words_x, pops_x
     else:
-        words_y, pops_y, needs_y = _chunk_refs(wy, pop_y, starts_y, device, dsk, f"y-{token}")
+        words_y, pops_y, needs_y = _chunk_refs(wy, pop_y, device, dsk, f"y-{token}")
         needs = needs + needs_y
     latest: dict[int, tuple[tuple, int]] = {}
     for i in range(chunks_x):

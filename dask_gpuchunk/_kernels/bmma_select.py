@@ -334,10 +334,10 @@ def compile_ahead(selection: str, metric: str = "tanimoto", tile: BmmaTile = TIL
     ``metric`` for the current device, in a thread of its own; return the thread.
 
     The top-k kernel took ~11 s of NVRTC on an H100 machine with every metric in it, 1.3 s
-    for one; begun first, it compiles while
-    the rest of a job gets ready, and the first block that needs it waits for this compile, not
-    for one of its own (one lock per kernel: :func:`~dask_gpuchunk._kernels.compiled.compiled_once`).
-    A compile that fails here is left for that block, which compiles again and raises."""
+    for one; begun first, it compiles while the rest of a job gets ready, and the first block
+    that needs it waits for this compile, not for one of its own (one lock per kernel:
+    :func:`~dask_gpuchunk._kernels.compiled.compiled_once`). A compile that fails here is left
+    for that block, which compiles again and raises."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
