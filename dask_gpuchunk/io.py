@@ -507,14 +507,12 @@ def npy_bytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
     return 128 + math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def _create_file(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[NpyHeader, tuple[int, int, int]]:
-    """Create ``path`` (exclusively, not through a symlink), write a C-order ``.npy`` header and
-    extend the file to its full size (sparse, unwritten): the header and the file's key
-    (:func:`dask_gpuchunk.files.file_key`)."""
+def _write_header(fd: int, dtype: np.dtype, shape: tuple[int, ...]) -> NpyHeader:
+    """Write a C-order ``.npy`` header into the new, empty file ``fd`` and extend the file to
+    its full size (sparse, unwritten): the header. ``fd`` stays open."""
     fmt = np.lib.format
     header = {"descr": fmt.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
-    with open(create_exclusive(path), "wb") as f:
-        st = os.fstat(f.fileno())
+    with open(fd, "wb", closefd=False) as f:
         try:
             fmt.write_array_header_1_0(f, header)
         except ValueError:  # a header longer than 64 KiB (a very long shape or dtype)
@@ -523,7 +521,7 @@ def _create_file(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[N
             fmt.write_array_header_2_0(f, header)
         offset = f.tell()
         f.truncate(offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-    return NpyHeader(tuple(shape), dtype, False, offset), file_key(st)
+    return NpyHeader(tuple(shape), dtype, False, offset)
 
 
 def write_region(block: Any, path: str, header: NpyHeader, region: tuple[slice, ...],
@@ -742,16 +740,33 @@ def _file_in_place(target: Path, dtype: np.dtype, shape: tuple[int, ...], overwr
     remove_stale(target, log=_log.warning)
     tmp = temporary_name(target)
     key = None
+    made = True  # unless creating it fails
     try:
-        header, key = _create_file(tmp, dtype, shape)
+        # The key is taken before anything else can raise: a Ctrl-C while the header is
+        # written or the file extended still finds the file to be ours and removes it.
+        try:
+            fd = create_exclusive(tmp)
+        except OSError:
+            made = False
+            raise
+        try:
+            key = file_key(os.fstat(fd))
+            header = _write_header(fd, dtype, shape)
+        finally:
+            os.close(fd)
         yield str(tmp), header, key
         for path, pinned_file in inputs:
             check_unchanged(path, pinned_file)
         publish(tmp, target, key, overwrite)
     except BaseException:
         with contextlib.suppress(OSError):
-            if key is not None and file_key(os.lstat(tmp)) == tuple(key):
-                tmp.unlink()  # ours; a file swapped in under its name is not ours to remove
+            st = os.lstat(tmp)
+            # Ours; a file swapped in under its name is not ours to remove. Without a key (a
+            # signal just as the file was made), a regular file of this user under the name
+            # this process drew.
+            if made and (file_key(st) == tuple(key) if key is not None
+                         else stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()):
+                tmp.unlink()
         raise
 
 

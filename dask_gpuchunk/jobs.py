@@ -850,10 +850,14 @@ def _save_arrays(target: Path, arrays: dict[str, np.ndarray], overwrite: bool) -
     when complete (never half-written; an existing file replaced only with ``overwrite``)."""
     remove_stale(target, log=logging.getLogger("dask_gpuchunk").warning)
     tmp = temporary_name(target)
-    created = False
+    created = True  # unless creating it fails; a Ctrl-C just after open() still removes it
     try:
-        with open(tmp, "xb") as f:
-            created = True
+        try:
+            f = open(tmp, "xb")
+        except OSError:
+            created = False
+            raise
+        with f:
             np.savez(f, **arrays)
         publish(tmp, target, file_key(os.lstat(tmp)), overwrite)
     except BaseException:

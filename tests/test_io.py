@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import dask
 import dask.array as da
@@ -224,6 +225,40 @@ def test_failing_chunk_leaves_no_file(rng, tmp_path, existing):
     assert files(tmp_path) == (["c.npy"] if existing else [])
     if existing:  # the old file is untouched
         np.testing.assert_array_equal(np.load(target), np.arange(4))
+
+
+@pytest.mark.parametrize("where", ["create_exclusive", "_write_header"])
+def test_ctrl_c_as_the_output_is_made_leaves_no_file(tmp_path, monkeypatch, where):
+    # A signal lands between any two steps: here just after the file exists (before its key
+    # is read) or while its header is written; either way the file is this job's to remove.
+    import dask_gpuchunk.io as io
+
+    real = getattr(io, where)
+
+    def interrupted(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if where == "create_exclusive":
+            os.close(result)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(io, where, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dg.to_npy(da.ones((100, 3), chunks=(10, 3)), tmp_path / "c.npy")
+    assert files(tmp_path) == []
+
+
+def test_creating_the_output_failing_removes_nothing(tmp_path, monkeypatch):
+    # A name already taken (never by chance: it holds a random part) is not this job's file.
+    import dask_gpuchunk.io as io
+
+    def taken(path, *args):
+        Path(path).write_bytes(b"someone else's")
+        raise FileExistsError(17, "File exists", str(path))
+
+    monkeypatch.setattr(io, "create_exclusive", taken)
+    with pytest.raises(FileExistsError):
+        dg.to_npy(da.ones((100, 3), chunks=(10, 3)), tmp_path / "c.npy")
+    assert len(files(tmp_path)) == 1
 
 
 def test_to_npy_on_a_distributed_cluster_reports_progress(rng, tmp_path):
