@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import dask
 import numpy as np
 from dask.array.core import normalize_chunks
 from dask.base import tokenize
@@ -251,11 +252,19 @@ def _gram_slabs_to_file(words: Any, target: Path, method: str, device: str, over
         # dependency between blocks that no blockwise construct states; the measured
         # pipelining of the row-slab layout (docs/perf-notes.md, item 8) rests on it.
         slab_task = _slab_tasks(words, method, device, upper)
+        workers = _workers_to_spread_over()
         writes: list[Any] = []
         start = 0
         for i, rows in enumerate(words.chunks[0]):
             previous = writes[i - SLABS_AHEAD] if i >= SLABS_AHEAD else None
-            slab = slab_task(i, previous)
+            # Dealt out in turn: distributed places a task with dependencies only on a worker
+            # holding one of them, and every slab depends on the words' source (or on the
+            # chunks) and on an earlier slab's write, so on 2 x H100 every slab and write ran
+            # on the worker that made the source, the other GPU idle. Loose: a worker that
+            # dies leaves its slabs to the others.
+            with dask.annotate(**({"workers": [workers[i % len(workers)]],
+                                   "allow_other_workers": True} if workers else {})):
+                slab = slab_task(i, previous)
             if upper:
                 write = delayed(_write_upper_strip, pure=True)(slab, n, start, writer)
             else:
@@ -264,6 +273,17 @@ def _gram_slabs_to_file(words: Any, target: Path, method: str, device: str, over
             writes.append(write)
             start += rows
         run_writes(writes, progress)
+
+
+def _workers_to_spread_over() -> list[str]:
+    """The active distributed client's workers, by address, where there are several; else
+    none (one worker, or no cluster: nothing to spread)."""
+    if not distributed_client_active():
+        return []
+    from distributed import default_client
+
+    workers = sorted(default_client().scheduler_info(n_workers=-1)["workers"])
+    return workers if len(workers) > 1 else []
 
 
 def _store_rows(rows: int, n: int, target: Path) -> int:

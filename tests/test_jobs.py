@@ -7,11 +7,13 @@ clusters; these run in every CI job (that file only in the first: its processes 
 
 from __future__ import annotations
 
+import collections
 import os
 
 import dask.array as da
 import numpy as np
 import pytest
+from dask.utils import key_split
 from helpers import random_bits
 
 from dask_gpuchunk.jobs import gram_files, multiply_files
@@ -41,8 +43,9 @@ def test_gram_files_of_packed_words_in_row_slabs(rng, tmp_path):
 def test_gram_files_in_row_slabs_send_no_words_between_workers(rng, tmp_path, layout):
     # Each slab task took every row chunk of words as a Dask input: on two H100s each worker
     # was sent 1 GB of words and copied 9.1 GB into pinned buffers. Slabs of a .npy's words
-    # now read them where they run, each chunk once per worker.
-    from distributed import Client, LocalCluster
+    # now read them where they run, each chunk once per worker. Then every slab ran on the
+    # worker that made the words' source (the other GPU idle): slabs are now dealt out.
+    from distributed import Client, LocalCluster, get_task_stream
 
     from dask_gpuchunk.jobs import sent_by_workers
 
@@ -52,15 +55,21 @@ def test_gram_files_in_row_slabs_send_no_words_between_workers(rng, tmp_path, la
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
                       dashboard_address=None) as cluster, Client(cluster) as client:
         before = sent_by_workers(client)
-        summary = gram_files(tmp_path / "packed.npy", tmp_path / "g.npy", packed=True,
-                             chunk_rows=60, layout=layout, device="cpu")
+        with get_task_stream(client) as tasks:
+            summary = gram_files(tmp_path / "packed.npy", tmp_path / "g.npy", packed=True,
+                                 chunk_rows=60, layout=layout, device="cpu")
         sent = sent_by_workers(client, before)
     assert summary["layout"] == layout and summary["chunks"] == 8
     assert len(sent) == 2
+    slabs = collections.Counter(t["worker"] for t in tasks.data
+                                if key_split(t["key"]).endswith("slab_after"))
+    assert sorted(slabs.values()) == [4, 4], slabs
     if not type(da.ones(1)).__module__.startswith("dask.array._array_expr"):
         # (under dask's array query planning the words are read through their tasks)
         assert sum(sent.values()) < words.nbytes // 20
-    np.testing.assert_array_equal(np.load(tmp_path / "g.npy"), bits.astype(np.int64) @ bits.T)
+    # float64 products are exact to 2**53 and take BLAS (NumPy multiplies int64 in a plain loop:
+    # 20 s here)
+    np.testing.assert_array_equal(np.load(tmp_path / "g.npy"), bits.astype(np.float64) @ bits.T)
 
 
 def test_gram_on_the_cpu_holds_strips_not_the_output(rng, tmp_path):
