@@ -3,7 +3,7 @@
 # the repository's root, after `source .whl/prelude.sh`; carry .whl, and .rdk for RDKit):
 #
 #   bash tools/gpu_check.sh                  # everything below
-#   bash tools/gpu_check.sh tests loop       # some of it: tests similarity loop gram
+#   bash tools/gpu_check.sh tests loop       # some of it: tests similarity loop gram wgmma
 #
 # tests:      `pytest -m gpu`, the suite split in two processes on the one GPU (about half the
 #             time of one), under the 8 GiB cap unless CUPY_GPU_MEMORY_LIMIT is set.
@@ -12,6 +12,8 @@
 # loop:       `bench elementwise --loop-sizes` at 4096², 10^7 and 16384² (seed 002's loop; the
 #             other tables at a token size), uncapped as the issue measures it.
 # gram:       `bench gram` at 16384 x 131072 bits, 4096- and 16384-row chunks.
+# wgmma:      the Hopper kernel not yet in use (tools/wgmma_check.py): exact?, then its rates
+#             beside bmma's; only with `wgmma` named (not in the default list).
 set -u
 out=${OUT:?run on the device machine, where OUT is set}/check
 mkdir -p "$out"
@@ -71,6 +73,11 @@ loop() {
 gram() {
   timed "bench gram" "$out/bench-gram.log" timeout 500 python3 -m dask_gpuchunk bench gram \
     --chunk-rows 4096 --chunk-rows 16384 --out-dir "$out"
+}
+
+wgmma() {
+  ( unset CUPY_GPU_MEMORY_LIMIT  # the kernel alone, C of 16384² and 65536² on the device
+    timed "wgmma kernel check" "$out/wgmma-check.log" timeout 400 python3 tools/wgmma_check.py )
 }
 
 for part in "${@:-tests similarity loop gram}"; do

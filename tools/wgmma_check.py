@@ -1,0 +1,116 @@
+"""The wgmma Gram kernel on a Hopper GPU: exact or not, then how fast, beside bmma (run there).
+
+    python tools/wgmma_check.py [N] [K]
+
+Per tile: registers and local (spilled) bytes per thread; exactness against NumPy on odd
+sizes (symmetric and rectangular) and on 64 rows of the big case; then the symmetric N x N
+Gram of K random bits (kernel alone, C on the device, upper tiles and the mirror) and the full
+one (every tile), as N·N·K / t; bmma's default tile timed the same way in the same run. Also the
+fingerprint size (65,536 x 2048 bits) where C's 17 GB and not the tensor cores set the time.
+Errors are printed, not raised, so one bad tile does not hide the others.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import cupy
+import numpy as np
+
+from dask_gpuchunk._kernels.bitpack import reference_bitpack
+from dask_gpuchunk._kernels.bmma import bmma_cuda
+from dask_gpuchunk._kernels.gram import reference_gram
+from dask_gpuchunk._kernels.wgmma import TILE, WgmmaTile, _compiled_kernel, wgmma_cuda
+
+T = WgmmaTile
+TILES = [TILE, T(128, 256, 3, 1024, 8), T(192, 256, 3, 1024, 8), T(128, 128, 3, 2048, 8),
+         T(256, 128, 3, 1024, 8), T(128, 256, 6, 512, 8), T(128, 256, 4, 1024, 1)]
+
+
+def exact(run, rng: np.random.Generator) -> str:
+    for n, k in ((1, 1), (333, 1043), (257, 4097), (1000, 700)):
+        a = (rng.random((n, k)) < rng.uniform(0.05, 0.95)).astype(np.uint8)
+        words = cupy.asarray(reference_bitpack(a))
+        expected = reference_gram(a)
+        for b in (None, words):
+            c = cupy.empty((n, n), dtype=np.int32)
+            run(words, b, c)
+            got = cupy.asnumpy(c)
+            if not np.array_equal(got, expected):
+                wrong = np.argwhere(got != expected)
+                return (f"WRONG n={n} k={k} diagonal={b is None}: {len(wrong)} entries, first "
+                        f"{wrong[:4].tolist()}, got {got[tuple(wrong[0])]} expected "
+                        f"{expected[tuple(wrong[0])]}")
+    a = (rng.random((301, 777)) < 0.5).astype(np.uint8)
+    b = (rng.random((45, 777)) < 0.2).astype(np.uint8)
+    c = cupy.empty((301, 45), dtype=np.int32)
+    run(cupy.asarray(reference_bitpack(a)), cupy.asarray(reference_bitpack(b)), c)
+    if not np.array_equal(cupy.asnumpy(c), a.astype(np.int64) @ b.T.astype(np.int64)):
+        return "WRONG rectangular"
+    return "exact"
+
+
+def timed(launch, repeat: int = 5) -> float:
+    launch()
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        launch()
+        cupy.cuda.Device().synchronize()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def random_words(rng: np.random.Generator, n: int, k: int) -> cupy.ndarray:
+    return cupy.asarray(rng.integers(0, 2**64, size=(n, k // 64), dtype=np.uint64,
+                                     endpoint=False))
+
+
+def rates(name: str, run, words: cupy.ndarray, c: cupy.ndarray, expected: np.ndarray,
+          n: int, k: int) -> None:
+    sym = timed(lambda: run(words, None, c))
+    big = "ok" if np.array_equal(cupy.asnumpy(c[:64, :64]), expected) else "WRONG"
+    full = timed(lambda: run(words, words, c))
+    big_full = "ok" if np.array_equal(cupy.asnumpy(c[:64, :64]), expected) else "WRONG"
+    print(f"  {name}: big {big}/{big_full}; symmetric {sym * 1e3:.2f} ms = {n * n * k / sym:.3e};"
+          f" full {full * 1e3:.2f} ms = {n * n * k / full:.3e}", flush=True)
+
+
+def main() -> None:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
+    k = int(sys.argv[2]) if len(sys.argv) > 2 else 131072
+    rng = np.random.default_rng(0)
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    print(f"{props['name'].decode()}; rates are N*N*K/t (bit-MAC/s)", flush=True)
+    for size_n, size_k in ((n, k), (65536, 2048)):
+        words = random_words(rng, size_n, size_k)
+        bits = np.unpackbits(cupy.asnumpy(words[:64]).view(np.uint8), axis=1).astype(np.int64)
+        expected = bits @ bits.T
+        c = cupy.empty((size_n, size_n), dtype=np.int32)
+        print(f"N={size_n} K={size_k}", flush=True)
+        rates("bmma default", bmma_cuda, words, c, expected, size_n, size_k)
+        for tile in TILES if size_k == k else TILES[:1]:
+            try:
+                kernel = _compiled_kernel(cupy.cuda.runtime.getDevice(), tile)
+                regs = getattr(kernel, "num_regs", "?")
+                local = getattr(kernel, "local_size_bytes", "?")
+
+                def run(a, b, out, tile=tile):
+                    wgmma_cuda(a, b, out, tile=tile)
+
+                verdict = exact(run, rng)
+                print(f"  wgmma {tuple(tile)}: {tile.threads} threads, "
+                      f"{tile.shared_bytes // 1024} KiB shared, regs {regs}, local {local} B; "
+                      f"{verdict}", flush=True)
+                rates(f"wgmma {tuple(tile)}", run, words, c, expected, size_n, size_k)
+            except Exception as exc:  # noqa: BLE001 - report what the compiler or driver said
+                print(f"  wgmma {tuple(tile)}: {type(exc).__name__}: {str(exc)[:3000]}",
+                      flush=True)
+        del words, c
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
