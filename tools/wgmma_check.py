@@ -51,6 +51,16 @@ def exact(run, rng: np.random.Generator) -> str:
     return "exact"
 
 
+def attribute(kernel, which: int) -> object:
+    """CUDA's ``CUfunction_attribute`` ``which`` of a compiled kernel; "?" where not found."""
+    from cupy_backends.cuda.api import driver
+
+    try:
+        return driver.funcGetAttribute(which, kernel.ptr)
+    except Exception:  # noqa: BLE001 - a CuPy without it, or another argument order
+        return "?"
+
+
 def timed(launch, repeat: int = 5) -> float:
     launch()
     cupy.cuda.Device().synchronize()
@@ -93,9 +103,8 @@ def main() -> None:
         rates("bmma default", bmma_cuda, words, c, expected, size_n, size_k)
         for tile in TILES if size_k == k else TILES[:1]:
             try:
-                kernel = _compiled_kernel(cupy.cuda.runtime.getDevice(), tile)
-                regs = getattr(kernel, "num_regs", "?")
-                local = getattr(kernel, "local_size_bytes", "?")
+                kernel = _compiled_kernel(cupy.cuda.runtime.getDevice(), tile).kernel
+                regs, local = attribute(kernel, 4), attribute(kernel, 3)  # NUM_REGS, LOCAL_SIZE
 
                 def run(a, b, out, tile=tile):
                     wgmma_cuda(a, b, out, tile=tile)

@@ -267,15 +267,40 @@ def wgmma_supported() -> bool:
     return (int(props["major"]), int(props["minor"])) == WGMMA_CC
 
 
+class _Compiled(NamedTuple):
+    module: Any  # kept: the kernel lives as long as its module
+    kernel: Any
+
+
+#: CUDA's ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``.
+_MAX_DYNAMIC_SHARED = 8
+
+
 @compiled_once
 def _compiled_kernel(device: int, tile: WgmmaTile) -> Any:
-    import cupy
+    """The kernel for ``tile`` on ``device``, compiled by NVRTC for ``sm_90a`` at first use.
 
-    module = cupy.RawModule(code=kernel_source(tile),
-                            options=("-std=c++17", "--gpu-architecture=sm_90a"))
+    Compiled through NVRTC itself, not a CuPy ``RawModule``: CuPy adds its own
+    ``-arch=sm_90`` after the options it is given, and ``wgmma`` exists only in ``sm_90a``."""
+    from cupy.cuda import function
+    from cupy_backends.cuda.api import driver
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(kernel_source(tile), "gram_wgmma.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, ("-std=c++17", "--gpu-architecture=sm_90a"))
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC could not compile the wgmma kernel for {tile}: "
+                               f"{nvrtc.getProgramLog(program)}") from exc
+        cubin = nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    module = function.Module()
+    module.load(cubin)
     kernel = module.get_function("gram_wgmma")
-    kernel.max_dynamic_shared_size_bytes = tile.shared_bytes
-    return kernel
+    driver.funcSetAttribute(kernel.ptr, _MAX_DYNAMIC_SHARED, tile.shared_bytes)
+    return _Compiled(module, kernel)
 
 
 def wgmma_cuda(a: Any, b: Any | None, c: Any, stream: Any = 0, tile: WgmmaTile = TILE) -> None:
@@ -306,7 +331,7 @@ def wgmma_cuda(a: Any, b: Any | None, c: Any, stream: Any = 0, tile: WgmmaTile =
         grid = (-(-nb // tile.bn) * -(-na // tile.bm),)
         args = (a32, b32, c, np.int32(na), np.int32(nb), np.int32(a32.shape[1] // 4),
                 np.int32(c.shape[1]), np.int32(1 if diagonal else 0), np.int32(pair_store))
-        kernel = _compiled_kernel(cupy.cuda.runtime.getDevice(), tile)
+        kernel = _compiled_kernel(cupy.cuda.runtime.getDevice(), tile).kernel
         kernel(grid, (tile.threads,), args, shared_mem=tile.shared_bytes)
         if diagonal:
             _mirror_cuda(c, stream)
