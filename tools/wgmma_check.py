@@ -2,6 +2,11 @@
 
     python tools/wgmma_check.py [N] [K]
 
+First a probe of the smallest tile on 64 x 8 rows (:func:`diagnose`): exact as written, or
+exact with the descriptors' two byte offsets swapped, and which rows of C came out where, so
+that one run tells a wrong layout from a wrong kernel. A kernel fault (an illegal address)
+leaves the CUDA context unusable: run this last in a device call.
+
 Per tile: registers and local (spilled) bytes per thread; exactness against NumPy on odd
 sizes (symmetric and rectangular) and on 64 rows of the big case; then the symmetric N x N
 Gram of K random bits (kernel alone, C on the device, upper tiles and the mirror) and the full
@@ -21,7 +26,15 @@ import numpy as np
 from dask_gpuchunk._kernels.bitpack import reference_bitpack
 from dask_gpuchunk._kernels.bmma import bmma_cuda
 from dask_gpuchunk._kernels.gram import reference_gram
-from dask_gpuchunk._kernels.wgmma import TILE, WgmmaTile, _compiled_kernel, wgmma_cuda
+from dask_gpuchunk._kernels.wgmma import (
+    TILE,
+    WgmmaTile,
+    _compiled_kernel,
+    compile_for_sm90a,
+    kernel_source,
+    launch,
+    wgmma_cuda,
+)
 
 T = WgmmaTile
 TILES = [TILE, T(128, 256, 3, 1024, 8), T(192, 256, 3, 1024, 8), T(128, 128, 3, 2048, 8),
@@ -88,12 +101,45 @@ def rates(name: str, run, words: cupy.ndarray, c: cupy.ndarray, expected: np.nda
           f" full {full * 1e3:.2f} ms = {n * n * k / full:.3e}", flush=True)
 
 
+def diagnose(rng: np.random.Generator) -> None:
+    """Where the kernel is wrong, which reading of the layouts is right: the smallest tile (one
+    warpgroup, m64n8) on 64 x 8 rows of 256 bits, as written and with the descriptors' two
+    byte offsets swapped; for each, whether C matches, and which rows / columns of the
+    expected C each computed one equals."""
+    tile = WgmmaTile(64, 8, 2, 256, 1)
+    a = (rng.random((64, 256)) < 0.5).astype(np.uint8)
+    b = (rng.random((8, 256)) < 0.5).astype(np.uint8)
+    expected = a.astype(np.int64) @ b.T.astype(np.int64)
+    wa, wb = cupy.asarray(reference_bitpack(a)), cupy.asarray(reference_bitpack(b))
+    written = kernel_source(tile)
+    variants = {"as written": written,
+                "byte offsets swapped": written.replace("BM * 16, 128)", "128, BM * 16)")
+                                               .replace("BN * 16, 128)", "128, BN * 16)")}
+    for name, source in variants.items():
+        try:
+            kernel = compile_for_sm90a(source, tile.shared_bytes).kernel
+            c = cupy.full((64, 8), -1, dtype=np.int32)
+            launch(kernel, wa, wb, c, tile, 0)
+            got = cupy.asnumpy(c)
+        except Exception as exc:  # noqa: BLE001 - report what the compiler or driver said
+            print(f"  probe {name}: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
+            continue
+        rows = [[int(r) for r in np.flatnonzero((expected == got[i]).all(axis=1))]
+                for i in range(8)]
+        cols = [[int(j) for j in np.flatnonzero((expected.T == got[:, jj]).all(axis=1))]
+                for jj in range(8)]
+        print(f"  probe {name}: {'exact' if np.array_equal(got, expected) else 'WRONG'}; "
+              f"rows 0-7 equal expected rows {rows}; columns equal expected columns {cols}; "
+              f"got[:4] {got[:4].tolist()} expected[:4] {expected[:4].tolist()}", flush=True)
+
+
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
     k = int(sys.argv[2]) if len(sys.argv) > 2 else 131072
     rng = np.random.default_rng(0)
     props = cupy.cuda.runtime.getDeviceProperties(0)
     print(f"{props['name'].decode()}; rates are N*N*K/t (bit-MAC/s)", flush=True)
+    diagnose(rng)
     for size_n, size_k in ((n, k), (65536, 2048)):
         words = random_words(rng, size_n, size_k)
         bits = np.unpackbits(cupy.asnumpy(words[:64]).view(np.uint8), axis=1).astype(np.int64)

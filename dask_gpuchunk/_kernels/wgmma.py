@@ -42,7 +42,8 @@ from .compiled import compiled_once
 from .gram import _mirror_cuda
 from .launch import cupy_stream
 
-__all__ = ["WGMMA_CC", "WgmmaTile", "TILE", "kernel_source", "wgmma_cuda", "wgmma_supported"]
+__all__ = ["TILE", "WGMMA_CC", "WgmmaTile", "compile_for_sm90a", "kernel_source", "launch",
+           "wgmma_cuda", "wgmma_supported"]
 
 #: The compute capability with ``wgmma`` (``sm_90a``: Hopper's architecture-specific features).
 WGMMA_CC = (9, 0)
@@ -277,21 +278,27 @@ _MAX_DYNAMIC_SHARED = 8
 
 
 @compiled_once
-def _compiled_kernel(device: int, tile: WgmmaTile) -> Any:
-    """The kernel for ``tile`` on ``device``, compiled by NVRTC for ``sm_90a`` at first use.
+def _compiled_kernel(device: int, tile: WgmmaTile) -> _Compiled:
+    """The kernel for ``tile`` on ``device``, compiled at first use (:func:`compile_for_sm90a`)."""
+    return compile_for_sm90a(kernel_source(tile), tile.shared_bytes)
 
-    Compiled through NVRTC itself, not a CuPy ``RawModule``: CuPy adds its own
-    ``-arch=sm_90`` after the options it is given, and ``wgmma`` exists only in ``sm_90a``."""
+
+def compile_for_sm90a(source: str, shared_bytes: int) -> _Compiled:
+    """Kernel ``gram_wgmma`` of ``source`` compiled by NVRTC for ``sm_90a`` on the current
+    device, allowed ``shared_bytes`` of dynamic shared memory.
+
+    Through NVRTC itself, not a CuPy ``RawModule``: CuPy adds its own ``-arch=sm_90`` after
+    the options it is given, and ``wgmma`` exists only in ``sm_90a``."""
     from cupy.cuda import function
     from cupy_backends.cuda.api import driver
     from cupy_backends.cuda.libs import nvrtc
 
-    program = nvrtc.createProgram(kernel_source(tile), "gram_wgmma.cu", (), ())
+    program = nvrtc.createProgram(source, "gram_wgmma.cu", (), ())
     try:
         try:
             nvrtc.compileProgram(program, ("-std=c++17", "--gpu-architecture=sm_90a"))
         except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"NVRTC could not compile the wgmma kernel for {tile}: "
+            raise RuntimeError("NVRTC could not compile the wgmma kernel: "
                                f"{nvrtc.getProgramLog(program)}") from exc
         cubin = nvrtc.getCUBIN(program)
     finally:
@@ -299,7 +306,7 @@ def _compiled_kernel(device: int, tile: WgmmaTile) -> Any:
     module = function.Module()
     module.load(cubin)
     kernel = module.get_function("gram_wgmma")
-    driver.funcSetAttribute(kernel.ptr, _MAX_DYNAMIC_SHARED, tile.shared_bytes)
+    driver.funcSetAttribute(kernel.ptr, _MAX_DYNAMIC_SHARED, shared_bytes)
     return _Compiled(module, kernel)
 
 
@@ -315,23 +322,29 @@ def wgmma_cuda(a: Any, b: Any | None, c: Any, stream: Any = 0, tile: WgmmaTile =
     if not wgmma_supported():
         raise RuntimeError("wgmma needs a compute capability 9.0 GPU (Hopper)")
     with cupy_stream(stream):
-        diagonal = b is None
-        na = a.shape[0]
-        nb = na if diagonal else b.shape[0]
-        if na == 0 or nb == 0:
-            return
-        if a.shape[1] == 0:
-            c[...] = 0
-            return
-        if not c.flags.c_contiguous or c.shape != (na, nb):
-            raise ValueError(f"c must be a C-contiguous ({na}, {nb}) array")
-        a32 = words32(a, tile.kbits)
-        b32 = a32 if diagonal else words32(b, tile.kbits)
-        pair_store = c.shape[1] % 2 == 0 and c.data.ptr % 8 == 0
-        grid = (-(-nb // tile.bn) * -(-na // tile.bm),)
-        args = (a32, b32, c, np.int32(na), np.int32(nb), np.int32(a32.shape[1] // 4),
-                np.int32(c.shape[1]), np.int32(1 if diagonal else 0), np.int32(pair_store))
-        kernel = _compiled_kernel(cupy.cuda.runtime.getDevice(), tile).kernel
-        kernel(grid, (tile.threads,), args, shared_mem=tile.shared_bytes)
-        if diagonal:
-            _mirror_cuda(c, stream)
+        launch(_compiled_kernel(cupy.cuda.runtime.getDevice(), tile).kernel, a, b, c, tile,
+               stream)
+
+
+def launch(kernel: Any, a: Any, b: Any | None, c: Any, tile: WgmmaTile, stream: Any) -> None:
+    """:func:`wgmma_cuda`'s work with ``kernel`` (compiled from :func:`kernel_source` of
+    ``tile``, or a variant of it), on CuPy's current stream."""
+    diagonal = b is None
+    na = a.shape[0]
+    nb = na if diagonal else b.shape[0]
+    if na == 0 or nb == 0:
+        return
+    if a.shape[1] == 0:
+        c[...] = 0
+        return
+    if not c.flags.c_contiguous or c.shape != (na, nb):
+        raise ValueError(f"c must be a C-contiguous ({na}, {nb}) array")
+    a32 = words32(a, tile.kbits)
+    b32 = a32 if diagonal else words32(b, tile.kbits)
+    pair_store = c.shape[1] % 2 == 0 and c.data.ptr % 8 == 0
+    grid = (-(-nb // tile.bn) * -(-na // tile.bm),)
+    args = (a32, b32, c, np.int32(na), np.int32(nb), np.int32(a32.shape[1] // 4),
+            np.int32(c.shape[1]), np.int32(1 if diagonal else 0), np.int32(pair_store))
+    kernel(grid, (tile.threads,), args, shared_mem=tile.shared_bytes)
+    if diagonal:
+        _mirror_cuda(c, stream)
