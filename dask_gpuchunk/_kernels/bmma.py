@@ -33,8 +33,8 @@ from .compiled import compiled_once
 from .gram import _mirror_cuda
 from .launch import cupy_stream
 
-__all__ = ["BMMA_MIN_CC", "TILE", "TILE_SOURCE", "BmmaTile", "bmma_cuda", "bmma_supported",
-           "tile_kernel", "words32"]
+__all__ = ["BMMA_MIN_CC", "TILE", "TILE_SOURCE", "BmmaTile", "GramOperands", "bmma_cuda",
+           "bmma_supported", "gram_operands", "tile_kernel", "words32"]
 
 #: Compute capability from which ``mma.sync.m16n8k256 .b1.and.popc`` exists.
 BMMA_MIN_CC = (8, 0)
@@ -344,23 +344,44 @@ def bmma_cuda(a: Any, b: Any | None, c: Any, stream: Any = 0, tile: BmmaTile = T
         _bmma(a, b, c, stream, tile)
 
 
-def _bmma(a: Any, b: Any | None, c: Any, stream: Any, tile: BmmaTile) -> None:
+class GramOperands(NamedTuple):
+    """A Gram block's operands as the 1-bit tensor-core kernels take them."""
+
+    a32: Any
+    b32: Any
+    na: int
+    nb: int
+    diagonal: bool
+    pair_store: bool  # whether C's rows allow 8-byte stores of two counts
+
+
+def gram_operands(a: Any, b: Any | None, c: Any, kbits: int) -> GramOperands | None:
+    """``a`` and ``b`` (``None``: ``a · aᵀ``) as ``uint32`` words padded to ``kbits``
+    (:func:`words32`), ``c`` checked; ``None`` where there is nothing to launch (an empty
+    block, or no bits: then ``c`` is zeroed)."""
     diagonal = b is None
     na = a.shape[0]
     nb = na if diagonal else b.shape[0]
     if na == 0 or nb == 0:
-        return
+        return None
     if a.shape[1] == 0:
         c[...] = 0
-        return
+        return None
     if not c.flags.c_contiguous or c.shape != (na, nb):
         raise ValueError(f"c must be a C-contiguous ({na}, {nb}) array")
-    a32 = words32(a, tile.kbits)
-    b32 = a32 if diagonal else words32(b, tile.kbits)
+    a32 = words32(a, kbits)
+    b32 = a32 if diagonal else words32(b, kbits)
     pair_store = c.shape[1] % 2 == 0 and c.data.ptr % 8 == 0
-    grid = (-(-nb // tile.bn) * -(-na // tile.bm),)
-    args = (a32, b32, c, np.int32(na), np.int32(nb), np.int32(a32.shape[1]),
-            np.int32(c.shape[1]), np.int32(1 if diagonal else 0), np.int32(pair_store))
+    return GramOperands(a32, b32, na, nb, diagonal, pair_store)
+
+
+def _bmma(a: Any, b: Any | None, c: Any, stream: Any, tile: BmmaTile) -> None:
+    ops = gram_operands(a, b, c, tile.kbits)
+    if ops is None:
+        return
+    grid = (-(-ops.nb // tile.bn) * -(-ops.na // tile.bm),)
+    args = (ops.a32, ops.b32, c, np.int32(ops.na), np.int32(ops.nb), np.int32(ops.a32.shape[1]),
+            np.int32(c.shape[1]), np.int32(ops.diagonal), np.int32(ops.pair_store))
     _kernel(tile)(grid, (tile.threads,), args, shared_mem=tile.shared_bytes)
-    if diagonal:
+    if ops.diagonal:
         _mirror_cuda(c, stream)

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .bmma import words32
+from .bmma import gram_operands
 from .compiled import compiled_once
 from .gram import _mirror_cuda
 from .launch import cupy_stream
@@ -329,22 +329,13 @@ def wgmma_cuda(a: Any, b: Any | None, c: Any, stream: Any = 0, tile: WgmmaTile =
 def launch(kernel: Any, a: Any, b: Any | None, c: Any, tile: WgmmaTile, stream: Any) -> None:
     """:func:`wgmma_cuda`'s work with ``kernel`` (compiled from :func:`kernel_source` of
     ``tile``, or a variant of it), on CuPy's current stream."""
-    diagonal = b is None
-    na = a.shape[0]
-    nb = na if diagonal else b.shape[0]
-    if na == 0 or nb == 0:
+    ops = gram_operands(a, b, c, tile.kbits)
+    if ops is None:
         return
-    if a.shape[1] == 0:
-        c[...] = 0
-        return
-    if not c.flags.c_contiguous or c.shape != (na, nb):
-        raise ValueError(f"c must be a C-contiguous ({na}, {nb}) array")
-    a32 = words32(a, tile.kbits)
-    b32 = a32 if diagonal else words32(b, tile.kbits)
-    pair_store = c.shape[1] % 2 == 0 and c.data.ptr % 8 == 0
-    grid = (-(-nb // tile.bn) * -(-na // tile.bm),)
-    args = (a32, b32, c, np.int32(na), np.int32(nb), np.int32(a32.shape[1] // 4),
-            np.int32(c.shape[1]), np.int32(1 if diagonal else 0), np.int32(pair_store))
+    grid = (-(-ops.nb // tile.bn) * -(-ops.na // tile.bm),)
+    args = (ops.a32, ops.b32, c, np.int32(ops.na), np.int32(ops.nb),
+            np.int32(ops.a32.shape[1] // 4), np.int32(c.shape[1]), np.int32(ops.diagonal),
+            np.int32(ops.pair_store))
     kernel(grid, (tile.threads,), args, shared_mem=tile.shared_bytes)
-    if diagonal:
+    if ops.diagonal:
         _mirror_cuda(c, stream)
