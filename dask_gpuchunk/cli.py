@@ -46,7 +46,7 @@ from dask.utils import format_bytes
 
 from . import __version__, jobs
 from .budget import DeviceBudgetError, cap_device_memory
-from .cluster import connect, local_cluster, parse_memory_limit
+from .cluster import collector_paused, connect, local_cluster, parse_memory_limit
 from .config import check_settings
 from .devices import GPUNotAvailableError, _probe_gpus, gpu_available, gpu_count
 from .gram import _compute_capability, resolve_method
@@ -424,15 +424,23 @@ def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]
         parse_memory_limit(opts["memory_limit"], "--memory-limit")
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
-    try:
-        if joined:
+    if joined:
+        try:
             client = connect(scheduler_file=opts["scheduler_file"], address=opts["scheduler_address"],
                              timeout=15, workers=opts["workers"] or 1,
                              worker_timeout=opts["worker_timeout"],
                              log=None if quiet else lambda s: click.echo(s, err=True))
-            with client:
-                yield client
-            return
+        except (OSError, TimeoutError, ValueError) as exc:
+            raise ClusterError(f"cannot join the cluster: {exc}".splitlines()[0]) from None
+        # The job runs outside that except: its own errors (a ValueError of its arguments, an
+        # OSError writing) keep their exit codes instead of reading as the cluster's.
+        try:
+            yield client
+        finally:
+            with collector_paused():
+                client.close()
+        return
+    try:
         gpus: Any = opts["gpus"]
         if gpus is not None and gpus.strip().isdigit() and "," not in gpus:
             gpus = int(gpus)

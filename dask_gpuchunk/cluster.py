@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import math
 import os
@@ -33,9 +34,9 @@ from .budget import pool_limit_from_env, spill_limit
 from .devices import GPUNotAvailableError, distributed_client_active, gpu_available, gpu_count
 from .staging import pinned_pool
 
-__all__ = ["LOOPBACK", "PRELOAD", "THREADS_PER_GPU", "connect", "dask_setup", "local_cluster",
-           "parse_memory_limit", "placement_decisions", "release_memory", "temporary_security",
-           "wait_for_workers"]
+__all__ = ["LOOPBACK", "PRELOAD", "THREADS_PER_GPU", "collector_paused", "connect", "dask_setup",
+           "local_cluster", "parse_memory_limit", "placement_decisions", "release_memory",
+           "temporary_security", "wait_for_workers"]
 
 #: The module a worker imports when it starts (``preload=``; ``--preload`` of ``dask worker``).
 PRELOAD = "dask_gpuchunk.cluster"
@@ -266,7 +267,8 @@ def local_cluster(
         if limit != "default":
             kwargs["device_memory_limit"] = limit if limit else 0
         kwargs.update(cluster_kwargs)
-        cluster: Any = LocalCUDACluster(**kwargs)
+        with collector_paused():
+            cluster: Any = LocalCUDACluster(**kwargs)
     else:
         if gpus is not None:
             raise GPUNotAvailableError(
@@ -278,22 +280,56 @@ def local_cluster(
         kwargs.update(n_workers=1, threads_per_worker=(
             threads_per_gpu if isinstance(threads_per_gpu, int) else cores))
         kwargs.update(cluster_kwargs)
-        cluster = LocalCluster(**kwargs)
+        with collector_paused():
+            cluster = LocalCluster(**kwargs)
     try:
-        with Client(cluster) as client:
+        with collector_paused():
+            client = Client(cluster)
+        try:
             client.register_plugin(WorkerSetup())  # before any task of the caller's
             try:
                 yield client
             finally:
                 with contextlib.suppress(Exception):  # a worker already gone frees nothing
                     client.run(release_memory)
+        finally:
+            with collector_paused():
+                client.close()
     finally:
         try:
-            cluster.close()
+            with collector_paused():
+                cluster.close()
         except (TimeoutError, asyncio.TimeoutError):
             # A worker still stopping after the nanny's few seconds is killed; every result
             # was already delivered, so this is not an error of the job.
             pass
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cycle collector run first, then paused while a cluster or client starts or
+    stops.
+
+    distributed's event-loop runners start and stop under one lock shared by all of them, and
+    it is not re-entrant. An earlier client left in a reference cycle and collected by an
+    allocation during a start stops its runner from ``__del__`` under that lock, and the
+    process hangs (CI hung so: ``Client.__del__`` inside ``Client.start``); a stop holds the
+    same lock. Collected before, such garbage is stopped while the lock is free.
+
+    Examples
+    --------
+    >>> with collector_paused():
+    ...     gc.isenabled()
+    False
+    """
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def connect(scheduler_file: str | os.PathLike | None = None, address: str | None = None,
@@ -330,9 +366,11 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
             raise FileNotFoundError(f"scheduler file {scheduler_file} does not exist (is the "
                                     "scheduler started with --scheduler-file?)")
         _check_scheduler_file(scheduler_file)
-        client = Client(scheduler_file=scheduler_file, timeout=timeout)
+        with collector_paused():
+            client = Client(scheduler_file=scheduler_file, timeout=timeout)
     else:
-        client = Client(address, timeout=timeout)
+        with collector_paused():
+            client = Client(address, timeout=timeout)
     try:
         client.register_plugin(WorkerSetup())
     except BaseException:

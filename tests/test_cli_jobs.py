@@ -572,6 +572,34 @@ def test_a_cluster_left_without_workers_ends_the_job_with_exit_5(inputs, monkeyp
     assert seen == [2.0] and dask.config.get("gpuchunk.no-workers-timeout") == 300
 
 
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
+                                   ValueError("a value the job refused")],
+                         ids=["OSError", "ValueError"])
+def test_a_job_error_on_a_joined_cluster_is_the_job_s_not_the_cluster_s(inputs, monkeypatch,
+                                                                       error):
+    # Raised inside the job, these used to meet the joined cluster's own except clause: exit 5,
+    # "cannot start or join the cluster: No space left on device".
+    from distributed import Client, LocalCluster
+
+    from dask_gpuchunk import cli, jobs
+
+    d, *_ = inputs
+
+    def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(jobs, "to_npy", failing)
+    monkeypatch.chdir(d)
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster:
+        monkeypatch.setattr(cli, "connect", lambda **kwargs: Client(cluster))
+        result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy",
+                                           "--scheduler-file", "scheduler.json"])
+    message = result.stderr.strip()
+    assert result.exit_code == (1 if isinstance(error, OSError) else 2), result.output
+    assert str(error.args[-1]) in message and "cluster" not in message, message
+    assert "\n" not in message and not (d / "c.npy").exists()
+
+
 def test_similarity_top_k_through_the_command_line(rng, tmp_path):
     fps = random_bits(rng, (90, 200), 0.2)
     np.save(tmp_path / "fps.npy", np.packbits(fps, axis=1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -148,8 +149,56 @@ def test_local_cluster_talks_tls_on_loopback_and_refuses_strangers():
         # Everything this process listens on, the scheduler's HTTP server included.
         assert set(_listening_addresses()) <= {"127.0.0.1"}, _listening_addresses()
         for stranger in (address, address.replace("tls://", "tcp://")):
-            with pytest.raises((OSError, TypeError, TimeoutError)):  # no credentials: refused
-                Client(stranger, timeout=2).close()
+            # A refused Client lives on in a reference cycle; collected during the next
+            # Client's start, its __del__ hung CI (distributed's loop runners stop under the
+            # lock a start holds): collected before each start, none during one.
+            gc.collect()
+            gc.disable()
+            try:
+                with pytest.raises((OSError, TypeError, TimeoutError)):  # no credentials
+                    Client(stranger, timeout=2).close()
+            finally:
+                gc.enable()
+        gc.collect()
+
+
+class _Litter:
+    """Garbage in a reference cycle (only the collector frees it) that records, when freed,
+    whether distributed's loop-runner lock was held: what an unreferenced Client's __del__
+    would then wait for forever."""
+
+    freed_under_lock: list[bool] = []
+
+    def __init__(self) -> None:
+        self.cycle = self
+
+    def __del__(self) -> None:
+        from distributed.utils import LoopRunner
+
+        _Litter.freed_under_lock.append(LoopRunner._lock.locked())
+
+
+def test_starting_a_cluster_collects_no_garbage_under_distributed_loop_lock(monkeypatch):
+    from distributed.utils import LoopRunner
+
+    start = LoopRunner._start_unlocked
+
+    def littered_start(self):  # garbage made under the lock, the collector eager to run
+        for _ in range(100):
+            _Litter()
+        return start(self)
+
+    monkeypatch.setattr(LoopRunner, "_start_unlocked", littered_start)
+    _Litter.freed_under_lock.clear()
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        with dg.local_cluster(processes=False, dashboard_address=None, secure=False) as client:
+            assert client.submit(lambda: 1).result() == 1
+    finally:
+        gc.set_threshold(*threshold)
+    gc.collect()
+    assert _Litter.freed_under_lock and not any(_Litter.freed_under_lock)
 
 
 def test_local_cluster_without_tls_stays_on_loopback():
