@@ -128,7 +128,7 @@ def main() -> None:
     work = args.workdir
     (work / "workers").mkdir(parents=True, exist_ok=True)
     bits = work / "bits.npy"
-    sample, expected_rows = write_random_bits(bits, args.rows, args.bits, seed=11)
+    sample, expected_rows, _ = write_random_bits(bits, args.rows, args.bits, seed=11)
     gpus = dg.gpu_count()
     count = gpus or 2
     sched_file, procs = _cluster(work, gpus)
