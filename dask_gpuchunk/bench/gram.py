@@ -291,6 +291,7 @@ def _ours_kernels(bench: _Bench, table: str, dev_words: Any,
     row("ours popcount kernel alone, full C (no symmetry)",
         lambda: kernels.popcount_cuda(dev_words, dev_words, c))
     row("ours bmma kernel alone (symmetric)", lambda: bmma_cuda(dev_words, None, c))
+    row("ours bmma kernel alone, full C (no symmetry)", lambda: bmma_cuda(dev_words, dev_words, c))
     row("ours int8 kernels alone (unpack + 3 GEMMs)", lambda: kernels.int8_cuda(dev_words, None, c))
 
 
