@@ -18,10 +18,10 @@ Errors are printed, not raised, so one bad tile does not hide the others.
 from __future__ import annotations
 
 import sys
-import time
 
 import cupy
 import numpy as np
+from bmma_tiles import timed  # this folder's tool: run as tools/wgmma_check.py
 
 from dask_gpuchunk._kernels.bitpack import reference_bitpack
 from dask_gpuchunk._kernels.bmma import bmma_cuda
@@ -72,18 +72,6 @@ def attribute(kernel, which: int) -> object:
         return driver.funcGetAttribute(which, kernel.ptr)
     except Exception:  # noqa: BLE001 - a CuPy without it, or another argument order
         return "?"
-
-
-def timed(launch, repeat: int = 5) -> float:
-    launch()
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        launch()
-        cupy.cuda.Device().synchronize()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def random_words(rng: np.random.Generator, n: int, k: int) -> cupy.ndarray:
