@@ -365,22 +365,17 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
             raise FileNotFoundError(f"scheduler file {scheduler_file} does not exist (is the "
                                     "scheduler started with --scheduler-file?)")
         _check_scheduler_file(scheduler_file)
-        with collector_paused():
-            client = Client(scheduler_file=scheduler_file, timeout=timeout)
-    else:
-        with collector_paused():
-            client = Client(address, timeout=timeout)
+    with collector_paused():
+        client = (Client(scheduler_file=scheduler_file, timeout=timeout)
+                  if scheduler_file is not None else Client(address, timeout=timeout))
     try:
         client.register_plugin(WorkerSetup())
-    except BaseException:
-        client.close()
-        raise
-    if workers > 0:
-        try:
+        if workers > 0:
             wait_for_workers(client, workers, worker_timeout, log)
-        except BaseException:
+    except BaseException:
+        with collector_paused():
             client.close()
-            raise
+        raise
     return client
 
 

@@ -513,8 +513,6 @@ def _warm_similarity(dtype: str, width: int, packed: bool, queries: bool, on_gpu
     kernel is now compiled once, here, and its tasks find it made. Rows made in memory missed
     the kernels of a ``.npy``'s read and of the top-k chain over it: ~1.7 s of a first 7.0 s
     job's compiles, in its tasks."""
-    import dask
-
     from .similarity import compile_selection_ahead, similarity
 
     top_k = options.get("top_k")
@@ -973,8 +971,6 @@ def similarity_job(
             _write(result, target, overwrite, progress, output)
             pairs_found = None
         else:
-            import dask
-
             computed = dask.compute(*_on_host_all(result))
             names = ("indices", "scores") if top_k is not None else ("rows", "cols", "scores")
             _save_arrays(target, dict(zip(names, computed)), overwrite)
