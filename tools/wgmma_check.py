@@ -21,11 +21,10 @@ import sys
 
 import cupy
 import numpy as np
-from bmma_tiles import timed  # this folder's tool: run as tools/wgmma_check.py
+from bmma_tiles import exact, timed  # this folder's tool: run as tools/wgmma_check.py
 
 from dask_gpuchunk._kernels.bitpack import reference_bitpack
 from dask_gpuchunk._kernels.bmma import bmma_cuda
-from dask_gpuchunk._kernels.gram import reference_gram
 from dask_gpuchunk._kernels.wgmma import (
     TILE,
     WgmmaTile,
@@ -39,29 +38,6 @@ from dask_gpuchunk._kernels.wgmma import (
 T = WgmmaTile
 TILES = [TILE, T(128, 256, 3, 1024, 8), T(192, 256, 3, 1024, 8), T(128, 128, 3, 2048, 8),
          T(256, 128, 3, 1024, 8), T(128, 256, 6, 512, 8), T(128, 256, 4, 1024, 1)]
-
-
-def exact(run, rng: np.random.Generator) -> str:
-    for n, k in ((1, 1), (333, 1043), (257, 4097), (1000, 700)):
-        a = (rng.random((n, k)) < rng.uniform(0.05, 0.95)).astype(np.uint8)
-        words = cupy.asarray(reference_bitpack(a))
-        expected = reference_gram(a)
-        for b in (None, words):
-            c = cupy.empty((n, n), dtype=np.int32)
-            run(words, b, c)
-            got = cupy.asnumpy(c)
-            if not np.array_equal(got, expected):
-                wrong = np.argwhere(got != expected)
-                return (f"WRONG n={n} k={k} diagonal={b is None}: {len(wrong)} entries, first "
-                        f"{wrong[:4].tolist()}, got {got[tuple(wrong[0])]} expected "
-                        f"{expected[tuple(wrong[0])]}")
-    a = (rng.random((301, 777)) < 0.5).astype(np.uint8)
-    b = (rng.random((45, 777)) < 0.2).astype(np.uint8)
-    c = cupy.empty((301, 45), dtype=np.int32)
-    run(cupy.asarray(reference_bitpack(a)), cupy.asarray(reference_bitpack(b)), c)
-    if not np.array_equal(cupy.asnumpy(c), a.astype(np.int64) @ b.T.astype(np.int64)):
-        return "WRONG rectangular"
-    return "exact"
 
 
 def attribute(kernel, which: int) -> object:
