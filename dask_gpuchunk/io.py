@@ -65,7 +65,8 @@ from .staging import copy_to_host, pinned_pool
 __all__ = ["NoSpaceError", "NoWorkersError", "NpyFormatError", "NpyHeader",
            "NpyTrailingDataWarning", "check_output_directory", "check_space", "check_target",
            "checked_chunks", "from_npy", "in_flight", "no_workers_timeout", "npy_bytes",
-           "npy_in_place", "npy_reader_of", "read_header", "run_writes", "to_npy", "write_region"]
+           "npy_in_place", "npy_reader_of", "read_header", "run_writes", "temporary_output",
+           "to_npy", "write_region"]
 
 
 _log = logging.getLogger("dask_gpuchunk")
@@ -737,27 +738,40 @@ def _file_in_place(target: Path, dtype: np.dtype, shape: tuple[int, ...], overwr
     (:func:`dask_gpuchunk.files.publish`: never over a file that appeared meanwhile unless
     ``overwrite``, and then only over a regular file). Removed if anything raises (never
     half-written)."""
+    with temporary_output(target) as (tmp, fd, key):
+        header = _write_header(fd, dtype, shape)
+        yield str(tmp), header, key
+        for path, pinned_file in inputs:
+            check_unchanged(path, pinned_file)
+        publish(tmp, target, key, overwrite)
+
+
+@contextlib.contextmanager
+def temporary_output(target: Path) -> Iterator[tuple[Path, int, tuple[int, int, int]]]:
+    """A new, empty file beside ``target`` under a name recording this process
+    (:func:`dask_gpuchunk.partials.temporary_name`; earlier ones whose writer is gone
+    removed first), made exclusively and not through a symlink: ``(its path, a descriptor open
+    for writing, its key)`` (:func:`dask_gpuchunk.files.file_key`). The descriptor is closed
+    when the block ends; the file is removed if anything raises, a Ctrl-C too, unless another
+    file was swapped in under its name. Publishing it is the caller's
+    (:func:`dask_gpuchunk.files.publish`)."""
     remove_stale(target, log=_log.warning)
     tmp = temporary_name(target)
     key = None
     made = True  # unless creating it fails
     try:
-        # The key is taken before anything else can raise: a Ctrl-C while the header is
-        # written or the file extended still finds the file to be ours and removes it.
         try:
             fd = create_exclusive(tmp)
         except OSError:
             made = False
             raise
         try:
+            # Before anything else can raise: a Ctrl-C while the file is written still finds
+            # it to be ours and removes it.
             key = file_key(os.fstat(fd))
-            header = _write_header(fd, dtype, shape)
+            yield tmp, fd, key
         finally:
             os.close(fd)
-        yield str(tmp), header, key
-        for path, pinned_file in inputs:
-            check_unchanged(path, pinned_file)
-        publish(tmp, target, key, overwrite)
     except BaseException:
         with contextlib.suppress(OSError):
             st = os.lstat(tmp)

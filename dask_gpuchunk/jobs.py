@@ -42,7 +42,7 @@ from .devices import (
     gpu_count,
 )
 from .elementwise import multiply
-from .files import FileReplacedError, InputChangedError, file_key, publish
+from .files import FileReplacedError, InputChangedError, publish
 from .gram import (
     METHODS,
     bitpack,
@@ -65,10 +65,10 @@ from .io import (
     npy_reader_of,
     read_header,
     run_writes,
+    temporary_output,
     to_npy,
     write_region,
 )
-from .partials import remove_stale, temporary_name
 from .resident import row_bounds, source_tasks
 from .zarr_files import (
     ZarrFormatError,
@@ -866,23 +866,10 @@ def _on_host(block: Any) -> np.ndarray:
 def _save_arrays(target: Path, arrays: dict[str, np.ndarray], overwrite: bool) -> None:
     """``np.savez`` of ``arrays`` into a temporary file beside ``target``, published onto it
     when complete (never half-written; an existing file replaced only with ``overwrite``)."""
-    remove_stale(target, log=logging.getLogger("dask_gpuchunk").warning)
-    tmp = temporary_name(target)
-    created = True  # unless creating it fails; a Ctrl-C just after open() still removes it
-    try:
-        try:
-            f = open(tmp, "xb")
-        except OSError:
-            created = False
-            raise
-        with f:
+    with temporary_output(target) as (tmp, fd, key):
+        with open(fd, "wb", closefd=False) as f:
             np.savez(f, **arrays)
-        publish(tmp, target, file_key(os.lstat(tmp)), overwrite)
-    except BaseException:
-        if created:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-        raise
+        publish(tmp, target, key, overwrite)
 
 
 def similarity_job(
