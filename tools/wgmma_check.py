@@ -36,8 +36,8 @@ from dask_gpuchunk._kernels.wgmma import (
 )
 
 T = WgmmaTile
-TILES = [TILE, T(128, 256, 3, 1024, 8), T(192, 256, 3, 1024, 8), T(128, 128, 3, 2048, 8),
-         T(256, 128, 3, 1024, 8), T(128, 256, 6, 512, 8), T(128, 256, 4, 1024, 1)]
+TILES = [TILE, T(128, 256, 3, 1024, 8), T(256, 128, 4, 1024, 8), T(128, 128, 3, 2048, 8),
+         T(128, 256, 6, 512, 8), T(128, 256, 4, 1024, 1), T(128, 256, 4, 1024, 16)]
 
 
 def attribute(kernel, which: int) -> object:
@@ -76,14 +76,14 @@ def diagnose(rng: np.random.Generator) -> None:
     expected = a.astype(np.int64) @ b.T.astype(np.int64)
     wa, wb = cupy.asarray(reference_bitpack(a)), cupy.asarray(reference_bitpack(b))
     written = kernel_source(tile)
-    variants = {"as written": written,
-                "byte offsets swapped": written.replace("BM * 16, 128)", "128, BM * 16)")
-                                               .replace("BN * 16, 128)", "128, BN * 16)")}
+    # The descriptors' two byte offsets swapped faulted (an illegal address) on the H200
+    # where the kernel as written was exact: only the latter is probed now.
+    variants = {"as written": written}
     for name, source in variants.items():
         try:
             kernel = compile_for_sm90a(source, tile.shared_bytes).kernel
             c = cupy.full((64, 8), -1, dtype=np.int32)
-            launch(kernel, wa, wb, c, tile, 0)
+            launch(kernel, wa, wb, c, tile)
             got = cupy.asnumpy(c)
         except Exception as exc:  # noqa: BLE001 - report what the compiler or driver said
             print(f"  probe {name}: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)

@@ -1,49 +1,51 @@
 """Gram blocks on Hopper's warpgroup tensor-core instruction: ``wgmma.mma_async ... .b1.and.popc``.
 
-**Not yet run on a GPU**: written and checked by ``ptxas`` for ``sm_90a`` on a machine without
-one (``tests/_kernels/test_wgmma.py``); ``dg.gram`` does not use it. What a GPU must show first
-is in ``tools/wgmma_check.py``.
-
-Where :mod:`dask_gpuchunk._kernels.bmma` has each warp issue ``mma.sync.m16n8k256`` on fragments
-it loaded into registers, here a warpgroup (four warps, 128 threads) issues one
+``method="wgmma"`` of :func:`dask_gpuchunk.gram` (and ``"auto"`` on compute capability 9.0).
+Where :mod:`dask_gpuchunk._kernels.bmma` has each warp issue ``mma.sync.m16n8k256`` on
+fragments it loaded into registers, here a warpgroup (four warps, 128 threads) issues one
 ``m64nNk256`` instruction that reads both operands from shared memory itself, through 64-bit
-matrix descriptors, and runs asynchronously: the loads of later k steps, the descriptors of the
-next instructions and the instruction itself overlap. The counts per instruction are 64 x N x
-256 bit-MACs (N = 256: 4.2 million) against 16 x 8 x 256 for ``mma.sync``; nothing passes
-through registers but the int32 accumulators (``N / 2`` a thread).
+matrix descriptors, and runs asynchronously. The counts per instruction are 64 x N x 256
+bit-MACs (N = 256: 4.2 million) against 16 x 8 x 256 for ``mma.sync``; nothing passes through
+registers but the int32 accumulators (``N / 2`` a thread).
 
-Counts. A block tile of ``BM x BN`` (``BM / 64`` warpgroups, each 64 rows by all ``BN``
-columns) stages ``(BM + BN) x KBITS / 8`` bytes a k step through L2 for ``BM x BN x KBITS``
-bit-MACs. At the H200's ~5e15 bit-MAC/s over 132 SMs, a 128 x 256 tile asks 7.2 TB/s of L2
-for the tensor cores to stay busy, about what L2 gives: this first version is expected to be
-bound by its copies (predicted ~2.5-3.5e15 on the full C, against bmma's 1.9e15), and the next
-steps are the ones fp-cuda's README describes (TMA copies with multicast between the CTAs of
-a cluster, a producer warpgroup, a persistent scheduler).
+Warp-specialised. A block tile of ``BM x BN`` has ``BM / 64`` consumer warpgroups (each 64
+rows by all ``BN`` columns) and one producer thread that keeps ``STAGES`` stages of ``KBITS``
+bits in flight: for each, two bulk copies (``cp.async.bulk``, the copy engine behind TMA) of
+the tile's rows of A and of B, counted on the stage's "full" mbarrier; the consumers wait on
+it, issue ``KBITS / 256`` instructions, and once those are done (``wgmma.wait_group``) arrive
+on the stage's "empty" barrier, which the producer waits on before refilling it. No
+``__syncthreads`` in the loop.
 
-Layout in shared memory. ``wgmma`` reads K-major operands of 1-bit data as "core matrices"
-of 8 rows x 16 bytes (128 bits), each 128 contiguous bytes. A stage holds each operand's rows
-as ``[16-byte column c][8-row group][row in group]``: core matrices adjacent in k are
-``rows x 16`` bytes apart (the descriptor's leading byte offset) and those adjacent in rows 128
-bytes apart (its stride byte offset); no swizzle. The copies write it without bank conflicts
-(eight consecutive threads write the eight rows of one core matrix). Which 128 bits of a row an
-instruction takes first does not matter: A and B share the layout, so every bit pair meets
-once. Rows past the data are zero-filled by ``cp.async`` itself, and k is padded with zeros to
-whole stages (:func:`~dask_gpuchunk._kernels.bmma.words32`). No dask here.
+Layout. ``wgmma`` reads K-major 1-bit operands as "core matrices" of 8 rows x 16 bytes (128
+bits), each 128 contiguous bytes. A stage holds each operand's rows as ``[16-byte column][8-row
+group][row in group]``: core matrices adjacent in k ``rows x 16`` bytes apart (the descriptor's
+leading byte offset), adjacent in rows 128 bytes apart (its stride byte offset); no swizzle, no
+bank conflicts. Each launch first lays its operands out in memory that way
+(:func:`tiled_words`: A by ``BM`` rows, B by ``BN``, zero-padded to whole tiles and stages),
+so that a tile's stage is one contiguous copy: 16 and 32 KiB with the default tile. Which 128
+bits of a row an instruction takes first does not matter: A and B share the layout, so every
+bit pair meets once. Of a symmetric block only the tiles on and above the diagonal run, and
+each stores its counts above the diagonal at their mirror too (no second pass over C).
+
+Measured (H200, 16384 rows x 131072 bits, C on the device, tiling included): full C 5.4e15
+bit-MAC/s against bmma's 1.9e15; symmetric 7.3e15 effective (N·N·K / t). On the way
+(``docs/perf-notes.md``): the first version, with every thread copying 16 bytes at a time
+(``cp.async``) and two ``__syncthreads`` a stage, reached 1.5-1.9e15, its instructions alone
+7.3e15 and its copies alone the whole time; 1 KiB bulk copies 2.3e15. No dask here.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from .bmma import gram_operands
 from .compiled import compiled_once
-from .gram import _mirror_cuda
 from .launch import cupy_stream
 
-__all__ = ["TILE", "WGMMA_CC", "WgmmaTile", "compile_for_sm90a", "kernel_source", "launch",
-           "wgmma_cuda", "wgmma_supported"]
+__all__ = ["TILE", "WGMMA_CC", "WgmmaTile", "compile_for_sm90a", "kernel_source",
+           "launch", "tiled_words", "wgmma_cuda", "wgmma_supported"]
 
 #: The compute capability with ``wgmma`` (``sm_90a``: Hopper's architecture-specific features).
 WGMMA_CC = (9, 0)
@@ -67,11 +69,13 @@ class WgmmaTile(NamedTuple):
 
     @property
     def threads(self) -> int:
-        return 128 * self.warpgroups
+        """The consumer warpgroups and the producer's (one warp of it copies)."""
+        return 128 * self.warpgroups + 128
 
     @property
     def shared_bytes(self) -> int:
-        return self.stages * (self.bm + self.bn) * self.kbits // 8
+        """The stages, then two 8-byte barriers a stage."""
+        return self.stages * (self.bm + self.bn) * self.kbits // 8 + 16 * self.stages
 
 
 #: The tile used unless one is given (not yet measured: a first guess, 192 KiB of shared
@@ -112,11 +116,20 @@ def _mma_source(bn: int) -> str:
 
 
 _BODY = r"""
-#define WARPGROUPS (BM / 64)
-#define THREADS (128 * WARPGROUPS)
-#define ACC (BN / 2)             // int32 accumulators a thread: 64 x BN over 128 threads
-#define CHUNKS (KBITS / 128)     // 16-byte columns of a row a stage
-#define STEPS_K (KBITS / 256)    // instructions a stage
+#define WARPGROUPS (BM / 64)          // consumers: a warpgroup per 64 rows of the tile
+#define PRODUCER (4 * WARPGROUPS)     // the first warp of the warpgroup after them copies
+#define THREADS (128 * WARPGROUPS + 128)
+#if WARPGROUPS == 3
+// 512 threads get 128 registers each, fewer than a consumer of m64n256 needs (154): the
+// producer's warpgroup gives most of its own to the consumers.
+#define PRODUCER_REGISTERS 32
+#define CONSUMER_REGISTERS 160
+#endif
+#define ACC (BN / 2)                  // int32 accumulators a thread: 64 x BN over 128 threads
+#define CHUNKS (KBITS / 128)          // 16-byte columns of a row a stage
+#define STEPS_K (KBITS / 256)         // instructions a stage
+#define A_BYTES (BM * KBITS / 8)      // a stage of the tile's rows of A: one bulk copy
+#define B_BYTES (BN * KBITS / 8)
 
 __device__ __forceinline__ unsigned shared_address(const void* p)
 {
@@ -125,11 +138,41 @@ __device__ __forceinline__ unsigned shared_address(const void* p)
     return (unsigned)s;
 }
 
-__device__ __forceinline__ void copy16(unsigned dst, const uint4* src, bool valid)
+__device__ __forceinline__ void barrier_init(unsigned bar, unsigned count)
 {
-    // cp.async with src-size 0 zero-fills the 16 bytes: rows beyond the data read as zero.
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(unsigned bar, unsigned parity)
+{
+    // Until the phase of this parity has completed (a new barrier's phase "1" counts as done).
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+
+__device__ __forceinline__ void barrier_arrive(unsigned bar)
+{
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n"
+                 :: "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void barrier_arrive_expecting(unsigned bar, unsigned bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 :: "r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void bulk_copy(unsigned dst, const unsigned char* src,
+                                          unsigned bytes, unsigned bar)
+{
+    // The copy engine moves the bytes and counts them on the stage's barrier.
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];\n"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
 __device__ __forceinline__ unsigned long long descriptor(unsigned address, unsigned leading,
@@ -142,38 +185,15 @@ __device__ __forceinline__ unsigned long long descriptor(unsigned address, unsig
          | ((unsigned long long)((stride & 0x3FFFF) >> 4) << 32);
 }
 
-__device__ __forceinline__ unsigned core_offset(int row, int c, int rows)
-{
-    // Byte offset of 16-byte column c of a row in an operand of ``rows`` rows (a multiple of
-    // 8): core matrices of 8 x 16 bytes, those adjacent in k ``rows * 16`` bytes apart.
-    return (((unsigned)c * (rows / 8) + (unsigned)row / 8) * 8 + (row & 7)) * 16;
-}
-
-template <int ROWS>
-__device__ __forceinline__ void load_operand(unsigned base, const uint4* __restrict__ src,
-                                             int first, int n, int kv, int step)
-{
-    // Thread v copies row 8 * (v / (8 * CHUNKS)) + v % 8, column (v / 8) % CHUNKS: eight
-    // consecutive threads fill one core matrix (no bank conflicts), a warp reads 64 bytes of
-    // each of 8 rows (whole 32-byte sectors).
-#pragma unroll
-    for (unsigned v = threadIdx.x; v < ROWS * CHUNKS; v += THREADS) {
-        const int c = (v / 8) % CHUNKS;
-        const int row = (v / (8 * CHUNKS)) * 8 + (v & 7);
-        const bool ok = first + row < n;
-        const uint4* from = ok ? src + (size_t)(first + row) * kv + step * CHUNKS + c : src;
-        copy16(base + core_offset(row, c, ROWS), from, ok);
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-gram_wgmma(const uint4* __restrict__ a, const uint4* __restrict__ b, int* __restrict__ c,
-           int na, int nb, int kv, int ldc, int upper, int pair_store)
+gram_wgmma(const unsigned char* __restrict__ a, const unsigned char* __restrict__ b,
+           int* __restrict__ c, int na, int nb, int steps, int ldc, int upper, int pair_store)
 {
-    // a: na x kv and b: nb x kv 16-byte vectors, kv a multiple of CHUNKS. One-dimensional
-    // grid, block rows taken GROUP at a time; a tile wholly below the diagonal of a symmetric
-    // block returns at once (its mirror is computed).
-    extern __shared__ __align__(128) uint4 smem[];
+    // a, b: the operands tiled by BM and BN rows (tiled_words), `steps` stages of KBITS bits
+    // a row. One-dimensional grid, block rows taken GROUP at a time; a
+    // tile wholly below the diagonal of a symmetric block returns at once (its mirror is
+    // computed).
+    extern __shared__ __align__(128) unsigned char smem[];
     const int tiles_m = (na + BM - 1) / BM, tiles_n = (nb + BN - 1) / BN;
     const int per_group = GROUP * tiles_n;
     const int first_m = (blockIdx.x / per_group) * GROUP;
@@ -185,28 +205,50 @@ gram_wgmma(const uint4* __restrict__ a, const uint4* __restrict__ b, int* __rest
 
     const unsigned stage_bytes = (BM + BN) * CHUNKS * 16;
     const unsigned base = shared_address(smem);
-    const int warpgroup = threadIdx.x / 128;
-    const int steps = kv / CHUNKS;
+    // Stage s is full once its copies have landed (full[s]: the producer's arrival and the
+    // bytes), empty once every consumer warp's instructions reading it are done.
+    const unsigned full = base + STAGES * stage_bytes, empty = full + 8 * STAGES;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            barrier_init(full + 8 * s, 1);
+            barrier_init(empty + 8 * s, 4 * WARPGROUPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+
+    if (warp >= PRODUCER) {
+#ifdef PRODUCER_REGISTERS
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(PRODUCER_REGISTERS));
+#endif
+        if (threadIdx.x != PRODUCER * 32) return;
+        // A stage is two copies: the tile's rows of A and of B for KBITS bits, each laid out
+        // in memory as in the stage (tiled_words), zero rows past the data included.
+        const unsigned char* a_at = a + (size_t)(row_block / BM) * steps * A_BYTES;
+        const unsigned char* b_at = b + (size_t)(col_block / BN) * steps * B_BYTES;
+        for (int step = 0; step < steps; ++step) {
+            const int slot = step % STAGES;
+            const unsigned at = base + slot * stage_bytes, bar = full + 8 * slot;
+            barrier_wait(empty + 8 * slot, ((step / STAGES) & 1) ^ 1);
+            barrier_arrive_expecting(bar, stage_bytes);
+            bulk_copy(at, a_at + (size_t)step * A_BYTES, A_BYTES, bar);
+            bulk_copy(at + A_BYTES, b_at + (size_t)step * B_BYTES, B_BYTES, bar);
+        }
+        return;
+    }
+
+#ifdef CONSUMER_REGISTERS
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(CONSUMER_REGISTERS));
+#endif
+    const int warpgroup = warp / 4;
     int acc[ACC];
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = 0;
-
-    auto load_stage = [&](int slot, int step) {
-        const unsigned at = base + slot * stage_bytes;
-        load_operand<BM>(at, a, row_block, na, kv, step);
-        load_operand<BN>(at + BM * CHUNKS * 16, b, col_block, nb, kv, step);
-    };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) load_stage(s, s);
-        asm volatile("cp.async.commit_group;\n" ::);
-    }
     for (int step = 0; step < steps; ++step) {
-        asm volatile("cp.async.wait_group %0;\n" :: "n"(STAGES - 2));
-        // cp.async writes through the generic proxy, wgmma reads through the async one.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-        const unsigned at = base + (step % STAGES) * stage_bytes;
+        const int slot = step % STAGES;
+        barrier_wait(full + 8 * slot, (step / STAGES) & 1);
+        const unsigned at = base + slot * stage_bytes;
         const unsigned a_at = at + warpgroup * 64 * 16;  // this warpgroup's 8 row groups
         const unsigned b_at = at + BM * CHUNKS * 16;
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -215,37 +257,43 @@ gram_wgmma(const uint4* __restrict__ a, const uint4* __restrict__ b, int* __rest
             mma_b1(acc, descriptor(a_at + 2 * s * BM * 16, BM * 16, 128),
                    descriptor(b_at + 2 * s * BN * 16, BN * 16, 128), 1);
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        // The previous step's instructions are done (this warpgroup's); once every
-        // warpgroup's are, its slot takes the copies of step + STAGES - 1.
+        // The previous step's instructions are done: its stage may take new copies.
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        __syncthreads();
-        const int next = step + STAGES - 1;
-        if (next < steps) load_stage(next % STAGES, next);
-        asm volatile("cp.async.commit_group;\n" ::);
+        if (step > 0 && lane == 0) barrier_arrive(empty + 8 * ((step - 1) % STAGES));
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    asm volatile("cp.async.wait_group 0;\n" ::);
 
     // Accumulator i of a thread: row 16 * warp + lane / 4 (+ 8 for i % 4 >= 2) of the
-    // warpgroup's 64, column 8 * (i / 4) + 2 * (lane % 4) (+ 1 for odd i).
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-    const int r0 = row_block + warpgroup * 64 + warp * 16 + lane / 4, r1 = r0 + 8;
+    // warpgroup's 64, column 8 * (i / 4) + 2 * (lane % 4) (+ 1 for odd i). Of a symmetric
+    // block, each count above the diagonal is also stored at its mirror: for one register
+    // the warp's 32 stores there fill four whole 32-byte sectors, and C is written once.
+    const int r0 = row_block + warpgroup * 64 + (warp & 3) * 16 + lane / 4, r1 = r0 + 8;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
-        const int c0 = col_block + 8 * j + 2 * (lane & 3);
+        const int c0 = col_block + 8 * j + 2 * (lane & 3), c1 = c0 + 1;
         const int* d = acc + 4 * j;
-        if (pair_store && c0 + 1 < nb) {  // 8-byte stores where C's rows allow them
+        if (pair_store && c1 < nb) {  // 8-byte stores where C's rows allow them
             if (r0 < na) *reinterpret_cast<int2*>(c + (size_t)r0 * ldc + c0) = make_int2(d[0], d[1]);
             if (r1 < na) *reinterpret_cast<int2*>(c + (size_t)r1 * ldc + c0) = make_int2(d[2], d[3]);
-            continue;
+        } else {
+            if (r0 < na) {
+                if (c0 < nb) c[(size_t)r0 * ldc + c0] = d[0];
+                if (c1 < nb) c[(size_t)r0 * ldc + c1] = d[1];
+            }
+            if (r1 < na) {
+                if (c0 < nb) c[(size_t)r1 * ldc + c0] = d[2];
+                if (c1 < nb) c[(size_t)r1 * ldc + c1] = d[3];
+            }
         }
-        if (r0 < na) {
-            if (c0 < nb) c[(size_t)r0 * ldc + c0] = d[0];
-            if (c0 + 1 < nb) c[(size_t)r0 * ldc + c0 + 1] = d[1];
-        }
-        if (r1 < na) {
-            if (c0 < nb) c[(size_t)r1 * ldc + c0] = d[2];
-            if (c0 + 1 < nb) c[(size_t)r1 * ldc + c0 + 1] = d[3];
+        if (upper) {
+            if (c0 < nb) {
+                if (r0 < c0) c[(size_t)c0 * ldc + r0] = d[0];
+                if (r1 < c0) c[(size_t)c0 * ldc + r1] = d[2];
+            }
+            if (c1 < nb) {
+                if (r0 < c1) c[(size_t)c1 * ldc + r0] = d[1];
+                if (r1 < c1) c[(size_t)c1 * ldc + r1] = d[3];
+            }
         }
     }
 }
@@ -264,7 +312,14 @@ def wgmma_supported() -> bool:
     """Whether the current CUDA device is a Hopper (compute capability 9.0: ``sm_90a``)."""
     import cupy
 
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+    return _is_hopper(cupy.cuda.runtime.getDevice())
+
+
+@functools.cache
+def _is_hopper(device: int) -> bool:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device)
     return (int(props["major"]), int(props["minor"])) == WGMMA_CC
 
 
@@ -313,29 +368,57 @@ def compile_for_sm90a(source: str, shared_bytes: int) -> _Compiled:
 def wgmma_cuda(a: Any, b: Any | None, c: Any, stream: Any = 0, tile: WgmmaTile = TILE) -> None:
     """Gram block ``c = popcount(a & b)`` per pair of rows with ``wgmma`` (Hopper only).
 
-    ``a``, ``b``: CuPy ``uint64`` words (``b=None``: the symmetric ``a · aᵀ``, upper tiles
-    then mirrored); ``c``: CuPy ``int32`` ``(na, nb)``, C-contiguous. Queued on ``stream`` (a
-    numba stream). As :func:`~dask_gpuchunk._kernels.bmma.bmma_cuda`.
+    ``a``, ``b``: CuPy ``uint64`` words (``b=None``: the symmetric ``a · aᵀ``, the tiles on
+    and above the diagonal, each count above it stored at its mirror too); ``c``: CuPy
+    ``int32`` ``(na, nb)``, C-contiguous. Queued on ``stream`` (a numba stream). As
+    :func:`~dask_gpuchunk._kernels.bmma.bmma_cuda`.
     """
     import cupy
 
-    if not wgmma_supported():
-        raise RuntimeError("wgmma needs a compute capability 9.0 GPU (Hopper)")
+    device = cupy.cuda.runtime.getDevice()
+    if not _is_hopper(device):
+        raise RuntimeError("method 'wgmma' needs a compute capability 9.0 GPU (Hopper); "
+                           "use 'bmma' or 'auto' on this one")
     with cupy_stream(stream):
-        launch(_compiled_kernel(cupy.cuda.runtime.getDevice(), tile).kernel, a, b, c, tile,
-               stream)
+        launch(_compiled_kernel(device, tile).kernel, a, b, c, tile)
 
 
-def launch(kernel: Any, a: Any, b: Any | None, c: Any, tile: WgmmaTile, stream: Any) -> None:
+def tiled_words(words: Any, kbits: int, rows: int) -> Any:
+    """``uint64`` words ``(n, m)`` as the kernel's copies take them: rows zero-padded to a
+    multiple of ``rows`` and bits to a multiple of ``kbits``, laid out as ``[block of rows]
+    [stage of kbits][16-byte column][8-row group][row in group]``: a block's stage is
+    contiguous (one bulk copy) and lands in shared memory as wgmma's core matrices."""
+    import cupy
+
+    n, m = words.shape
+    per_stage = kbits // 64
+    stages, padded_n = -(-m // per_stage), -(-n // rows) * rows
+    if (padded_n, stages * per_stage) != (n, m) or not words.flags.c_contiguous:
+        padded = cupy.zeros((padded_n, stages * per_stage), dtype=np.uint64)
+        padded[:n, :m] = words
+        words = padded
+    return cupy.ascontiguousarray(
+        words.reshape(padded_n // rows, rows // 8, 8, stages, kbits // 128, 2)
+        .transpose(0, 3, 4, 1, 2, 5))
+
+
+def launch(kernel: Any, a: Any, b: Any | None, c: Any, tile: WgmmaTile) -> None:
     """:func:`wgmma_cuda`'s work with ``kernel`` (compiled from :func:`kernel_source` of
     ``tile``, or a variant of it), on CuPy's current stream."""
-    ops = gram_operands(a, b, c, tile.kbits)
-    if ops is None:
+    diagonal = b is None
+    na = a.shape[0]
+    nb = na if diagonal else b.shape[0]
+    if na == 0 or nb == 0:
         return
-    grid = (-(-ops.nb // tile.bn) * -(-ops.na // tile.bm),)
-    args = (ops.a32, ops.b32, c, np.int32(ops.na), np.int32(ops.nb),
-            np.int32(ops.a32.shape[1] // 4), np.int32(c.shape[1]), np.int32(ops.diagonal),
-            np.int32(ops.pair_store))
+    if not c.flags.c_contiguous or c.shape != (na, nb):
+        raise ValueError(f"c must be a C-contiguous ({na}, {nb}) array")
+    if a.shape[1] == 0:
+        c[...] = 0
+        return
+    ta = tiled_words(a, tile.kbits, tile.bm)
+    tb = tiled_words(a if diagonal else b, tile.kbits, tile.bn)
+    pair_store = c.shape[1] % 2 == 0 and c.data.ptr % 8 == 0
+    grid = (-(-nb // tile.bn) * -(-na // tile.bm),)
+    args = (ta, tb, c, np.int32(na), np.int32(nb), np.int32(ta.shape[1]), np.int32(c.shape[1]),
+            np.int32(diagonal), np.int32(pair_store))
     kernel(grid, (tile.threads,), args, shared_mem=tile.shared_bytes)
-    if ops.diagonal:
-        _mirror_cuda(c, stream)

@@ -18,7 +18,7 @@ from dask_gpuchunk._kernels.bitpack import reference_bitpack
 from dask_gpuchunk._kernels.gram import reference_gram
 from dask_gpuchunk._kernels.wgmma import TILE, WgmmaTile, _check_tile, kernel_source
 
-TILES = [TILE, WgmmaTile(64, 256, 4, 1024, 8), WgmmaTile(192, 256, 3, 1024, 8),
+TILES = [TILE, WgmmaTile(64, 256, 4, 1024, 8), WgmmaTile(128, 128, 3, 2048, 8),
          WgmmaTile(256, 128, 3, 1024, 4), WgmmaTile(64, 8, 2, 256, 1)]
 
 
@@ -40,7 +40,8 @@ def test_wgmma_source_assembles_for_sm90a_without_spills(tmp_path, tile):
 
 def test_wgmma_tile_checks():
     _check_tile(TILE)
-    assert TILE.shared_bytes == TILE.stages * (TILE.bm + TILE.bn) * TILE.kbits // 8
+    assert TILE.shared_bytes == TILE.stages * ((TILE.bm + TILE.bn) * TILE.kbits // 8 + 16)
+    assert TILE.threads == 128 * (TILE.bm // 64 + 1)
     assert "m64n256k256.s32.b1.b1.and.popc" in kernel_source(TILE)
     for bad in (WgmmaTile(96, 256), WgmmaTile(128, 200), WgmmaTile(128, 256, 1),
                 WgmmaTile(128, 256, 4, 384), WgmmaTile(128, 256, 4, 1024, 0),
