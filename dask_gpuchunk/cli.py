@@ -49,7 +49,7 @@ from .budget import DeviceBudgetError, cap_device_memory
 from .cluster import collector_paused, connect, local_cluster, parse_memory_limit
 from .config import check_settings
 from .devices import GPUNotAvailableError, _probe_gpus, gpu_available, gpu_count
-from .gram import _compute_capability, resolve_method
+from .gram import METHODS, _compute_capability, resolve_method
 from .partials import partials_in, remove_partials
 from .jobs import (
     ClusterError,
@@ -121,14 +121,17 @@ def environment() -> dict[str, Any]:
     if count:
         auto = resolve_method("auto", on_gpu=True)
         cc = "%d.%d" % _compute_capability()
-        fallback = {"bmma": "",
-                    "int8": f" (no 1-bit MMA on this GPU: compute capability {cc} < 8.0)",
-                    "popcount": f" (no int8 or 1-bit MMA on this GPU: compute capability {cc} < 7.5)"}
+        why = {"wgmma": " (a Hopper: warpgroup 1-bit MMA, measured ~2.8 x bmma's kernel on a "
+                        "long-row Gram; top-k and threshold similarity run bmma's fused kernel)",
+               "bmma": f" (compute capability {cc}: wgmma needs 9.0)",
+               "int8": f" (no 1-bit MMA on this GPU: compute capability {cc} < 8.0)",
+               "popcount": f" (no int8 or 1-bit MMA on this GPU: compute capability {cc} < 7.5)"}
         paths["gram"] = (f"GPU methods: popcount, int8 (cuBLAS int8 tensor cores, cc >= 7.5), "
-                         f"bmma (1-bit tensor cores, cc >= 8.0); method='auto' uses "
-                         f"{auto}{fallback[auto]}; NumPy chunks computed on the GPU")
+                         f"bmma (1-bit tensor cores, cc >= 8.0), wgmma (Hopper's warpgroup "
+                         f"1-bit tensor cores, cc 9.0); method='auto' uses {auto}{why[auto]}; "
+                         f"NumPy chunks computed on the GPU")
     else:
-        paths["gram"] = "popcount on the CPU (method='auto'); int8 and bmma need a GPU"
+        paths["gram"] = "popcount on the CPU (method='auto'); int8, bmma and wgmma need a GPU"
     return {
         "versions": versions,
         "gpus": gpus,
@@ -597,7 +600,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 #: ``--method`` of the jobs that count shared bits (gram, similarity).
-_method_option = click.option("--method", type=click.Choice(["auto", "popcount", "int8", "bmma"]),
+_method_option = click.option("--method", type=click.Choice(list(METHODS)),
                               default="auto", show_default=True)
 
 

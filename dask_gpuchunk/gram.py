@@ -34,6 +34,8 @@ from . import backend
 from ._kernels import bitpack as bits
 from ._kernels import gram as kernels
 from ._kernels.bmma import BMMA_MIN_CC, TILE, bmma_cuda
+from ._kernels.wgmma import TILE as WGMMA_TILE
+from ._kernels.wgmma import WGMMA_CC, wgmma_cuda
 from ._kernels.launch import numba_stream
 from .arrays import asarray
 from .budget import check_fits
@@ -159,10 +161,11 @@ def bitpack(x: Any, *, device: str = "auto") -> da.Array:
 def resolve_method(method: str, on_gpu: bool) -> str:
     """The method that runs a block: ``"auto"`` becomes the fastest one the executing device has.
 
-    On a GPU, ``"bmma"`` (1-bit tensor cores, compute capability 8.0 and later; about 2 x
-    ``"int8"`` and 10 x ``"popcount"`` on an H200, see the README), else ``"int8"`` (cuBLAS on
-    the int8 tensor cores, compute capability 7.5 and later), else ``"popcount"``; on the CPU,
-    ``"popcount"``.
+    On a GPU, ``"wgmma"`` on a Hopper (compute capability 9.0: warpgroup 1-bit tensor-core
+    instructions, about 2.8 x ``"bmma"`` there on a long-row Gram), else ``"bmma"`` (1-bit
+    tensor cores, compute capability 8.0 and later; about 2 x ``"int8"`` and 10 x
+    ``"popcount"`` on an H200, see the README), else ``"int8"`` (cuBLAS on the int8 tensor
+    cores, compute capability 7.5 and later), else ``"popcount"``; on the CPU, ``"popcount"``.
 
     Examples
     --------
@@ -174,6 +177,8 @@ def resolve_method(method: str, on_gpu: bool) -> str:
     if not on_gpu:
         return "popcount"
     cc = _compute_capability()
+    if cc == WGMMA_CC:
+        return "wgmma"
     if cc >= BMMA_MIN_CC:
         return "bmma"
     return "int8" if cc >= (7, 5) else "popcount"
@@ -200,6 +205,8 @@ def _launcher(method: str, diagonal: bool) -> Any:
             kernels.int8_cuda(a, b, out, nb_stream)
         elif method == "bmma":
             bmma_cuda(a, b, out, nb_stream)
+        elif method == "wgmma":
+            wgmma_cuda(a, b, out, nb_stream)
         else:
             kernels.popcount_cuda(a, b, out, nb_stream)
 
@@ -209,7 +216,9 @@ def _launcher(method: str, diagonal: bool) -> Any:
 def block_scratch_bytes(method: str, na: int, nb: int, words: int, diagonal: bool = False) -> int:
     """Device bytes a Gram block of ``na`` x ``nb`` rows of ``words`` 64-bit words allocates
     beyond its inputs and output: int8 unpacks each operand to a byte per bit; bmma copies an
-    operand whose rows it must pad (counted as a copy of each, the most it makes).
+    operand whose rows it must pad (counted as a copy of each, the most it makes); wgmma lays
+    out each operand in its tiles (of a symmetric block, the rows twice: as rows of A and of
+    B), with a padded copy of the larger while it does.
 
     Examples
     --------
@@ -224,6 +233,12 @@ def block_scratch_bytes(method: str, na: int, nb: int, words: int, diagonal: boo
     if method == "bmma":
         per_stage = TILE.kbits // 64
         return rows * (-(-words // per_stage) * per_stage) * 8
+    if method == "wgmma":
+        per_stage = WGMMA_TILE.kbits // 64
+        row_bytes = -(-words // per_stage) * per_stage * 8
+        a_rows = -(-na // WGMMA_TILE.bm) * WGMMA_TILE.bm
+        b_rows = -(-(na if diagonal else nb) // WGMMA_TILE.bn) * WGMMA_TILE.bn
+        return (a_rows + b_rows + max(a_rows, b_rows)) * row_bytes
     return 0
 
 
@@ -399,8 +414,10 @@ def gram(x: Any, *, packed: bool = False, method: str = "auto", device: str = "a
     method
         ``"popcount"`` (numba kernels, AND + POPC over 64-bit words, GPU and CPU), ``"int8"``
         (GPU: unpack to int8 on the device, exact int32 GEMM on the tensor cores through cuBLAS),
-        ``"bmma"`` (GPU, compute capability 8.0 and later: 1-bit tensor-core MMA on the words)
-        or ``"auto"`` (the fastest that the executing device has: :func:`resolve_method`).
+        ``"bmma"`` (GPU, compute capability 8.0 and later: 1-bit tensor-core MMA on the words),
+        ``"wgmma"`` (GPU, compute capability 9.0 only, Hopper: the same on the warpgroup
+        instructions, operands copied in bulk) or ``"auto"`` (the fastest that the executing
+        device has: :func:`resolve_method`).
     device
         ``"auto"`` (CuPy chunks on their GPU; NumPy chunks on a GPU where one is visible, else
         the CPU), ``"gpu"`` or ``"cpu"``.

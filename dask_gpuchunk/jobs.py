@@ -934,8 +934,8 @@ def similarity_job(
         h = headers[0]  # 64-bit words per row
         width = -(-h.shape[1] * h.dtype.itemsize // 8) if packed else -(-h.shape[1] // 64)
         if budgets and chunk_rows is None:
-            # "auto": bmma or int8, as the workers' GPUs have them; the larger of the two.
-            methods = ["bmma", "int8"] if method == "auto" else [method]
+            # "auto": wgmma, bmma or int8, as the workers' GPUs have them; the largest.
+            methods = ["wgmma", "bmma", "int8"] if method == "auto" else [method]
             while rows > MIN_CHUNK_ROWS and max(similarity_block_bytes(
                     rows, width, each, top_k, threshold) for each in methods) > min(budgets):
                 rows //= 2

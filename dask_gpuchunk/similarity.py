@@ -153,7 +153,7 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
     exclude = selection.exclude_self and diagonal
     pairs = a.shape[0] * b.shape[0]
     what = f"a similarity block of {a.shape[0]} x {b.shape[0]} rows"
-    if selection.k is None and resolve_method(method, on_gpu=True) == "bmma":
+    if selection.k is None and _selecting_method(method) == "bmma":
         def fused(capacity: int) -> tuple[Any, int]:
             found, count = pairs_at_least_bmma(bits.words64(a), bits.words64(b), pop_a, pop_b,
                                                first_row, first_col, selection.threshold,
@@ -252,7 +252,7 @@ def compile_selection_ahead(method: str, top_k: int | None, threshold: Any,
     kernel a ``top_k`` or ``threshold`` selection by ``metric`` will run there, in a thread of
     its own (:func:`~dask_gpuchunk._kernels.bmma_select.compile_ahead`); return the thread, or
     ``None`` where no fused kernel will run."""
-    if not gpu_available() or resolve_method(method, on_gpu=True) != "bmma":
+    if not gpu_available() or _selecting_method(method) != "bmma":
         return None
     if top_k is not None and top_k <= kernels.CUDA_TOP_K_MAX:
         return compile_ahead("top_k", metric)
@@ -272,6 +272,14 @@ def _select_counts_bytes() -> int:
 def _rows_per_slice(others: int, slice_bytes: int = SELECT_COUNTS_BYTES) -> int:
     """Rows whose counts against ``others`` rows fit ``slice_bytes``."""
     return max(1, slice_bytes // (4 * max(1, others)))
+
+
+def _selecting_method(method: str) -> str:
+    """The method a top-k or threshold selection on a GPU runs: ``method`` resolved, with
+    ``"wgmma"`` read as ``"bmma"``, whose kernel's epilogue holds the fused selections (the
+    dense scores take their counts from ``"wgmma"`` itself)."""
+    resolved = resolve_method(method, on_gpu=True)
+    return "bmma" if resolved == "wgmma" else resolved
 
 
 def block_bytes(rows: int, words64: int, method: str, top_k: int | None = None,
@@ -302,10 +310,10 @@ def block_bytes(rows: int, words64: int, method: str, top_k: int | None = None,
     plain = step * rows * 8 + block_scratch_bytes(method, rows, step, words64)
     if top_k is not None:  # each slice's best keys, and their merge's copies
         plain += 2 * rows * top_k * 8 * (1 + 3 * -(-rows // step))
-    if method != "bmma":
+    if _selecting_method(method) != "bmma":
         return words + plain
     fused = (top_k_scratch_bytes(rows, rows, top_k, True, words64) if top_k is not None
-             else PAIRS_FIRST_CAPACITY * 64 + block_scratch_bytes(method, rows, rows, words64))
+             else PAIRS_FIRST_CAPACITY * 64 + block_scratch_bytes("bmma", rows, rows, words64))
     return words + max(plain, fused)
 
 
@@ -387,7 +395,7 @@ def _next_states(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: 
         range(first_a, first_a + len(a)), range(first_b, first_b + len(b)))
     on_device = is_cupy(a) and is_cupy(b) and device != "cpu"
     if (on_device and selection.k <= kernels.CUDA_TOP_K_MAX
-            and resolve_method(method, on_gpu=True) == "bmma"):
+            and _selecting_method(method) == "bmma"):
         words64 = -(-a.shape[1] * a.dtype.itemsize // 8)
         return run_reserved(
             lambda: top_k_candidates(bits.words64(a), bits.words64(b), pop_a, pop_b, first_a,

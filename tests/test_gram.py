@@ -210,12 +210,15 @@ def test_gpu_only_requests_fail_clearly_without_gpu():
         dg.gram(np.zeros((2, 2), np.uint8), method="int8")
     with pytest.raises(dg.GPUNotAvailableError, match="bmma"):
         dg.gram(np.zeros((2, 2), np.uint8), method="bmma")
+    with pytest.raises(dg.GPUNotAvailableError, match="wgmma"):
+        dg.gram(np.zeros((2, 2), np.uint8), method="wgmma")
     with pytest.raises(dg.GPUNotAvailableError):
         dg.gram(np.zeros((2, 2), np.uint8), device="gpu")
 
 
 @pytest.mark.parametrize("cc, expected", [((6, 1), "popcount"), ((7, 0), "popcount"),
-                                          ((7, 5), "int8"), ((8, 0), "bmma"), ((9, 0), "bmma")])
+                                          ((7, 5), "int8"), ((8, 0), "bmma"), ((8, 9), "bmma"),
+                                          ((9, 0), "wgmma"), ((10, 0), "bmma")])
 def test_auto_method_follows_compute_capability(monkeypatch, cc, expected):
     import importlib
 
@@ -238,11 +241,12 @@ def test_threads_scheduler_and_sync_agree(rng):
 # ---- on a real GPU -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["auto", "popcount", "int8", "bmma"])
+@pytest.mark.parametrize("method", ["auto", "popcount", "int8", "bmma", "wgmma"])
 @pytest.mark.parametrize("n, k", [(1, 1), (63, 65), (1041, 1043), (1043, 5000)])
 def test_gram_result_stays_where_its_chunks_are(xp, rng, method, n, k):
-    if method in ("int8", "bmma") and not dg.gpu_available():
+    if method in ("int8", "bmma", "wgmma") and not dg.gpu_available():
         pytest.skip("a GPU-only method")
+    _skip_unless_hopper(method)
     if xp is np and k > 2000:
         pytest.skip("the CPU's large cases are test_gram_matches_numpy's")
     a = random_bits(rng, (n, k), rng.uniform(0.01, 0.99))
@@ -252,9 +256,18 @@ def test_gram_result_stays_where_its_chunks_are(xp, rng, method, n, k):
     assert_eq(g, xp.asarray(reference_gram(a)))
 
 
+def _skip_unless_hopper(method: str) -> None:
+    if method == "wgmma":
+        from dask_gpuchunk._kernels.wgmma import wgmma_supported
+
+        if not wgmma_supported():
+            pytest.skip("wgmma needs a Hopper GPU (compute capability 9.0)")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["popcount", "int8", "bmma"])
+@pytest.mark.parametrize("method", ["popcount", "int8", "bmma", "wgmma"])
 def test_gram_host_chunks_on_gpu(rng, method):
+    _skip_unless_hopper(method)
     a = random_bits(rng, (700, 3000), 0.3)
     x = da.from_array(a, chunks=(250, 1000))
     result = dg.gram(x, method=method, device="gpu").compute()
@@ -263,10 +276,11 @@ def test_gram_host_chunks_on_gpu(rng, method):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["popcount", "int8", "bmma"])
+@pytest.mark.parametrize("method", ["popcount", "int8", "bmma", "wgmma"])
 def test_gram_slab_on_gpu(rng, method):
     import cupy
 
+    _skip_unless_hopper(method)
     a = random_bits(rng, (700, 3001), 0.3)
     words = reference_bitpack(a)
     chunks = np.split(words, [250, 251, 600])
@@ -286,7 +300,7 @@ def test_packbits_on_gpu(rng):
     a = random_bits(rng, (333, 2001), 0.5)
     packed = cupy.asarray(np.packbits(a, axis=1))
     x = dg.asarray(packed, chunks=(100, 100))
-    for method in ("popcount", "int8", "bmma"):
+    for method in ("popcount", "int8", "bmma", "auto"):
         got = dg.gram(x, packed=True, method=method).compute()
         np.testing.assert_array_equal(cupy.asnumpy(got), reference_gram(a))
 

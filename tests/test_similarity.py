@@ -468,3 +468,36 @@ def test_no_kernel_is_compiled_ahead_where_no_fused_kernel_will_run(monkeypatch)
     similarity.compile_selection_ahead("bmma", 10, None)
     similarity.compile_selection_ahead("bmma", None, 0.5, "dice")
     assert started == [("top_k", "tanimoto"), ("threshold", "dice")]
+
+
+def test_selections_on_a_hopper_run_the_bmma_kernel_s_fused_epilogue(monkeypatch):
+    # wgmma, auto's method on compute capability 9.0, has no selection epilogue of its own:
+    # top-k and threshold run bmma's fused kernel there.
+    similarity = importlib.import_module("dask_gpuchunk.similarity")
+    gram_module = importlib.import_module("dask_gpuchunk.gram")
+
+    monkeypatch.setattr(gram_module, "_compute_capability", lambda: (9, 0))
+    assert gram_module.resolve_method("auto", on_gpu=True) == "wgmma"
+    assert similarity._selecting_method("auto") == "bmma"
+    assert similarity._selecting_method("wgmma") == "bmma"
+    assert similarity._selecting_method("int8") == "int8"
+    monkeypatch.setattr(similarity, "gpu_available", lambda: True)
+    started = []
+    monkeypatch.setattr(similarity, "compile_ahead", lambda *args: started.append(args))
+    similarity.compile_selection_ahead("auto", 10, None)
+    assert started == [("top_k", "tanimoto")]
+
+
+@pytest.mark.gpu
+def test_dense_scores_from_the_wgmma_kernel(rng):
+    from dask_gpuchunk._kernels.wgmma import wgmma_supported
+
+    if not wgmma_supported():
+        pytest.skip("wgmma needs a Hopper GPU (compute capability 9.0)")
+    import cupy
+
+    x = fingerprints(rng, 301, 2051)
+    w = dg.asarray(cupy.asarray(x), chunks=(120, -1))
+    for metric in ("tanimoto", "hamming"):
+        dense = dg.similarity(w, metric=metric, method="wgmma").compute()
+        np.testing.assert_array_equal(cupy.asnumpy(dense), reference(x, x, metric))

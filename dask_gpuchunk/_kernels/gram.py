@@ -46,9 +46,9 @@ __all__ = [
 ]
 
 #: Methods of computing a Gram block; ``"auto"`` is resolved by the caller.
-METHODS: tuple[str, ...] = ("auto", "popcount", "int8", "bmma")
+METHODS: tuple[str, ...] = ("auto", "popcount", "int8", "bmma", "wgmma")
 #: Methods that run on a GPU only.
-GPU_METHODS: tuple[str, ...] = ("int8", "bmma")
+GPU_METHODS: tuple[str, ...] = ("int8", "bmma", "wgmma")
 
 
 def reference_gram(bits: np.ndarray) -> np.ndarray:
