@@ -12,9 +12,9 @@
 # loop:       `bench elementwise --loop-sizes` at 4096², 10^7 and 16384² (seed 002's loop; the
 #             other tables at a token size), uncapped as the issue measures it.
 # gram:       `bench gram` at 16384 x 131072 bits, 4096- and 16384-row chunks.
-# wgmma:      the Hopper kernel not yet in use: its `pytest -m gpu` tests, then
-#             tools/wgmma_check.py (exact?, then its rates beside bmma's); only with `wgmma`
-#             named (not in the default list), and best last in a call.
+# wgmma:      the Hopper kernel alone: tools/wgmma_check.py (exact, and its rates beside
+#             bmma's), tools/wgmma_probe.py (its parts apart) and tools/gram_path_profile.py
+#             (dg.gram beside it); only with `wgmma` named (not in the default list).
 set -u
 out=${OUT:?run on the device machine, where OUT is set}/check
 mkdir -p "$out"
@@ -36,16 +36,16 @@ timed() {  # timed LABEL LOG COMMAND...: run, log, and print the seconds it took
 }
 
 tests() {
-  local files half
-  # The wgmma kernel's tests run in the wgmma part: a fault there spoils the process's CUDA
-  # context, and with it the rest of the suite.
-  mapfile -t files < <(ls tests/test_*.py tests/_kernels/test_*.py tests/bench/test_*.py |
-                       grep -v test_wgmma.py)
-  half=$(( ${#files[@]} / 2 ))
+  local files
+  mapfile -t files < <(ls tests/test_*.py tests/_kernels/test_*.py tests/bench/test_*.py)
+  local odd=() even=() i
+  for i in "${!files[@]}"; do  # every other file: halves of about equal time
+    if (( i % 2 )); then odd+=("${files[$i]}"); else even+=("${files[$i]}"); fi
+  done
   timed "pytest -m gpu, first half" "$out/pytest-gpu-1.txt" \
-    timeout 560 python3 -m pytest -q -m gpu "${files[@]:0:$half}" &
+    timeout 560 python3 -m pytest -q -m gpu "${even[@]}" &
   timed "pytest -m gpu, second half" "$out/pytest-gpu-2.txt" \
-    timeout 560 python3 -m pytest -q -m gpu "${files[@]:$half}" &
+    timeout 560 python3 -m pytest -q -m gpu "${odd[@]}" &
   wait
   tail -n 2 "$out"/pytest-gpu-*.txt >> "$out/summary.txt"
 }
@@ -80,11 +80,11 @@ gram() {
 }
 
 wgmma() {
-  timed "pytest -m gpu, wgmma kernel" "$out/pytest-gpu-wgmma.txt" \
-    timeout 300 python3 -m pytest -q -m gpu tests/_kernels/test_wgmma.py
-  tail -n 1 "$out/pytest-gpu-wgmma.txt" >> "$out/summary.txt"
   ( unset CUPY_GPU_MEMORY_LIMIT  # the kernel alone, C of 16384² and 65536² on the device
-    timed "wgmma kernel check" "$out/wgmma-check.log" timeout 400 python3 tools/wgmma_check.py )
+    timed "wgmma kernel check" "$out/wgmma-check.log" timeout 240 python3 tools/wgmma_check.py
+    timed "wgmma kernel probe" "$out/wgmma-probe.log" timeout 120 python3 tools/wgmma_probe.py
+    timed "dg.gram path profile" "$out/gram-path.log" timeout 120 \
+      python3 tools/gram_path_profile.py )
 }
 
 for part in "${@:-tests similarity loop gram}"; do

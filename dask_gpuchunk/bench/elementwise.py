@@ -105,14 +105,18 @@ class _DevicePeaks:
     the context, kernel modules and cuBLAS workspaces; sampled by
     :func:`dask_gpuchunk.process_memory.watch` and read at the end of the call; ``None`` where
     the driver's per-process figure cannot be read). ``release``, where given, runs first: it
-    drops what the previous call kept alive."""
+    drops what the previous call kept alive. ``keep_pool``: only the first call starts from an
+    emptied pool (its peaks are recorded); later calls find the pool as the one before left
+    it, as a loop of calls does."""
 
-    def __init__(self, fn: Callable[[], Any], release: Callable[[], Any] | None = None) -> None:
+    def __init__(self, fn: Callable[[], Any], release: Callable[[], Any] | None = None,
+                 keep_pool: bool = False) -> None:
         from .. import process_memory
 
         process_memory.watch()
         self.fn = fn
         self.release = release
+        self.keep_pool = keep_pool
         self.pool: list[int] = []
         self.process: list[int] = []
 
@@ -123,6 +127,8 @@ class _DevicePeaks:
 
         if self.release is not None:
             self.release()
+        if self.keep_pool and self.pool:
+            return self.fn()
         pool = cupy.get_default_memory_pool()
         pool.free_all_blocks()
         process_memory.reset_peak()
