@@ -35,6 +35,7 @@ from ._kernels import bitpack as bits
 from ._kernels import gram as kernels
 from ._kernels.bmma import BMMA_MIN_CC, TILE, bmma_cuda
 from ._kernels.wgmma import TILE as WGMMA_TILE
+from ._kernels.wgmma import BLOCK as WGMMA_BLOCK
 from ._kernels.wgmma import WGMMA_CC, wgmma_cuda
 from ._kernels.launch import numba_stream
 from .arrays import asarray
@@ -217,8 +218,7 @@ def block_scratch_bytes(method: str, na: int, nb: int, words: int, diagonal: boo
     """Device bytes a Gram block of ``na`` x ``nb`` rows of ``words`` 64-bit words allocates
     beyond its inputs and output: int8 unpacks each operand to a byte per bit; bmma copies an
     operand whose rows it must pad (counted as a copy of each, the most it makes); wgmma lays
-    out each operand in its tiles (of a symmetric block, the rows twice: as rows of A and of
-    B), with a padded copy of the larger while it does.
+    out each operand in its tiles, padded (a symmetric block's rows once: A and B).
 
     Examples
     --------
@@ -236,9 +236,9 @@ def block_scratch_bytes(method: str, na: int, nb: int, words: int, diagonal: boo
     if method == "wgmma":
         per_stage = WGMMA_TILE.kbits // 64
         row_bytes = -(-words // per_stage) * per_stage * 8
-        a_rows = -(-na // WGMMA_TILE.bm) * WGMMA_TILE.bm
-        b_rows = -(-(na if diagonal else nb) // WGMMA_TILE.bn) * WGMMA_TILE.bn
-        return (a_rows + b_rows + max(a_rows, b_rows)) * row_bytes
+        a_rows = -(-na // WGMMA_BLOCK) * WGMMA_BLOCK
+        b_rows = 0 if diagonal else -(-nb // WGMMA_BLOCK) * WGMMA_BLOCK
+        return (a_rows + b_rows) * row_bytes
     return 0
 
 

@@ -2,10 +2,9 @@
 
     python tools/wgmma_check.py [N] [K]
 
-First a probe of the smallest tile on 64 x 8 rows (:func:`diagnose`): exact as written, or
-exact with the descriptors' two byte offsets swapped, and which rows of C came out where, so
-that one run tells a wrong layout from a wrong kernel. A kernel fault (an illegal address)
-leaves the CUDA context unusable: run this last in a device call.
+First a probe of the smallest tile on 64 x 8 rows (:func:`diagnose`): exact or not, and which
+rows of C came out where, so that one run tells a wrong layout from a wrong kernel. A kernel
+fault (an illegal address) leaves the CUDA context unusable: run this last in a device call.
 
 Per tile: registers and local (spilled) bytes per thread; exactness against NumPy on odd
 sizes (symmetric and rectangular) and on 64 rows of the big case; then the symmetric N x N
@@ -37,7 +36,7 @@ from dask_gpuchunk._kernels.wgmma import (
 
 T = WgmmaTile
 TILES = [TILE, T(128, 256, 3, 1024, 8), T(256, 128, 4, 1024, 8), T(128, 128, 3, 2048, 8),
-         T(128, 256, 6, 512, 8), T(128, 256, 4, 1024, 1), T(128, 256, 4, 1024, 16)]
+         T(128, 256, 6, 512, 8), T(128, 256, 4, 1024, 4), T(128, 256, 4, 1024, 16)]
 
 
 def attribute(kernel, which: int) -> object:
@@ -66,11 +65,9 @@ def rates(name: str, run, words: cupy.ndarray, c: cupy.ndarray, expected: np.nda
 
 
 def diagnose(rng: np.random.Generator) -> None:
-    """Where the kernel is wrong, which reading of the layouts is right: the smallest tile (one
-    warpgroup, m64n8) on 64 x 8 rows of 256 bits, as written and with the descriptors' two
-    byte offsets swapped; for each, whether C matches, and which rows / columns of the
-    expected C each computed one equals."""
-    tile = WgmmaTile(64, 8, 2, 256, 1)
+    """Where the kernel is wrong: the smallest tile on 64 x 8 rows of 256 bits; whether C
+    matches, and which rows / columns of the expected C each computed one equals."""
+    tile = WgmmaTile(128, 128, 2, 256, 1)
     a = (rng.random((64, 256)) < 0.5).astype(np.uint8)
     b = (rng.random((8, 256)) < 0.5).astype(np.uint8)
     expected = a.astype(np.int64) @ b.T.astype(np.int64)

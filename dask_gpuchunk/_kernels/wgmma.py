@@ -5,33 +5,35 @@ Where :mod:`dask_gpuchunk._kernels.bmma` has each warp issue ``mma.sync.m16n8k25
 fragments it loaded into registers, here a warpgroup (four warps, 128 threads) issues one
 ``m64nNk256`` instruction that reads both operands from shared memory itself, through 64-bit
 matrix descriptors, and runs asynchronously. The counts per instruction are 64 x N x 256
-bit-MACs (N = 256: 4.2 million) against 16 x 8 x 256 for ``mma.sync``; nothing passes through
+bit-MACs (N = 128: 2.1 million) against 16 x 8 x 256 for ``mma.sync``; nothing passes through
 registers but the int32 accumulators (``N / 2`` a thread).
 
 Warp-specialised. A block tile of ``BM x BN`` has ``BM / 64`` consumer warpgroups (each 64
-rows by all ``BN`` columns) and one producer thread that keeps ``STAGES`` stages of ``KBITS``
-bits in flight: for each, two bulk copies (``cp.async.bulk``, the copy engine behind TMA) of
-the tile's rows of A and of B, counted on the stage's "full" mbarrier; the consumers wait on
-it, issue ``KBITS / 256`` instructions, and once those are done (``wgmma.wait_group``) arrive
-on the stage's "empty" barrier, which the producer waits on before refilling it. No
-``__syncthreads`` in the loop.
+rows by all ``BN`` columns, ``BN / 128`` ``m64n128k256`` instructions a 256-bit k step) and one
+producer thread that keeps ``STAGES`` stages of ``KBITS`` bits in flight: for each, one bulk
+copy (``cp.async.bulk``, the copy engine behind TMA) per 128-row block of the tile's rows of A
+and of B, counted on the stage's "full" mbarrier; the consumers wait on it, issue their
+instructions, and once those are done (``wgmma.wait_group``) arrive on the stage's "empty"
+barrier, which the producer waits on before refilling it. No ``__syncthreads`` in the loop.
 
 Layout. ``wgmma`` reads K-major 1-bit operands as "core matrices" of 8 rows x 16 bytes (128
-bits), each 128 contiguous bytes. A stage holds each operand's rows as ``[16-byte column][8-row
-group][row in group]``: core matrices adjacent in k ``rows x 16`` bytes apart (the descriptor's
-leading byte offset), adjacent in rows 128 bytes apart (its stride byte offset); no swizzle, no
-bank conflicts. Each launch first lays its operands out in memory that way
-(:func:`tiled_words`: A by ``BM`` rows, B by ``BN``, zero-padded to whole tiles and stages),
-so that a tile's stage is one contiguous copy: 16 and 32 KiB with the default tile. Which 128
-bits of a row an instruction takes first does not matter: A and B share the layout, so every
-bit pair meets once. Of a symmetric block only the tiles on and above the diagonal run, and
-each stores its counts above the diagonal at their mirror too (no second pass over C).
+bits), each 128 contiguous bytes. A 128-row block's stage is held as ``[16-byte column][8-row
+group][row in group]``: core matrices adjacent in k 2 KiB apart (the descriptor's leading byte
+offset), adjacent in rows 128 bytes apart (its stride byte offset); no swizzle, no bank
+conflicts. Each launch first lays its operands out in memory that way (:func:`tiled_words`,
+one pass, zero-padded to whole blocks and stages), so that a block's stage is one contiguous
+16 KiB copy, and the same array serves as A and as B. Which 128 bits of a row an instruction
+takes first does not matter: A and B share the layout, so every bit pair meets once. Of a
+symmetric block only the tiles on and above the diagonal run, and each stores its counts above
+the diagonal at their mirror too (no second pass over C).
 
-Measured (H200, 16384 rows x 131072 bits, C on the device, tiling included): full C 5.4e15
-bit-MAC/s against bmma's 1.9e15; symmetric 7.3e15 effective (N·N·K / t). On the way
-(``docs/perf-notes.md``): the first version, with every thread copying 16 bytes at a time
-(``cp.async``) and two ``__syncthreads`` a stage, reached 1.5-1.9e15, its instructions alone
-7.3e15 and its copies alone the whole time; 1 KiB bulk copies 2.3e15. No dask here.
+Measured (H200, 16384 rows x 131072 bits, C on the device, the layout pass included): full C
+6.2e15 bit-MAC/s against bmma's 1.9e15; symmetric 2.99 ms, 1.18e16 effective (N·N·K / t);
+65,536 rows x 2048 bits 5.9 ms against bmma's 18.2 (C's 17 GB written is the time there). On
+the way (``docs/perf-notes.md``): every thread copying 16 bytes at a time (``cp.async``) with
+two ``__syncthreads`` a stage reached 1.5-1.9e15, its copies the whole time; bulk copies of
+1 KiB 2.3e15; clusters of two blocks sharing B's copies (``.multicast::cluster``) gained
+nothing over this. No dask here.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import numpy as np
 from .compiled import compiled_once
 from .launch import cupy_stream
 
-__all__ = ["TILE", "WGMMA_CC", "WgmmaTile", "compile_for_sm90a", "kernel_source",
+__all__ = ["BLOCK", "TILE", "WGMMA_CC", "WgmmaTile", "compile_for_sm90a", "kernel_source",
            "launch", "tiled_words", "wgmma_cuda", "wgmma_supported"]
 
 #: The compute capability with ``wgmma`` (``sm_90a``: Hopper's architecture-specific features).
@@ -52,10 +54,11 @@ WGMMA_CC = (9, 0)
 
 
 class WgmmaTile(NamedTuple):
-    """How the kernel is cut: block tile ``bm x bn`` of C (``bm / 64`` warpgroups, each 64
-    rows by all ``bn`` columns, one ``m64n{bn}k256`` instruction a 256-bit k step), ``stages``
-    copies in flight of ``kbits`` bits of k each, blocks launched in groups of ``group`` block
-    rows (the blocks running at once share their rows of A and columns of B in L2)."""
+    """How the kernel is cut: block tile ``bm x bn`` of C (``bm / 64`` consumer warpgroups,
+    each 64 rows by all ``bn`` columns, ``bn / 128`` ``m64n128k256`` instructions a 256-bit k
+    step), ``stages`` copies in flight of ``kbits`` bits of k each, tiles launched in groups
+    of ``group`` rows of tiles (the blocks running at once share their rows of A and columns
+    of B in L2)."""
 
     bm: int = 128
     bn: int = 256
@@ -82,17 +85,17 @@ class WgmmaTile(NamedTuple):
 #: memory, 128 accumulators a thread).
 TILE = WgmmaTile()
 
-#: Shapes ``wgmma`` has for 1-bit operands: ``m64nNk256`` with N one of these.
-_N_SHAPES = (8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
+#: Rows of a block of the tiled operands (:func:`tiled_words`): a bulk copy of a stage, and the
+#: ``N`` of each instruction (``m64n128k256``), so that one layout serves as A and as B.
+BLOCK = 128
 
 
 def _check_tile(tile: WgmmaTile) -> None:
-    if (tile.bm % 64 or not 64 <= tile.bm <= 256 or tile.bn not in _N_SHAPES
+    if (tile.bm not in (BLOCK, 2 * BLOCK) or tile.bn not in (BLOCK, 2 * BLOCK)
             or tile.stages < 2 or tile.kbits % 256 or not 256 <= tile.kbits <= 2048
             or tile.group < 1):
-        raise ValueError(f"bad wgmma tile {tile}: bm 64, 128, 192 or 256; bn one of wgmma's "
-                         f"1-bit N {_N_SHAPES}; stages >= 2; kbits a multiple of 256 up to "
-                         "2048; group >= 1")
+        raise ValueError(f"bad wgmma tile {tile}: bm and bn {BLOCK} or {2 * BLOCK}; stages >= 2; "
+                         "kbits a multiple of 256 up to 2048; group >= 1")
     if tile.shared_bytes > 227 * 1024:
         raise ValueError(f"bad wgmma tile {tile}: {tile.shared_bytes:,} bytes of shared memory "
                          "(at most 227 KiB a block on sm_90)")
@@ -119,17 +122,12 @@ _BODY = r"""
 #define WARPGROUPS (BM / 64)          // consumers: a warpgroup per 64 rows of the tile
 #define PRODUCER (4 * WARPGROUPS)     // the first warp of the warpgroup after them copies
 #define THREADS (128 * WARPGROUPS + 128)
-#if WARPGROUPS == 3
-// 512 threads get 128 registers each, fewer than a consumer of m64n256 needs (154): the
-// producer's warpgroup gives most of its own to the consumers.
-#define PRODUCER_REGISTERS 32
-#define CONSUMER_REGISTERS 160
-#endif
 #define ACC (BN / 2)                  // int32 accumulators a thread: 64 x BN over 128 threads
 #define CHUNKS (KBITS / 128)          // 16-byte columns of a row a stage
 #define STEPS_K (KBITS / 256)         // instructions a stage
-#define A_BYTES (BM * KBITS / 8)      // a stage of the tile's rows of A: one bulk copy
-#define B_BYTES (BN * KBITS / 8)
+#define BLOCK 128                     // rows of a block of the tiled operands
+#define BLOCK_BYTES (BLOCK * KBITS / 8) // a block's stage: one bulk copy
+#define NSUB (BN / BLOCK)             // instructions a k step, m64n128 each
 
 __device__ __forceinline__ unsigned shared_address(const void* p)
 {
@@ -187,12 +185,13 @@ __device__ __forceinline__ unsigned long long descriptor(unsigned address, unsig
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 gram_wgmma(const unsigned char* __restrict__ a, const unsigned char* __restrict__ b,
-           int* __restrict__ c, int na, int nb, int steps, int ldc, int upper, int pair_store)
+           int* __restrict__ c, int na, int nb, int blocks_a, int blocks_b, int steps, int ldc,
+           int upper, int pair_store)
 {
-    // a, b: the operands tiled by BM and BN rows (tiled_words), `steps` stages of KBITS bits
-    // a row. One-dimensional grid, block rows taken GROUP at a time; a
-    // tile wholly below the diagonal of a symmetric block returns at once (its mirror is
-    // computed).
+    // a, b: the operands tiled (tiled_words), blocks_a and blocks_b blocks of BLOCK rows,
+    // `steps` stages of KBITS bits a row. One-dimensional grid, rows of tiles taken GROUP at a
+    // time; a tile wholly below the diagonal of a symmetric block returns at once (its mirror
+    // is computed).
     extern __shared__ __align__(128) unsigned char smem[];
     const int tiles_m = (na + BM - 1) / BM, tiles_n = (nb + BN - 1) / BN;
     const int per_group = GROUP * tiles_n;
@@ -219,28 +218,32 @@ gram_wgmma(const unsigned char* __restrict__ a, const unsigned char* __restrict_
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
 
     if (warp >= PRODUCER) {
-#ifdef PRODUCER_REGISTERS
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(PRODUCER_REGISTERS));
-#endif
         if (threadIdx.x != PRODUCER * 32) return;
-        // A stage is two copies: the tile's rows of A and of B for KBITS bits, each laid out
-        // in memory as in the stage (tiled_words), zero rows past the data included.
-        const unsigned char* a_at = a + (size_t)(row_block / BM) * steps * A_BYTES;
-        const unsigned char* b_at = b + (size_t)(col_block / BN) * steps * B_BYTES;
+        // A stage is a copy per block of the tile's rows of A and of B (KBITS bits of each
+        // row, laid out in memory as in the stage: tiled_words). A tile's last blocks may lie
+        // past the operand's: not copied, what the stage holds there from before only reaches
+        // C's rows and columns past the data, which are not stored.
+        const int first_a = row_block / BLOCK, first_b = col_block / BLOCK;
+        const int pieces_a = min(BM / BLOCK, blocks_a - first_a);
+        const int pieces_b = min(BN / BLOCK, blocks_b - first_b);
+        const unsigned bytes = (pieces_a + pieces_b) * BLOCK_BYTES;
         for (int step = 0; step < steps; ++step) {
             const int slot = step % STAGES;
             const unsigned at = base + slot * stage_bytes, bar = full + 8 * slot;
             barrier_wait(empty + 8 * slot, ((step / STAGES) & 1) ^ 1);
-            barrier_arrive_expecting(bar, stage_bytes);
-            bulk_copy(at, a_at + (size_t)step * A_BYTES, A_BYTES, bar);
-            bulk_copy(at + A_BYTES, b_at + (size_t)step * B_BYTES, B_BYTES, bar);
+            barrier_arrive_expecting(bar, bytes);
+            for (int p = 0; p < pieces_a; ++p)
+                bulk_copy(at + p * BLOCK_BYTES,
+                          a + ((size_t)(first_a + p) * steps + step) * BLOCK_BYTES,
+                          BLOCK_BYTES, bar);
+            for (int p = 0; p < pieces_b; ++p)
+                bulk_copy(at + (BM / BLOCK + p) * BLOCK_BYTES,
+                          b + ((size_t)(first_b + p) * steps + step) * BLOCK_BYTES,
+                          BLOCK_BYTES, bar);
         }
         return;
     }
 
-#ifdef CONSUMER_REGISTERS
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(CONSUMER_REGISTERS));
-#endif
     const int warpgroup = warp / 4;
     int acc[ACC];
 #pragma unroll
@@ -249,13 +252,18 @@ gram_wgmma(const unsigned char* __restrict__ a, const unsigned char* __restrict_
         const int slot = step % STAGES;
         barrier_wait(full + 8 * slot, (step / STAGES) & 1);
         const unsigned at = base + slot * stage_bytes;
-        const unsigned a_at = at + warpgroup * 64 * 16;  // this warpgroup's 8 row groups
-        const unsigned b_at = at + BM * CHUNKS * 16;
+        // This warpgroup's 64 rows: 8 row groups of its block of A; B's blocks after A's.
+        const unsigned a_at = at + (warpgroup / 2) * BLOCK_BYTES + (warpgroup % 2) * 64 * 16;
+        const unsigned b_at = at + (BM / BLOCK) * BLOCK_BYTES;
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-        for (int s = 0; s < STEPS_K; ++s)
-            mma_b1(acc, descriptor(a_at + 2 * s * BM * 16, BM * 16, 128),
-                   descriptor(b_at + 2 * s * BN * 16, BN * 16, 128), 1);
+        for (int s = 0; s < STEPS_K; ++s) {
+            const unsigned long long a_desc = descriptor(a_at + 2 * s * BLOCK * 16, BLOCK * 16, 128);
+#pragma unroll
+            for (int h = 0; h < NSUB; ++h)  // columns 128 h to 128 h + 127: accumulators 64 h on
+                mma_b1(*reinterpret_cast<int(*)[64]>(acc + 64 * h), a_desc,
+                       descriptor(b_at + h * BLOCK_BYTES + 2 * s * BLOCK * 16, BLOCK * 16, 128), 1);
+        }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         // The previous step's instructions are done: its stage may take new copies.
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
@@ -305,7 +313,7 @@ def kernel_source(tile: WgmmaTile = TILE) -> str:
     ``sm_90a``."""
     _check_tile(tile)
     defines = "".join(f"#define {key.upper()} {value}\n" for key, value in tile._asdict().items())
-    return defines + _mma_source(tile.bn) + _BODY
+    return defines + _mma_source(BLOCK) + _BODY
 
 
 def wgmma_supported() -> bool:
@@ -383,23 +391,59 @@ def wgmma_cuda(a: Any, b: Any | None, c: Any, stream: Any = 0, tile: WgmmaTile =
         launch(_compiled_kernel(device, tile).kernel, a, b, c, tile)
 
 
-def tiled_words(words: Any, kbits: int, rows: int) -> Any:
-    """``uint64`` words ``(n, m)`` as the kernel's copies take them: rows zero-padded to a
-    multiple of ``rows`` and bits to a multiple of ``kbits``, laid out as ``[block of rows]
-    [stage of kbits][16-byte column][8-row group][row in group]``: a block's stage is
-    contiguous (one bulk copy) and lands in shared memory as wgmma's core matrices."""
+#: One pass from row-major words to :func:`tiled_words`' layout, zeros where the padding is:
+#: a thread per 16 bytes, taken in the words' order (a warp reads 4 rows x 128 bytes; its
+#: writes are 8 runs of 64 bytes): 0.17 ms for 268 MB on an H200, against 0.20 ms with the
+#: writes in order and the reads scattered.
+_TILING_SOURCE = r"""
+extern "C" __global__ void tile_words(const unsigned long long* __restrict__ words,
+                                      ulonglong2* __restrict__ out, long long n, long long m,
+                                      long long stages, long long chunks, long long total)
+{
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long column = i % chunks, rest = i / chunks;  // [block][stage][row][column]
+        const long long in_block = rest % 128, step = (rest / 128) % stages;
+        const long long block = rest / 128 / stages, row = block * 128 + in_block;
+        const long long word = (step * chunks + column) * 2;
+        ulonglong2 v = make_ulonglong2(0ull, 0ull);
+        if (row < n) {
+            if (word < m) v.x = words[row * m + word];
+            if (word + 1 < m) v.y = words[row * m + word + 1];
+        }
+        out[((block * stages + step) * chunks + column) * 128 + in_block] = v;
+    }
+}
+"""
+
+
+@functools.cache
+def _tiling_kernel(device: int) -> Any:
     import cupy
 
+    return cupy.RawKernel(_TILING_SOURCE, "tile_words")
+
+
+def tiled_words(words: Any, kbits: int) -> Any:
+    """``uint64`` words ``(n, m)`` as the kernel's copies take them, in one pass: rows
+    zero-padded to a multiple of :data:`BLOCK` and bits to a multiple of ``kbits``, laid out
+    as ``[block of BLOCK rows][stage of kbits][16-byte column][8-row group][row in group]``:
+    a block's stage is contiguous (one bulk copy) and lands in shared memory as wgmma's core
+    matrices. The same array is A and B."""
+    import cupy
+
+    words = cupy.ascontiguousarray(words)
     n, m = words.shape
-    per_stage = kbits // 64
-    stages, padded_n = -(-m // per_stage), -(-n // rows) * rows
-    if (padded_n, stages * per_stage) != (n, m) or not words.flags.c_contiguous:
-        padded = cupy.zeros((padded_n, stages * per_stage), dtype=np.uint64)
-        padded[:n, :m] = words
-        words = padded
-    return cupy.ascontiguousarray(
-        words.reshape(padded_n // rows, rows // 8, 8, stages, kbits // 128, 2)
-        .transpose(0, 3, 4, 1, 2, 5))
+    chunks = kbits // 128
+    stages, blocks = -(-m // (2 * chunks)), -(-n // BLOCK)
+    out = cupy.empty((blocks, stages, chunks, BLOCK, 2), dtype=np.uint64)
+    total = out.size // 2
+    if total:
+        _tiling_kernel(cupy.cuda.runtime.getDevice())(
+            (min(-(-total // 256), 65536),), (256,),
+            (words, out, np.int64(n), np.int64(m), np.int64(stages), np.int64(chunks),
+             np.int64(total)))
+    return out
 
 
 def launch(kernel: Any, a: Any, b: Any | None, c: Any, tile: WgmmaTile) -> None:
@@ -415,10 +459,11 @@ def launch(kernel: Any, a: Any, b: Any | None, c: Any, tile: WgmmaTile) -> None:
     if a.shape[1] == 0:
         c[...] = 0
         return
-    ta = tiled_words(a, tile.kbits, tile.bm)
-    tb = tiled_words(a if diagonal else b, tile.kbits, tile.bn)
+    ta = tiled_words(a, tile.kbits)
+    tb = ta if diagonal else tiled_words(b, tile.kbits)
     pair_store = c.shape[1] % 2 == 0 and c.data.ptr % 8 == 0
     grid = (-(-nb // tile.bn) * -(-na // tile.bm),)
-    args = (ta, tb, c, np.int32(na), np.int32(nb), np.int32(ta.shape[1]), np.int32(c.shape[1]),
-            np.int32(diagonal), np.int32(pair_store))
+    args = (ta, tb, c, np.int32(na), np.int32(nb), np.int32(ta.shape[0]), np.int32(tb.shape[0]),
+            np.int32(ta.shape[1]), np.int32(c.shape[1]), np.int32(diagonal),
+            np.int32(pair_store))
     kernel(grid, (tile.threads,), args, shared_mem=tile.shared_bytes)

@@ -18,8 +18,8 @@ from dask_gpuchunk._kernels.bitpack import reference_bitpack
 from dask_gpuchunk._kernels.gram import reference_gram
 from dask_gpuchunk._kernels.wgmma import TILE, WgmmaTile, _check_tile, kernel_source
 
-TILES = [TILE, WgmmaTile(64, 256, 4, 1024, 8), WgmmaTile(128, 128, 3, 2048, 8),
-         WgmmaTile(256, 128, 3, 1024, 4), WgmmaTile(64, 8, 2, 256, 1)]
+TILES = [TILE, WgmmaTile(128, 128, 4, 1024, 8), WgmmaTile(128, 128, 3, 2048, 8),
+         WgmmaTile(256, 128, 3, 1024, 4), WgmmaTile(128, 256, 2, 256, 1)]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc to assemble the kernel with")
@@ -42,8 +42,8 @@ def test_wgmma_tile_checks():
     _check_tile(TILE)
     assert TILE.shared_bytes == TILE.stages * ((TILE.bm + TILE.bn) * TILE.kbits // 8 + 16)
     assert TILE.threads == 128 * (TILE.bm // 64 + 1)
-    assert "m64n256k256.s32.b1.b1.and.popc" in kernel_source(TILE)
-    for bad in (WgmmaTile(96, 256), WgmmaTile(128, 200), WgmmaTile(128, 256, 1),
+    assert "m64n128k256.s32.b1.b1.and.popc" in kernel_source(TILE)
+    for bad in (WgmmaTile(96, 256), WgmmaTile(128, 200), WgmmaTile(64, 256), WgmmaTile(128, 64), WgmmaTile(128, 256, 1),
                 WgmmaTile(128, 256, 4, 384), WgmmaTile(128, 256, 4, 1024, 0),
                 WgmmaTile(256, 256, 4, 2048)):
         with pytest.raises(ValueError, match="bad wgmma tile"):
@@ -96,3 +96,27 @@ def test_wgmma_cuda_tile_shapes_and_rectangles(rng, tile):
             wgmma_cuda(wa, None, c, tile=tile)
             np.testing.assert_array_equal(cupy.asnumpy(c), reference_gram(a),
                                           err_msg=f"{tile} diagonal {na}x{k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, words, kbits", [(1, 1, 256), (130, 17, 1024), (256, 32, 1024),
+                                             (77, 40, 2048)])
+def test_tiled_words_is_the_copies_layout_zero_padded(rng, n, words, kbits):
+    # [block of 128 rows][stage of kbits][16-byte column][row in block], zeros past the data.
+    import cupy
+
+    from dask_gpuchunk._kernels.wgmma import BLOCK, tiled_words
+
+    _hopper()
+    w = rng.integers(0, 2**64, size=(n, words), dtype=np.uint64)
+    per_stage = kbits // 64
+    rows, width = -(-n // BLOCK) * BLOCK, -(-words // per_stage) * per_stage
+    padded = np.zeros((rows, width), dtype=np.uint64)
+    padded[:n, :words] = w
+    expected = padded.reshape(rows // BLOCK, BLOCK, width // per_stage, kbits // 128, 2)
+    got = cupy.asnumpy(tiled_words(cupy.asarray(w), kbits))
+    np.testing.assert_array_equal(got, expected.transpose(0, 2, 3, 1, 4))
+    # A strided view is laid out as its copy.
+    view = cupy.asarray(np.concatenate([w, w], axis=1))[:, ::2]
+    np.testing.assert_array_equal(cupy.asnumpy(tiled_words(view, kbits)),
+                                  cupy.asnumpy(tiled_words(cupy.ascontiguousarray(view), kbits)))
