@@ -34,8 +34,6 @@ from . import backend
 from ._kernels import bitpack as bits
 from ._kernels import gram as kernels
 from ._kernels.bmma import BMMA_MIN_CC, TILE, bmma_cuda
-from ._kernels.wgmma import TILE as WGMMA_TILE
-from ._kernels.wgmma import BLOCK as WGMMA_BLOCK
 from ._kernels.wgmma import WGMMA_CC, wgmma_cuda
 from ._kernels.launch import numba_stream
 from .arrays import asarray
@@ -217,8 +215,8 @@ def _launcher(method: str, diagonal: bool) -> Any:
 def block_scratch_bytes(method: str, na: int, nb: int, words: int, diagonal: bool = False) -> int:
     """Device bytes a Gram block of ``na`` x ``nb`` rows of ``words`` 64-bit words allocates
     beyond its inputs and output: int8 unpacks each operand to a byte per bit; bmma copies an
-    operand whose rows it must pad (counted as a copy of each, the most it makes); wgmma lays
-    out each operand in its tiles, padded (a symmetric block's rows once: A and B).
+    operand whose rows it must pad (counted as a copy of each, the most it makes); wgmma
+    copies an operand whose rows are not contiguous whole 16-byte pieces (counted likewise).
 
     Examples
     --------
@@ -234,11 +232,7 @@ def block_scratch_bytes(method: str, na: int, nb: int, words: int, diagonal: boo
         per_stage = TILE.kbits // 64
         return rows * (-(-words // per_stage) * per_stage) * 8
     if method == "wgmma":
-        per_stage = WGMMA_TILE.kbits // 64
-        row_bytes = -(-words // per_stage) * per_stage * 8
-        a_rows = -(-na // WGMMA_BLOCK) * WGMMA_BLOCK
-        b_rows = 0 if diagonal else -(-nb // WGMMA_BLOCK) * WGMMA_BLOCK
-        return (a_rows + b_rows) * row_bytes
+        return (na + (0 if diagonal else nb)) * (words + words % 2) * 8
     return 0
 
 

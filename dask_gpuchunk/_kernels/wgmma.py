@@ -10,30 +10,31 @@ registers but the int32 accumulators (``N / 2`` a thread).
 
 Warp-specialised. A block tile of ``BM x BN`` has ``BM / 64`` consumer warpgroups (each 64
 rows by all ``BN`` columns, ``BN / 128`` ``m64n128k256`` instructions a 256-bit k step) and one
-producer thread that keeps ``STAGES`` stages of ``KBITS`` bits in flight: for each, one bulk
-copy (``cp.async.bulk``, the copy engine behind TMA) per 128-row block of the tile's rows of A
-and of B, counted on the stage's "full" mbarrier; the consumers wait on it, issue their
-instructions, and once those are done (``wgmma.wait_group``) arrive on the stage's "empty"
-barrier, which the producer waits on before refilling it. No ``__syncthreads`` in the loop.
+producer thread that keeps ``STAGES`` stages of ``KBITS`` bits in flight: for each, one TMA
+copy (``cp.async.bulk.tensor``, from a tensor map of the words as they are) per 128 rows of
+the tile's rows of A and of B, counted on the stage's "full" mbarrier; the consumers wait on
+it, issue their instructions, and once those are done (``wgmma.wait_group``) arrive on the
+stage's "empty" barrier, which the producer waits on before refilling it. No
+``__syncthreads`` in the loop.
 
-Layout. ``wgmma`` reads K-major 1-bit operands as "core matrices" of 8 rows x 16 bytes (128
-bits), each 128 contiguous bytes. A 128-row block's stage is held as ``[16-byte column][8-row
-group][row in group]``: core matrices adjacent in k 2 KiB apart (the descriptor's leading byte
-offset), adjacent in rows 128 bytes apart (its stride byte offset); no swizzle, no bank
-conflicts. Each launch first lays its operands out in memory that way (:func:`tiled_words`,
-one pass, zero-padded to whole blocks and stages), so that a block's stage is one contiguous
-16 KiB copy, and the same array serves as A and as B. Which 128 bits of a row an instruction
-takes first does not matter: A and B share the layout, so every bit pair meets once. Of a
-symmetric block only the tiles on and above the diagonal run, and each stores its counts above
-the diagonal at their mirror too (no second pass over C).
+Layout. A copy is a box of 128 rows x 128 bytes (1024 bits) of the row-major words, stored
+128-byte swizzled (each 16-byte piece of a row at a place XORed with the row's index within
+its 8-row group: no bank conflicts), which ``wgmma`` reads through K-major descriptors with
+the same swizzle (8-row groups 1024 bytes apart; each 256-bit k step 32 bytes further along
+the row). The copy engine fills zeros past the data (rows, and bits up to the stage), so
+nothing is padded or laid out beforehand; rows that are not contiguous whole 16-byte pieces
+are copied first (:func:`tensor_map`). Which bits of a row an instruction takes first does not
+matter: A and B share the layout, so every bit pair meets once. Of a symmetric block only the
+tiles on and above the diagonal run, and each stores its counts above the diagonal at their
+mirror too (no second pass over C).
 
-Measured (H200, 16384 rows x 131072 bits, C on the device, the layout pass included): full C
-6.2e15 bit-MAC/s against bmma's 1.9e15; symmetric 2.99 ms, 1.18e16 effective (N·N·K / t);
-65,536 rows x 2048 bits 5.9 ms against bmma's 18.2 (C's 17 GB written is the time there). On
-the way (``docs/perf-notes.md``): every thread copying 16 bytes at a time (``cp.async``) with
-two ``__syncthreads`` a stage reached 1.5-1.9e15, its copies the whole time; bulk copies of
-1 KiB 2.3e15; clusters of two blocks sharing B's copies (``.multicast::cluster``) gained
-nothing over this. No dask here.
+Measured (H200, 16384 rows x 131072 bits, C on the device): full C 6.3-6.6e15 bit-MAC/s
+against bmma's 1.9e15; symmetric 2.86 ms, 1.23e16 effective (N·N·K / t); 65,536 rows x 2048
+bits 6.0 ms against bmma's 18.2 (C's 17 GB written is the time there). On the way
+(``docs/perf-notes.md``): every thread copying 16 bytes at a time (``cp.async``) with two
+``__syncthreads`` a stage reached 1.5-1.9e15, its copies the whole time; bulk copies of 1 KiB
+2.3e15; of whole laid-out blocks 6.2e15, the layout pass 0.18 ms a launch; clusters of two
+blocks sharing B's copies (``.multicast::cluster``) gained nothing. No dask here.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from .compiled import compiled_once
 from .launch import cupy_stream
 
 __all__ = ["BLOCK", "TILE", "WGMMA_CC", "WgmmaTile", "compile_for_sm90a", "kernel_source",
-           "launch", "tiled_words", "wgmma_cuda", "wgmma_supported"]
+           "launch", "tensor_map", "wgmma_cuda", "wgmma_supported"]
 
 #: The compute capability with ``wgmma`` (``sm_90a``: Hopper's architecture-specific features).
 WGMMA_CC = (9, 0)
@@ -77,8 +78,8 @@ class WgmmaTile(NamedTuple):
 
     @property
     def shared_bytes(self) -> int:
-        """The stages, then two 8-byte barriers a stage."""
-        return self.stages * (self.bm + self.bn) * self.kbits // 8 + 16 * self.stages
+        """The stages from a 1024-byte boundary, then two 8-byte barriers a stage."""
+        return self.stages * (self.bm + self.bn) * self.kbits // 8 + 16 * self.stages + 1024
 
 
 #: The tile used unless one is given (not yet measured: a first guess, 192 KiB of shared
@@ -92,10 +93,9 @@ BLOCK = 128
 
 def _check_tile(tile: WgmmaTile) -> None:
     if (tile.bm not in (BLOCK, 2 * BLOCK) or tile.bn not in (BLOCK, 2 * BLOCK)
-            or tile.stages < 2 or tile.kbits % 256 or not 256 <= tile.kbits <= 2048
-            or tile.group < 1):
+            or tile.stages < 2 or tile.kbits != 1024 or tile.group < 1):
         raise ValueError(f"bad wgmma tile {tile}: bm and bn {BLOCK} or {2 * BLOCK}; stages >= 2; "
-                         "kbits a multiple of 256 up to 2048; group >= 1")
+                         "kbits 1024 (a 128-byte swizzled row); group >= 1")
     if tile.shared_bytes > 227 * 1024:
         raise ValueError(f"bad wgmma tile {tile}: {tile.shared_bytes:,} bytes of shared memory "
                          "(at most 227 KiB a block on sm_90)")
@@ -125,8 +125,8 @@ _BODY = r"""
 #define ACC (BN / 2)                  // int32 accumulators a thread: 64 x BN over 128 threads
 #define CHUNKS (KBITS / 128)          // 16-byte columns of a row a stage
 #define STEPS_K (KBITS / 256)         // instructions a stage
-#define BLOCK 128                     // rows of a block of the tiled operands
-#define BLOCK_BYTES (BLOCK * KBITS / 8) // a block's stage: one bulk copy
+#define BLOCK 128                     // rows of a tensor-map copy
+#define BLOCK_BYTES (BLOCK * KBITS / 8) // one copy: 128 rows x 128 bytes, 16 KiB
 #define NSUB (BN / BLOCK)             // instructions a k step, m64n128 each
 
 __device__ __forceinline__ unsigned shared_address(const void* p)
@@ -164,32 +164,31 @@ __device__ __forceinline__ void barrier_arrive_expecting(unsigned bar, unsigned 
                  :: "r"(bar), "r"(bytes) : "memory");
 }
 
-__device__ __forceinline__ void bulk_copy(unsigned dst, const unsigned char* src,
-                                          unsigned bytes, unsigned bar)
+__device__ __forceinline__ void tensor_copy(unsigned dst, const void* map, int x, int y,
+                                            unsigned bar)
 {
-    // The copy engine moves the bytes and counts them on the stage's barrier.
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                 "[%0], [%1], %2, [%3];\n"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+    // The copy engine moves the map's box at byte x of row y (rows past the data and bytes
+    // past a row's end read as zeros), 128-byte swizzled, and counts its bytes on the barrier.
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];\n"
+                 :: "r"(dst), "l"(map), "r"(x), "r"(y), "r"(bar) : "memory");
 }
 
-__device__ __forceinline__ unsigned long long descriptor(unsigned address, unsigned leading,
-                                                         unsigned stride)
+__device__ __forceinline__ unsigned long long descriptor(unsigned address)
 {
-    // Start address, leading and stride byte offsets, each in 16-byte units; base offset 0,
-    // no swizzle (bits 62-63 zero).
-    return (unsigned long long)((address & 0x3FFFF) >> 4)
-         | ((unsigned long long)((leading & 0x3FFFF) >> 4) << 16)
-         | ((unsigned long long)((stride & 0x3FFFF) >> 4) << 32);
+    // K-major, 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart (the stride
+    // byte offset), the leading byte offset unused (1); start address and offsets in 16-byte
+    // units. Each 256-bit k step starts 32 bytes further; the hardware swizzles the rest.
+    return (unsigned long long)((address & 0x3FFFF) >> 4) | (1ull << 16)
+         | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-gram_wgmma(const unsigned char* __restrict__ a, const unsigned char* __restrict__ b,
-           int* __restrict__ c, int na, int nb, int blocks_a, int blocks_b, int steps, int ldc,
-           int upper, int pair_store)
+gram_wgmma(const void* __restrict__ map_a, const void* __restrict__ map_b,
+           int* __restrict__ c, int na, int nb, int steps, int ldc, int upper, int pair_store)
 {
-    // a, b: the operands tiled (tiled_words), blocks_a and blocks_b blocks of BLOCK rows,
-    // `steps` stages of KBITS bits a row. One-dimensional grid, rows of tiles taken GROUP at a
+    // map_a, map_b: tensor maps of the operands' words (tensor_map), `steps` stages of KBITS
+    // bits a row. One-dimensional grid, rows of tiles taken GROUP at a
     // time; a tile wholly below the diagonal of a symmetric block returns at once (its mirror
     // is computed).
     extern __shared__ __align__(128) unsigned char smem[];
@@ -203,7 +202,8 @@ gram_wgmma(const unsigned char* __restrict__ a, const unsigned char* __restrict_
     if (upper && row_block >= col_block + BN) return;
 
     const unsigned stage_bytes = (BM + BN) * CHUNKS * 16;
-    const unsigned base = shared_address(smem);
+    // 128-byte swizzled copies land on 1024-byte boundaries.
+    const unsigned base = (shared_address(smem) + 1023) & ~1023u;
     // Stage s is full once its copies have landed (full[s]: the producer's arrival and the
     // bytes), empty once every consumer warp's instructions reading it are done.
     const unsigned full = base + STAGES * stage_bytes, empty = full + 8 * STAGES;
@@ -219,27 +219,24 @@ gram_wgmma(const unsigned char* __restrict__ a, const unsigned char* __restrict_
 
     if (warp >= PRODUCER) {
         if (threadIdx.x != PRODUCER * 32) return;
-        // A stage is a copy per block of the tile's rows of A and of B (KBITS bits of each
-        // row, laid out in memory as in the stage: tiled_words). A tile's last blocks may lie
-        // past the operand's: not copied, what the stage holds there from before only reaches
-        // C's rows and columns past the data, which are not stored.
-        const int first_a = row_block / BLOCK, first_b = col_block / BLOCK;
-        const int pieces_a = min(BM / BLOCK, blocks_a - first_a);
-        const int pieces_b = min(BN / BLOCK, blocks_b - first_b);
-        const unsigned bytes = (pieces_a + pieces_b) * BLOCK_BYTES;
+        // The maps were written by a copy from the host: made visible to the copy engine.
+        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n"
+                     :: "l"(map_a) : "memory");
+        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n"
+                     :: "l"(map_b) : "memory");
+        // A stage is a copy per 128 rows of the tile's rows of A and of B, KBITS bits of each;
+        // a copy past the data fills zeros, and counts its whole box all the same.
         for (int step = 0; step < steps; ++step) {
             const int slot = step % STAGES;
             const unsigned at = base + slot * stage_bytes, bar = full + 8 * slot;
             barrier_wait(empty + 8 * slot, ((step / STAGES) & 1) ^ 1);
-            barrier_arrive_expecting(bar, bytes);
-            for (int p = 0; p < pieces_a; ++p)
-                bulk_copy(at + p * BLOCK_BYTES,
-                          a + ((size_t)(first_a + p) * steps + step) * BLOCK_BYTES,
-                          BLOCK_BYTES, bar);
-            for (int p = 0; p < pieces_b; ++p)
-                bulk_copy(at + (BM / BLOCK + p) * BLOCK_BYTES,
-                          b + ((size_t)(first_b + p) * steps + step) * BLOCK_BYTES,
-                          BLOCK_BYTES, bar);
+            barrier_arrive_expecting(bar, stage_bytes);
+            for (int p = 0; p < BM / BLOCK; ++p)
+                tensor_copy(at + p * BLOCK_BYTES, map_a, step * (KBITS / 8),
+                            row_block + p * BLOCK, bar);
+            for (int p = 0; p < NSUB; ++p)
+                tensor_copy(at + (BM / BLOCK + p) * BLOCK_BYTES, map_b, step * (KBITS / 8),
+                            col_block + p * BLOCK, bar);
         }
         return;
     }
@@ -252,17 +249,17 @@ gram_wgmma(const unsigned char* __restrict__ a, const unsigned char* __restrict_
         const int slot = step % STAGES;
         barrier_wait(full + 8 * slot, (step / STAGES) & 1);
         const unsigned at = base + slot * stage_bytes;
-        // This warpgroup's 64 rows: 8 row groups of its block of A; B's blocks after A's.
-        const unsigned a_at = at + (warpgroup / 2) * BLOCK_BYTES + (warpgroup % 2) * 64 * 16;
+        // This warpgroup's 64 rows of its copy of A (8 KiB in); B's copies after A's.
+        const unsigned a_at = at + (warpgroup / 2) * BLOCK_BYTES + (warpgroup % 2) * 64 * 128;
         const unsigned b_at = at + (BM / BLOCK) * BLOCK_BYTES;
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
         for (int s = 0; s < STEPS_K; ++s) {
-            const unsigned long long a_desc = descriptor(a_at + 2 * s * BLOCK * 16, BLOCK * 16, 128);
+            const unsigned long long a_desc = descriptor(a_at + 32 * s);
 #pragma unroll
             for (int h = 0; h < NSUB; ++h)  // columns 128 h to 128 h + 127: accumulators 64 h on
                 mma_b1(*reinterpret_cast<int(*)[64]>(acc + 64 * h), a_desc,
-                       descriptor(b_at + h * BLOCK_BYTES + 2 * s * BLOCK * 16, BLOCK * 16, 128), 1);
+                       descriptor(b_at + h * BLOCK_BYTES + 32 * s), 1);
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         // The previous step's instructions are done: its stage may take new copies.
@@ -391,59 +388,53 @@ def wgmma_cuda(a: Any, b: Any | None, c: Any, stream: Any = 0, tile: WgmmaTile =
         launch(_compiled_kernel(device, tile).kernel, a, b, c, tile)
 
 
-#: One pass from row-major words to :func:`tiled_words`' layout, zeros where the padding is:
-#: a thread per 16 bytes, taken in the words' order (a warp reads 4 rows x 128 bytes; its
-#: writes are 8 runs of 64 bytes): 0.17 ms for 268 MB on an H200, against 0.20 ms with the
-#: writes in order and the reads scattered.
-_TILING_SOURCE = r"""
-extern "C" __global__ void tile_words(const unsigned long long* __restrict__ words,
-                                      ulonglong2* __restrict__ out, long long n, long long m,
-                                      long long stages, long long chunks, long long total)
-{
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const long long column = i % chunks, rest = i / chunks;  // [block][stage][row][column]
-        const long long in_block = rest % 128, step = (rest / 128) % stages;
-        const long long block = rest / 128 / stages, row = block * 128 + in_block;
-        const long long word = (step * chunks + column) * 2;
-        ulonglong2 v = make_ulonglong2(0ull, 0ull);
-        if (row < n) {
-            if (word < m) v.x = words[row * m + word];
-            if (word + 1 < m) v.y = words[row * m + word + 1];
-        }
-        out[((block * stages + step) * chunks + column) * 128 + in_block] = v;
-    }
-}
-"""
+#: ``CUtensorMap`` is 128 bytes, 64-byte aligned; the enumerators below are CUDA's (cuda.h).
+_MAP_BYTES = 128
+_UINT8, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZERO = 0, 0, 3, 2, 0
 
 
 @functools.cache
-def _tiling_kernel(device: int) -> Any:
+def _encode_tiled() -> Any:
+    """The driver's ``cuTensorMapEncodeTiled`` (CUDA 12 and later), through ctypes: CuPy has
+    no binding of it."""
+    import ctypes
+
+    encode = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    u32, u64 = ctypes.c_uint32, ctypes.c_uint64
+    encode.restype = ctypes.c_int
+    encode.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.POINTER(u64),
+                       ctypes.POINTER(u64), ctypes.POINTER(u32), ctypes.POINTER(u32),
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return encode
+
+
+def tensor_map(words: Any, kbits: int = 1024) -> tuple[Any, Any]:
+    """A tensor map of ``uint64`` words ``(n, m)`` on the device, for the kernel's copies:
+    boxes of :data:`BLOCK` rows by ``kbits / 8`` bytes, 128-byte swizzled, zeros past the
+    data. Returns the map (a 128-byte CuPy array) and the words it describes: ``words``
+    itself, or a copy where its rows are not contiguous and 16-byte aligned, as the copy engine
+    needs them (freed after the launch, the copy's memory is reused only by later work on the
+    same stream, as CuPy's pool does for every temporary)."""
+    import ctypes
+
     import cupy
 
-    return cupy.RawKernel(_TILING_SOURCE, "tile_words")
-
-
-def tiled_words(words: Any, kbits: int) -> Any:
-    """``uint64`` words ``(n, m)`` as the kernel's copies take them, in one pass: rows
-    zero-padded to a multiple of :data:`BLOCK` and bits to a multiple of ``kbits``, laid out
-    as ``[block of BLOCK rows][stage of kbits][16-byte column][8-row group][row in group]``:
-    a block's stage is contiguous (one bulk copy) and lands in shared memory as wgmma's core
-    matrices. The same array is A and B."""
-    import cupy
-
-    words = cupy.ascontiguousarray(words)
     n, m = words.shape
-    chunks = kbits // 128
-    stages, blocks = -(-m // (2 * chunks)), -(-n // BLOCK)
-    out = cupy.empty((blocks, stages, chunks, BLOCK, 2), dtype=np.uint64)
-    total = out.size // 2
-    if total:
-        _tiling_kernel(cupy.cuda.runtime.getDevice())(
-            (min(-(-total // 256), 65536),), (256,),
-            (words, out, np.int64(n), np.int64(m), np.int64(stages), np.int64(chunks),
-             np.int64(total)))
-    return out
+    if not words.flags.c_contiguous or words.data.ptr % 16 or m % 2:
+        padded = cupy.zeros((n, m + m % 2), dtype=np.uint64)
+        padded[:, :m] = words
+        words, m = padded, m + m % 2
+    host = np.zeros(_MAP_BYTES + 64, dtype=np.uint8)
+    start = -host.ctypes.data % 64
+    u32, u64 = ctypes.c_uint32, ctypes.c_uint64
+    status = _encode_tiled()(
+        host.ctypes.data + start, _UINT8, 2, words.data.ptr, (u64 * 2)(m * 8, n), (u64 * 1)(m * 8),
+        (u32 * 2)(kbits // 8, BLOCK), (u32 * 2)(1, 1), _INTERLEAVE_NONE, _SWIZZLE_128B,
+        _L2_PROMOTION_128B, _OOB_FILL_ZERO)
+    if status:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {status}) for words of shape "
+                           f"{(n, m)} at {words.data.ptr:#x}")
+    return cupy.asarray(host[start:start + _MAP_BYTES]), words
 
 
 def launch(kernel: Any, a: Any, b: Any | None, c: Any, tile: WgmmaTile) -> None:
@@ -459,11 +450,11 @@ def launch(kernel: Any, a: Any, b: Any | None, c: Any, tile: WgmmaTile) -> None:
     if a.shape[1] == 0:
         c[...] = 0
         return
-    ta = tiled_words(a, tile.kbits)
-    tb = ta if diagonal else tiled_words(b, tile.kbits)
+    map_a, kept_a = tensor_map(a, tile.kbits)
+    map_b, kept_b = (map_a, kept_a) if diagonal else tensor_map(b, tile.kbits)
+    steps = -(-kept_a.shape[1] * 64 // tile.kbits)
     pair_store = c.shape[1] % 2 == 0 and c.data.ptr % 8 == 0
     grid = (-(-nb // tile.bn) * -(-na // tile.bm),)
-    args = (ta, tb, c, np.int32(na), np.int32(nb), np.int32(ta.shape[0]), np.int32(tb.shape[0]),
-            np.int32(ta.shape[1]), np.int32(c.shape[1]), np.int32(diagonal),
-            np.int32(pair_store))
+    args = (map_a, map_b, c, np.int32(na), np.int32(nb), np.int32(steps), np.int32(c.shape[1]),
+            np.int32(diagonal), np.int32(pair_store))
     kernel(grid, (tile.threads,), args, shared_mem=tile.shared_bytes)

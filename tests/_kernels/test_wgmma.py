@@ -18,8 +18,8 @@ from dask_gpuchunk._kernels.bitpack import reference_bitpack
 from dask_gpuchunk._kernels.gram import reference_gram
 from dask_gpuchunk._kernels.wgmma import TILE, WgmmaTile, _check_tile, kernel_source
 
-TILES = [TILE, WgmmaTile(128, 128, 4, 1024, 8), WgmmaTile(128, 128, 3, 2048, 8),
-         WgmmaTile(256, 128, 3, 1024, 4), WgmmaTile(128, 256, 2, 256, 1)]
+TILES = [TILE, WgmmaTile(128, 128, 4, 1024, 8), WgmmaTile(128, 256, 3, 1024, 8),
+         WgmmaTile(256, 128, 3, 1024, 4), WgmmaTile(128, 256, 2, 1024, 1)]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc to assemble the kernel with")
@@ -40,11 +40,12 @@ def test_wgmma_source_assembles_for_sm90a_without_spills(tmp_path, tile):
 
 def test_wgmma_tile_checks():
     _check_tile(TILE)
-    assert TILE.shared_bytes == TILE.stages * ((TILE.bm + TILE.bn) * TILE.kbits // 8 + 16)
+    assert TILE.shared_bytes == TILE.stages * ((TILE.bm + TILE.bn) * TILE.kbits // 8 + 16) + 1024
     assert TILE.threads == 128 * (TILE.bm // 64 + 1)
     assert "m64n128k256.s32.b1.b1.and.popc" in kernel_source(TILE)
     for bad in (WgmmaTile(96, 256), WgmmaTile(128, 200), WgmmaTile(64, 256), WgmmaTile(128, 64), WgmmaTile(128, 256, 1),
-                WgmmaTile(128, 256, 4, 384), WgmmaTile(128, 256, 4, 1024, 0),
+                WgmmaTile(128, 256, 4, 384), WgmmaTile(128, 256, 4, 512),
+                WgmmaTile(128, 256, 4, 1024, 0),
                 WgmmaTile(256, 256, 4, 2048)):
         with pytest.raises(ValueError, match="bad wgmma tile"):
             _check_tile(bad)
@@ -99,24 +100,23 @@ def test_wgmma_cuda_tile_shapes_and_rectangles(rng, tile):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, words, kbits", [(1, 1, 256), (130, 17, 1024), (256, 32, 1024),
-                                             (77, 40, 2048)])
-def test_tiled_words_is_the_copies_layout_zero_padded(rng, n, words, kbits):
-    # [block of 128 rows][stage of kbits][16-byte column][row in block], zeros past the data.
+def test_wgmma_cuda_takes_strided_and_odd_width_words(rng):
+    # The copy engine needs contiguous rows of whole 16-byte pieces: views and odd word counts
+    # are copied first, with the same counts.
     import cupy
 
-    from dask_gpuchunk._kernels.wgmma import BLOCK, tiled_words
+    from dask_gpuchunk._kernels.wgmma import wgmma_cuda
 
     _hopper()
-    w = rng.integers(0, 2**64, size=(n, words), dtype=np.uint64)
-    per_stage = kbits // 64
-    rows, width = -(-n // BLOCK) * BLOCK, -(-words // per_stage) * per_stage
-    padded = np.zeros((rows, width), dtype=np.uint64)
-    padded[:n, :words] = w
-    expected = padded.reshape(rows // BLOCK, BLOCK, width // per_stage, kbits // 128, 2)
-    got = cupy.asnumpy(tiled_words(cupy.asarray(w), kbits))
-    np.testing.assert_array_equal(got, expected.transpose(0, 2, 3, 1, 4))
-    # A strided view is laid out as its copy.
-    view = cupy.asarray(np.concatenate([w, w], axis=1))[:, ::2]
-    np.testing.assert_array_equal(cupy.asnumpy(tiled_words(view, kbits)),
-                                  cupy.asnumpy(tiled_words(cupy.ascontiguousarray(view), kbits)))
+    a = random_bits(rng, (300, 1000), 0.4)
+    words = cupy.asarray(reference_bitpack(a))  # 16 words a row
+    wide = cupy.zeros((300, 40), dtype=np.uint64)
+    wide[:, 3:19] = words
+    for view in (wide[:, 3:19], wide[:, 3:20], words[:, :15], words[1:, :]):
+        bits = np.unpackbits(cupy.asnumpy(view).view(np.uint8), axis=1)
+        expected = reference_gram(bits)
+        c = cupy.empty((view.shape[0],) * 2, dtype=np.int32)
+        wgmma_cuda(view, None, c)
+        np.testing.assert_array_equal(cupy.asnumpy(c), expected)
+        wgmma_cuda(view, view, c)
+        np.testing.assert_array_equal(cupy.asnumpy(c), expected)
