@@ -19,22 +19,15 @@ from collections import defaultdict
 import cupy
 import dask
 import numpy as np
+from bmma_tiles import timed  # this folder's tool: run as tools/gram_path_profile.py
 from dask.callbacks import Callback
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.gram import resolve_method
 
 
-def median_ms(fn, repeat: int = 7) -> float:
-    fn()
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        cupy.cuda.Device().synchronize()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3
+def median_ms(fn) -> float:
+    return timed(fn, repeat=7) * 1e3
 
 
 class TaskTimes(Callback):
@@ -67,7 +60,7 @@ def main() -> None:
 
     c = cupy.empty((n, n), dtype=np.int32)
     launch = _launcher(method, diagonal=True)
-    t = median_ms(lambda: launch(c, [words], 0))
+    t = median_ms(lambda c=c: launch(c, [words], 0))
     print(f"  kernel alone (symmetric): {t:.2f} ms = {n * n * k / t / 1e-3:.3e}", flush=True)
     del c
     x = dg.asarray(words, chunks=(n, -1))
