@@ -121,8 +121,9 @@ def environment() -> dict[str, Any]:
     if count:
         auto = resolve_method("auto", on_gpu=True)
         cc = "%d.%d" % _compute_capability()
-        why = {"wgmma": " (a Hopper: warpgroup 1-bit MMA, measured ~2.8 x bmma's kernel on a "
-                        "long-row Gram; top-k and threshold similarity run bmma's fused kernel)",
+        why = {"wgmma": " (a Hopper: warpgroup 1-bit MMA; dg.gram measured 2.8 x bmma on a "
+                        "long-row Gram, H200; top-k and threshold similarity run bmma's "
+                        "fused kernel)",
                "bmma": f" (compute capability {cc}: wgmma needs 9.0)",
                "int8": f" (no 1-bit MMA on this GPU: compute capability {cc} < 8.0)",
                "popcount": f" (no int8 or 1-bit MMA on this GPU: compute capability {cc} < 7.5)"}

@@ -279,8 +279,10 @@ gram_wgmma(const void* __restrict__ map_a, const void* __restrict__ map_b,
         const int c0 = col_block + 8 * j + 2 * (lane & 3), c1 = c0 + 1;
         const int* d = acc + 4 * j;
         if (pair_store && c1 < nb) {  // 8-byte stores where C's rows allow them
-            if (r0 < na) *reinterpret_cast<int2*>(c + (size_t)r0 * ldc + c0) = make_int2(d[0], d[1]);
-            if (r1 < na) *reinterpret_cast<int2*>(c + (size_t)r1 * ldc + c0) = make_int2(d[2], d[3]);
+            if (r0 < na)
+                *reinterpret_cast<int2*>(c + (size_t)r0 * ldc + c0) = make_int2(d[0], d[1]);
+            if (r1 < na)
+                *reinterpret_cast<int2*>(c + (size_t)r1 * ldc + c0) = make_int2(d[2], d[3]);
         } else {
             if (r0 < na) {
                 if (c0 < nb) c[(size_t)r0 * ldc + c0] = d[0];

@@ -43,8 +43,8 @@ def test_wgmma_tile_checks():
     assert TILE.shared_bytes == TILE.stages * ((TILE.bm + TILE.bn) * TILE.kbits // 8 + 16) + 1024
     assert TILE.threads == 128 * (TILE.bm // 64 + 1)
     assert "m64n128k256.s32.b1.b1.and.popc" in kernel_source(TILE)
-    for bad in (WgmmaTile(96, 256), WgmmaTile(128, 200), WgmmaTile(64, 256), WgmmaTile(128, 64), WgmmaTile(128, 256, 1),
-                WgmmaTile(128, 256, 4, 384), WgmmaTile(128, 256, 4, 512),
+    for bad in (WgmmaTile(96, 256), WgmmaTile(128, 200), WgmmaTile(64, 256), WgmmaTile(128, 64),
+                WgmmaTile(128, 256, 1), WgmmaTile(128, 256, 4, 384), WgmmaTile(128, 256, 4, 512),
                 WgmmaTile(128, 256, 4, 1024, 0),
                 WgmmaTile(256, 256, 4, 2048)):
         with pytest.raises(ValueError, match="bad wgmma tile"):
