@@ -33,8 +33,8 @@ from .compiled import compiled_once
 from .gram import _mirror_cuda
 from .launch import cupy_stream
 
-__all__ = ["BMMA_MIN_CC", "TILE", "TILE_SOURCE", "BmmaTile", "GramOperands", "bmma_cuda",
-           "bmma_supported", "gram_operands", "tile_kernel", "words32"]
+__all__ = ["BMMA_MIN_CC", "TILE", "TILE_SOURCE", "BmmaTile", "GramBlock", "bmma_cuda",
+           "bmma_supported", "gram_block", "tile_kernel", "words32"]
 
 #: Compute capability from which ``mma.sync.m16n8k256 .b1.and.popc`` exists.
 BMMA_MIN_CC = (8, 0)
@@ -344,21 +344,18 @@ def bmma_cuda(a: Any, b: Any | None, c: Any, stream: Any = 0, tile: BmmaTile = T
         _bmma(a, b, c, stream, tile)
 
 
-class GramOperands(NamedTuple):
-    """A Gram block's operands as the 1-bit tensor-core kernels take them."""
+class GramBlock(NamedTuple):
+    """A Gram block's shape as the 1-bit tensor-core kernels launch it."""
 
-    a32: Any
-    b32: Any
     na: int
     nb: int
-    diagonal: bool
+    diagonal: bool  # b is None: the symmetric a · aᵀ
     pair_store: bool  # whether C's rows allow 8-byte stores of two counts
 
 
-def gram_operands(a: Any, b: Any | None, c: Any, kbits: int) -> GramOperands | None:
-    """``a`` and ``b`` (``None``: ``a · aᵀ``) as ``uint32`` words padded to ``kbits``
-    (:func:`words32`), ``c`` checked; ``None`` where there is nothing to launch (an empty
-    block, or no bits: then ``c`` is zeroed)."""
+def gram_block(a: Any, b: Any | None, c: Any) -> GramBlock | None:
+    """``a · bᵀ`` (``b=None``: ``a · aᵀ``) into ``c``, checked; ``None`` where there is nothing
+    to launch (an empty block, or no bits: then ``c`` is zeroed)."""
     diagonal = b is None
     na = a.shape[0]
     nb = na if diagonal else b.shape[0]
@@ -369,19 +366,18 @@ def gram_operands(a: Any, b: Any | None, c: Any, kbits: int) -> GramOperands | N
         return None
     if not c.flags.c_contiguous or c.shape != (na, nb):
         raise ValueError(f"c must be a C-contiguous ({na}, {nb}) array")
-    a32 = words32(a, kbits)
-    b32 = a32 if diagonal else words32(b, kbits)
-    pair_store = c.shape[1] % 2 == 0 and c.data.ptr % 8 == 0
-    return GramOperands(a32, b32, na, nb, diagonal, pair_store)
+    return GramBlock(na, nb, diagonal, c.shape[1] % 2 == 0 and c.data.ptr % 8 == 0)
 
 
 def _bmma(a: Any, b: Any | None, c: Any, stream: Any, tile: BmmaTile) -> None:
-    ops = gram_operands(a, b, c, tile.kbits)
-    if ops is None:
+    block = gram_block(a, b, c)
+    if block is None:
         return
-    grid = (-(-ops.nb // tile.bn) * -(-ops.na // tile.bm),)
-    args = (ops.a32, ops.b32, c, np.int32(ops.na), np.int32(ops.nb), np.int32(ops.a32.shape[1]),
-            np.int32(c.shape[1]), np.int32(ops.diagonal), np.int32(ops.pair_store))
+    a32 = words32(a, tile.kbits)
+    b32 = a32 if block.diagonal else words32(b, tile.kbits)
+    grid = (-(-block.nb // tile.bn) * -(-block.na // tile.bm),)
+    args = (a32, b32, c, np.int32(block.na), np.int32(block.nb), np.int32(a32.shape[1]),
+            np.int32(c.shape[1]), np.int32(block.diagonal), np.int32(block.pair_store))
     _kernel(tile)(grid, (tile.threads,), args, shared_mem=tile.shared_bytes)
-    if ops.diagonal:
+    if block.diagonal:
         _mirror_cuda(c, stream)

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .bmma import gram_block
 from .compiled import compiled_once
 from .launch import cupy_stream
 
@@ -443,21 +444,14 @@ def tensor_map(words: Any, kbits: int = 1024) -> tuple[Any, Any]:
 def launch(kernel: Any, a: Any, b: Any | None, c: Any, tile: WgmmaTile) -> None:
     """:func:`wgmma_cuda`'s work with ``kernel`` (compiled from :func:`kernel_source` of
     ``tile``, or a variant of it), on CuPy's current stream."""
-    diagonal = b is None
-    na = a.shape[0]
-    nb = na if diagonal else b.shape[0]
-    if na == 0 or nb == 0:
+    block = gram_block(a, b, c)
+    if block is None:
         return
-    if not c.flags.c_contiguous or c.shape != (na, nb):
-        raise ValueError(f"c must be a C-contiguous ({na}, {nb}) array")
-    if a.shape[1] == 0:
-        c[...] = 0
-        return
+    # kept_a and kept_b (the words, or their copies) stay referenced until after the launch.
     map_a, kept_a = tensor_map(a, tile.kbits)
-    map_b, kept_b = (map_a, kept_a) if diagonal else tensor_map(b, tile.kbits)
+    map_b, kept_b = (map_a, kept_a) if block.diagonal else tensor_map(b, tile.kbits)
     steps = -(-kept_a.shape[1] * 64 // tile.kbits)
-    pair_store = c.shape[1] % 2 == 0 and c.data.ptr % 8 == 0
-    grid = (-(-nb // tile.bn) * -(-na // tile.bm),)
-    args = (map_a, map_b, c, np.int32(na), np.int32(nb), np.int32(steps), np.int32(c.shape[1]),
-            np.int32(diagonal), np.int32(pair_store))
+    grid = (-(-block.nb // tile.bn) * -(-block.na // tile.bm),)
+    args = (map_a, map_b, c, np.int32(block.na), np.int32(block.nb), np.int32(steps),
+            np.int32(c.shape[1]), np.int32(block.diagonal), np.int32(block.pair_store))
     kernel(grid, (tile.threads,), args, shared_mem=tile.shared_bytes)

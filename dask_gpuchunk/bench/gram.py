@@ -304,7 +304,6 @@ def _ours_kernels(bench: _Bench, table: str, dev_words: Any,
     row("ours bmma kernel alone (symmetric)", lambda: bmma_cuda(dev_words, None, c))
     row("ours bmma kernel alone, full C (no symmetry)", lambda: bmma_cuda(dev_words, dev_words, c))
     if wgmma_supported():
-        # Each launch lays its operands out in tiles first (two copies of the words): counted.
         row("ours wgmma kernel alone (symmetric)", lambda: wgmma_cuda(dev_words, None, c))
         row("ours wgmma kernel alone, full C (no symmetry)",
             lambda: wgmma_cuda(dev_words, dev_words, c))
