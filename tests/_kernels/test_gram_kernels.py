@@ -122,20 +122,30 @@ def test_transpose_cpu(rng, shape):
     np.testing.assert_array_equal(out, block.T)
 
 
+def _one_bit_kernel(name: str):
+    """bmma_cuda or wgmma_cuda; the latter skipped off Hopper GPUs."""
+    from dask_gpuchunk._kernels.bmma import bmma_cuda
+    from dask_gpuchunk._kernels.wgmma import wgmma_cuda, wgmma_supported
+
+    if name == "wgmma" and not wgmma_supported():
+        pytest.skip("wgmma needs a Hopper GPU (compute capability 9.0)")
+    return {"bmma": bmma_cuda, "wgmma": wgmma_cuda}[name]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 7, 63, 64, 65, 129, 1041, 1043])
-@pytest.mark.parametrize("k", [1, 65, 255, 256, 257, 1043, 5000])
-def test_bmma_cuda_on_gpu(rng, n, k):
+@pytest.mark.parametrize("kernel", ["bmma", "wgmma"])
+@pytest.mark.parametrize("n", [1, 7, 63, 64, 65, 129, 257, 1041, 1043])
+@pytest.mark.parametrize("k", [1, 65, 255, 256, 257, 1025, 1043, 5000])
+def test_one_bit_kernels_on_gpu(rng, kernel, n, k):
     import cupy
 
-    from dask_gpuchunk._kernels.bmma import bmma_cuda
-
+    run = _one_bit_kernel(kernel)
     a = random_bits(rng, (n, k), rng.uniform(0.01, 0.99))
     words = cupy.asarray(reference_bitpack(a))
     expected = reference_gram(a)
     for b in (None, words):
         c = cupy.empty((n, n), dtype=np.int32)
-        bmma_cuda(words, b, c)
+        run(words, b, c)
         np.testing.assert_array_equal(cupy.asnumpy(c), expected, err_msg=f"diagonal={b is None}")
 
 

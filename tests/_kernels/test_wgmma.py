@@ -2,7 +2,8 @@
 
 Where ``nvcc`` is installed (CI's machine has it, and no GPU), every tile's source goes through
 ``ptxas`` for ``sm_90a``: the inline PTX is valid, nothing spills and ``ptxas`` does not
-serialise the asynchronous instructions. The ``gpu`` tests check it exact on a Hopper GPU.
+serialise the asynchronous instructions. The ``gpu`` tests check it exact on a Hopper GPU, on
+every tile here; the default tile on odd sizes beside bmma's kernel in test_gram_kernels.py.
 """
 
 from __future__ import annotations
@@ -56,24 +57,6 @@ def _hopper() -> None:
 
     if not wgmma_supported():
         pytest.skip("wgmma needs a Hopper GPU (compute capability 9.0)")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 7, 63, 64, 65, 129, 257, 1043])
-@pytest.mark.parametrize("k", [1, 255, 256, 257, 1025, 5000])
-def test_wgmma_cuda_on_gpu(rng, n, k):
-    import cupy
-
-    from dask_gpuchunk._kernels.wgmma import wgmma_cuda
-
-    _hopper()
-    a = random_bits(rng, (n, k), rng.uniform(0.01, 0.99))
-    words = cupy.asarray(reference_bitpack(a))
-    expected = reference_gram(a)
-    for b in (None, words):
-        c = cupy.empty((n, n), dtype=np.int32)
-        wgmma_cuda(words, b, c)
-        np.testing.assert_array_equal(cupy.asnumpy(c), expected, err_msg=f"diagonal={b is None}")
 
 
 @pytest.mark.gpu
