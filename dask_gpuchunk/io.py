@@ -236,18 +236,47 @@ def _region_runs(header: NpyHeader, region: tuple[slice, ...]) -> tuple[int, lis
 
 
 def _each_run(transfer: Callable[[memoryview, int], int], raw: memoryview, run: int,
-              offsets: list[int]) -> bool:
+              offsets: list[int], threads: int = 1) -> bool:
     """``transfer(view, file_offset)`` (a ``preadv`` or ``pwrite``) over run ``r`` of ``raw``
     at ``offsets[r]``, again for the rest while it moves fewer bytes than asked. False if it
-    moved nothing (end of file, full disk)."""
-    for r, offset in enumerate(offsets):
-        view = raw[r * run:(r + 1) * run]
-        while view:
-            moved = transfer(view, offset)
-            if moved == 0:
-                return False
-            view, offset = view[moved:], offset + moved
+    moved nothing (end of file, full disk). ``threads`` above 1: runs of at least two
+    :data:`READ_PIECE_BYTES` are cut into pieces of that size, moved by that many threads of a
+    pool at once (:func:`_piece_pool`)."""
+    if threads > 1 and run >= 2 * READ_PIECE_BYTES:
+        pieces = [(raw[r * run + start:r * run + min(start + READ_PIECE_BYTES, run)],
+                   offset + start)
+                  for r, offset in enumerate(offsets) for start in range(0, run, READ_PIECE_BYTES)]
+        return all(_piece_pool(threads).map(lambda piece: _move(transfer, *piece), pieces))
+    return all(_move(transfer, raw[r * run:(r + 1) * run], offset)
+               for r, offset in enumerate(offsets))
+
+
+def _move(transfer: Callable[[memoryview, int], int], view: memoryview, offset: int) -> bool:
+    while view:
+        moved = transfer(view, offset)
+        if moved == 0:
+            return False
+        view, offset = view[moved:], offset + moved
     return True
+
+
+#: The size of the pieces that several threads read of one large region
+#: (``gpuchunk.file-read-threads``).
+READ_PIECE_BYTES = 16 << 20
+_piece_pools: dict[int, Any] = {}
+
+
+def _piece_pool(threads: int) -> Any:
+    """The process's pool of ``threads`` threads for the pieces of large reads (made once per
+    size; its threads only copy, never wait on the tasks that use them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _slots_lock:
+        pool = _piece_pools.get(threads)
+        if pool is None:
+            pool = _piece_pools[threads] = ThreadPoolExecutor(
+                threads, thread_name_prefix="gpuchunk-read")
+    return pool
 
 
 def _host_array(shape: tuple[int, ...], dtype: np.dtype, pinned: bool | None = None) -> np.ndarray:
@@ -301,7 +330,8 @@ def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...],
     run, offsets = _region_runs(header, region)
     try:
         with in_flight("file-reads"):
-            if not _each_run(lambda view, offset: os.preadv(fd, [view], offset), raw, run, offsets):
+            if not _each_run(lambda view, offset: os.preadv(fd, [view], offset), raw, run, offsets,
+                             int(config.get("file-read-threads"))):
                 raise NpyFormatError(f"{path} ended before its data (truncated?)")
     finally:
         os.close(fd)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import dask
@@ -77,6 +78,47 @@ def test_a_chunk_reads_only_its_region(rng, tmp_path, monkeypatch, chunks, runs)
     assert sum(n for _, n in reads) == block.nbytes and len(reads) == runs
     header = read_header(tmp_path / "a.npy")
     assert min(o for o, _ in reads) == header.offset + (50 * 10 + col * chunks[1]) * 4
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_large_region_is_read_in_pieces_by_several_threads(rng, tmp_path, monkeypatch,
+                                                              threads):
+    import dask_gpuchunk.io as io
+
+    a = random_array(rng, (100, 10), "int32")
+    np.save(tmp_path / "a.npy", a)
+    monkeypatch.setattr(io, "READ_PIECE_BYTES", 256)  # a 25-row chunk (1,000 bytes): 4 pieces
+    reads = []
+    real_preadv = os.preadv
+
+    def recording_preadv(fd, buffers, offset):
+        reads.append((offset, sum(len(b) for b in buffers), threading.current_thread().name))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", recording_preadv)
+    with dask.config.set({"gpuchunk.file-read-threads": threads}):
+        block = dg.from_npy(tmp_path / "a.npy", chunks=(25, 10))[25:50].compute(scheduler="sync")
+    np.testing.assert_array_equal(block, a[25:50])
+    start = read_header(tmp_path / "a.npy").offset + 25 * 10 * 4
+    if threads == 1:
+        assert [(o, n) for o, n, _ in reads] == [(start, 1000)]
+    else:
+        assert sorted((o, n) for o, n, _ in reads) == [(start + 256 * k, min(256, 1000 - 256 * k))
+                                                       for k in range(4)]
+        assert all(name.startswith("gpuchunk-read") for _, _, name in reads)
+
+
+def test_pieces_that_reach_the_end_of_the_file_report_it(monkeypatch):
+    import dask_gpuchunk.io as io
+
+    monkeypatch.setattr(io, "READ_PIECE_BYTES", 256)
+    raw = memoryview(bytearray(1000))
+
+    def transfer(view, offset):  # a file of 700 bytes: nothing past it
+        return max(0, min(len(view), 700 - offset))
+
+    assert not io._each_run(transfer, raw, 1000, [0], threads=3)
+    assert io._each_run(transfer, raw[:600], 600, [0], threads=3)
 
 
 def test_from_npy_sees_no_whole_array_in_the_graph(rng, tmp_path):
