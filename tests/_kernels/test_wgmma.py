@@ -103,3 +103,23 @@ def test_wgmma_cuda_takes_strided_and_odd_width_words(rng):
         np.testing.assert_array_equal(cupy.asnumpy(c), expected)
         wgmma_cuda(view, view, c)
         np.testing.assert_array_equal(cupy.asnumpy(c), expected)
+
+
+@pytest.mark.gpu
+def test_tensor_maps_are_kept_for_the_same_words_and_right_after_reuse(rng):
+    # A map depends on the words' address and shape only: made once, reused, and still right
+    # when new words land at the same address.
+    import cupy
+
+    from dask_gpuchunk._kernels.wgmma import tensor_map, wgmma_cuda
+
+    _hopper()
+    words = cupy.asarray(reference_bitpack(random_bits(rng, (200, 1024), 0.3)))
+    assert tensor_map(words)[0] is tensor_map(words)[0]
+    assert tensor_map(words[:100])[0] is not tensor_map(words)[0]
+    for density in (0.2, 0.7):
+        bits = random_bits(rng, (200, 1024), density)
+        words[...] = cupy.asarray(reference_bitpack(bits))
+        c = cupy.empty((200, 200), dtype=np.int32)
+        wgmma_cuda(words, words[:200], c)
+        np.testing.assert_array_equal(cupy.asnumpy(c), reference_gram(bits))
