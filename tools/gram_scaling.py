@@ -109,6 +109,30 @@ def _timeline(stream: list[dict], start: float, end: float) -> dict[str, Any]:
     return out
 
 
+def _profile_summary(tree: dict[str, Any], top: int = 25) -> dict[str, Any]:
+    """Dask's statistical profile of worker threads (``client.profile``) as the functions that
+    held the most samples: ``inclusive`` (on the stack) and ``self`` (at its top), as shares of
+    all samples, each function named ``file:function`` once per stack (recursion counted once)."""
+    inclusive: dict[str, int] = defaultdict(int)
+    own: dict[str, int] = defaultdict(int)
+
+    def walk(node: dict[str, Any], above: frozenset) -> None:
+        d = node["description"]
+        name = f"{os.path.basename(d['filename'])}:{d['name']}" if d["filename"] else "root"
+        if name not in above:
+            inclusive[name] += node["count"]
+        below = sum(child["count"] for child in node["children"].values())
+        own[name] += node["count"] - below
+        for child in node["children"].values():
+            walk(child, above | {name})
+
+    walk(tree, frozenset())
+    total = max(tree["count"], 1)
+    pick = lambda d: {k: round(v / total, 3) for k, v in  # noqa: E731
+                      sorted(d.items(), key=lambda kv: -kv[1])[:top]}
+    return {"samples": tree["count"], "inclusive": pick(inclusive), "self": pick(own)}
+
+
 def _timed(client: Any, compute: Any) -> dict[str, Any]:
     from distributed import get_task_stream
 
@@ -117,7 +141,7 @@ def _timed(client: Any, compute: Any) -> dict[str, Any]:
         t0, wall0 = time.perf_counter(), time.time()
         value = compute()
         seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "value": value,
+    return {"seconds": seconds, "value": value, "wall": (wall0, wall0 + seconds),
             "timeline": _timeline(stream.data, wall0, wall0 + seconds),
             "tasks_by_worker": _task_seconds(stream.data),
             "sent_by_workers": sent_by_workers(client, sent),
@@ -141,6 +165,7 @@ def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant
 
         moved = _timed(client, persisted)
         words = moved.pop("value")
+        moved.pop("wall")
         entry["to_device"] = moved
     runs = []
     for _ in range(args.repeats):
@@ -159,6 +184,20 @@ def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant
             np.asarray(rows), expected_rows))
         runs.append(run)
     best = min(runs, key=lambda r: r["seconds"])
+    start, stop = best.pop("wall")
+    for r in runs:
+        r.pop("wall", None)
+    if args.profile:
+        # A worker files its samples once per profile cycle (1 s by default): wait for the
+        # cycle holding the run's end to close.
+        from dask.utils import parse_timedelta
+        import dask
+
+        time.sleep(parse_timedelta(dask.config.get("distributed.worker.profile.cycle")) + 0.2)
+        workers = list(client.scheduler_info()["workers"])
+        best["profile"] = {w: _profile_summary(client.profile(start=start, stop=stop,
+                                                               workers=[w]))
+                           for w in workers}
     entry.update(seconds=[r["seconds"] for r in runs], best=best["seconds"],
                  sampled_rows_exact=all(r["sampled_rows_exact"] for r in runs),
                  bit_macs_per_s=float(args.rows) ** 2 * args.bits / best["seconds"],
@@ -245,6 +284,9 @@ def main() -> None:
                         help="timed runs of each method (the first compiles); the best is kept")
     parser.add_argument("--saturation", default=None,
                         help="distributed.scheduler.worker-saturation (default: distributed's)")
+    parser.add_argument("--profile", action="store_true",
+                        help="add each worker's statistical profile of the best run (dask's "
+                             "sampler; set DASK_DISTRIBUTED__WORKER__PROFILE__INTERVAL finer)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the input file, and reuse one this tool kept before")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/gram-scaling"))
