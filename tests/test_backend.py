@@ -161,6 +161,9 @@ def test_host_path_device_memory_is_bounded_by_slots(rng):
 
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
+    # What earlier tests of the process still hold (kept kernels' scratch, cached maps) is not
+    # this test's: only the growth is bounded.
+    held = pool.total_bytes()
     chunks = [rng.random((256, 1024)) for _ in range(24)]  # 2 MB each
     results = [None] * len(chunks)
 
@@ -175,7 +178,7 @@ def test_host_path_device_memory_is_bounded_by_slots(rng):
     for c, r in zip(chunks, results):
         assert_same(r, c * c)
     per_chunk = 3 * chunks[0].nbytes
-    assert pool.total_bytes() <= staging.GPU_TASKS_PER_DEVICE * per_chunk * 1.25
+    assert pool.total_bytes() - held <= staging.GPU_TASKS_PER_DEVICE * per_chunk * 1.25
 
 
 @pytest.mark.gpu
