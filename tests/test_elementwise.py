@@ -802,3 +802,46 @@ def test_dtype_tuple_converts_each_output(rng):
     assert a.dtype == np.float32 and b.dtype == np.int64
     assert_same(b.compute(), (f - f).astype(np.int64))
     assert op.result_dtype("f8", "f8", float) == (np.dtype("float32"), np.dtype("int64"))
+
+
+def _complex_step(f, g, h):  # products feeding additions: where a fused multiply-add differs
+    f1 = -2j * f - 1j * h * (2 * g - 1)
+    return f + h / 2 * f1, g - h * f1 * f.conjugate()
+
+
+def test_fma_is_a_distinct_operation_and_the_cpu_twin_keeps_numpys_values(rng):
+    exact, fused = dg.elementwise(_complex_step), dg.elementwise(_complex_step, fma=True)
+    assert fused.fma and not exact.fma and fused.kernels is not exact.kernels
+    f = (rng.standard_normal(300) + 1j * rng.standard_normal(300)).astype(np.complex64)
+    g = (rng.standard_normal(300) + 1j * rng.standard_normal(300)).astype(np.complex64)
+    h = np.complex64(0.3 + 0.1j)
+    for op in (exact, fused):
+        got = dask.compute(*op(da.from_array(f, chunks=70), g, h, device="cpu"))
+        want = _complex_step(f, g, h)
+        for a, b in zip(got, want):
+            assert a.dtype == np.complex64
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+    with pytest.raises(TypeError, match="fma= takes True or False"):
+        dg.elementwise(_complex_step, fma="yes")
+
+
+@pytest.mark.gpu
+def test_fma_on_the_gpu_within_a_rounding_of_numpy_eager_and_dask_alike(rng):
+    import cupy
+
+    fused = dg.elementwise(_complex_step, fma=True)
+    n = 100_003
+    f = (rng.standard_normal(n) + 1j * rng.standard_normal(n)).astype(np.complex64)
+    g = (rng.standard_normal(n) + 1j * rng.standard_normal(n)).astype(np.complex64)
+    h = np.complex64(0.3 + 0.1j)
+    want = _complex_step(f, g, h)
+    eager = fused(cupy.asarray(f), cupy.asarray(g), h, reduce=("sum", None))
+    lazy = fused(da.from_array(cupy.asarray(f), chunks=30_000), cupy.asarray(g), h,
+                 reduce=("sum", None))
+    lazy = dask.compute(*lazy)
+    for a, b, w in zip(eager[:2], lazy[:2], want):
+        np.testing.assert_array_equal(cupy.asnumpy(a), cupy.asnumpy(b))
+        scale = np.abs(w).max()
+        assert np.abs(cupy.asnumpy(a) - w).max() <= 1e-6 * scale
+    np.testing.assert_allclose(complex(eager[2]), complex(want[0].astype(np.complex128).sum()),
+                               rtol=1e-5)

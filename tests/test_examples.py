@@ -29,8 +29,9 @@ def test_broadcast_product():
     assert {"cpu", "auto"} <= set(times)
 
 
-def test_seed002_rk4_loop_agrees_eager_and_on_dask():
-    result = load("seed002_rk4_loop").main(["--n", "1001", "--steps", "6", "--chunks", "3"])
+@pytest.mark.parametrize("fma", [[], ["--fma"]])
+def test_seed002_rk4_loop_agrees_eager_and_on_dask(fma):
+    result = load("seed002_rk4_loop").main(["--n", "1001", "--steps", "6", "--chunks", "3", *fma])
     assert result["delta_error"] < 1e-5 and result["f_error"] < 1e-5
 
 

@@ -626,6 +626,10 @@ class ElementwiseKernels:
     rules
         ``"numpy"``: the function is translated per dtype signature to compute NumPy's values;
         ``"numba"``: compiled as numba types it.
+    fma
+        With ``rules="numpy"``, let the CUDA kernels fuse floating-point products with
+        additions (:data:`~dask_gpuchunk._kernels.numpy_ops.CUDA_TARGETS`); the CPU twin is
+        unchanged.
 
     Examples
     --------
@@ -637,12 +641,13 @@ class ElementwiseKernels:
     """
 
     def __init__(self, func: Callable, nargs: int, token: str | None = None,
-                 cache: bool = False, rules: str = "numpy") -> None:
+                 cache: bool = False, rules: str = "numpy", fma: bool = False) -> None:
         if rules not in RULES:
             raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
         self.func = func
         self.nargs = nargs
         self.rules = rules
+        self.fma = bool(fma)
         self.token = token if token is not None else f"{id(func):x}-{nargs}-{rules}"
         #: numba's compiled code kept on disk (``source_cache.cache_dir()``), found again by later
         #: processes, where ``cache`` was asked for and ``func`` is defined in a file.
@@ -659,13 +664,13 @@ class ElementwiseKernels:
 
     def __dask_tokenize__(self) -> tuple:
         # Graph names follow the function (by its token), not this object's compiled state.
-        return ("ElementwiseKernels", self.token, self.nargs, self.rules)
+        return ("ElementwiseKernels", self.token, self.nargs, self.rules, self.fma)
 
     def __reduce__(self) -> tuple:
         # Compiled kernels stay in the process that built them. A worker unpickles every task
         # afresh, so it looks the kernels up by token and compiles each signature only once.
         return (kernels_for, (self.func, self.nargs, self.token, self.stamp is not None,
-                              self.rules))
+                              self.rules, self.fma))
 
     # ---- types -----------------------------------------------------------------------------
     def translation(self, argtypes: Sequence[VType], out_dtype: Any = None) -> Translation:
@@ -793,8 +798,9 @@ class ElementwiseKernels:
                 ndim, _, args, _, spec = key
                 threads = (_reduction_config(1) if spec.reductions else _launch_config(1))[0]
                 source = _cuda_source([scalar for _, scalar, _ in args], ndim, spec, threads)
+                target = ("sim" if cuda_config.ENABLE_CUDASIM
+                          else "cuda-fma" if self.fma else "cuda")
                 if self.rules == "numpy":
-                    target = "sim" if cuda_config.ENABLE_CUDASIM else "cuda"
                     scope = {**namespace(target), "cuda": cuda, "int64": numba.int64}
                 else:
                     if self._cuda_device is None:
@@ -803,7 +809,7 @@ class ElementwiseKernels:
                     scope = {"f": self._cuda_device, "cuda": cuda, "int64": numba.int64}
                 scope.update(_pass_namespace(spec))
                 pyfunc = self._compile_source(
-                    key, source, scope, lambda f, cached: cuda.jit(device=True)(f), "cuda",
+                    key, source, scope, lambda f, cached: cuda.jit(device=True)(f), target,
                     self.stamp is not None and not cuda_config.ENABLE_CUDASIM)
                 kernel = cuda.jit(_numba_signature(key, readonly_inputs=False),
                                   cache=_in_a_file(pyfunc))(pyfunc)
@@ -908,17 +914,17 @@ def _for_target(func: Callable, target: str) -> Callable:
 
 
 def kernels_for(func: Callable, nargs: int, token: str, cache: bool = False,
-                rules: str = "numpy") -> ElementwiseKernels:
-    """The process's one :class:`ElementwiseKernels` for ``(token, cache, rules)``, made on
-    first use.
+                rules: str = "numpy", fma: bool = False) -> ElementwiseKernels:
+    """The process's one :class:`ElementwiseKernels` for ``(token, cache, rules, fma)``, made
+    on first use.
 
     ``token`` must identify the function (``dask.base.tokenize(func)`` does).
     """
     with _registry_lock:
-        kernels = _registry.get((token, cache, rules))
+        kernels = _registry.get((token, cache, rules, fma))
         if kernels is None:
-            kernels = _registry[(token, cache, rules)] = ElementwiseKernels(
-                func, nargs, token, cache, rules)
+            kernels = _registry[(token, cache, rules, fma)] = ElementwiseKernels(
+                func, nargs, token, cache, rules, fma)
         return kernels
 
 

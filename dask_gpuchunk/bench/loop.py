@@ -9,6 +9,7 @@ with ``delta = sum(F)`` of the previous step, kept on the device (a 0-d array) a
 The same loop runs as:
 
 - ``ours, eager CuPy``: :data:`rk4_step` on CuPy arrays, both outputs and the sum in one pass;
+  ``fma=True``: :data:`rk4_step_fma`, the same with products fused into additions;
 - ``ours, Dask, one chunk`` / ``four chunks``: the same on persisted CuPy-chunked Dask arrays,
   each step persisted (``delta`` stays a 0-d Dask array on the device), and the same with
   ``delta`` fetched to the host every step (``fetch delta``);
@@ -36,7 +37,7 @@ import numpy as np
 from ..elementwise import elementwise
 from .timing import Entry
 
-__all__ = ["LOOP_TABLE", "d_f", "d_g", "initial_values", "rk4_step", "run_loop"]
+__all__ = ["LOOP_TABLE", "d_f", "d_g", "initial_values", "rk4_step", "rk4_step_fma", "run_loop"]
 
 LOOP_TABLE = "seed002 loop"
 
@@ -61,6 +62,9 @@ def _rk4(f: complex, g: complex, delta: complex, dt: float) -> tuple[complex, co
 #: One RK4 step of seed 002's system: ``F, G, delta = rk4_step(F, G, delta, dt,
 #: reduce=("sum", None))`` gives both new arrays and ``sum(F)`` in one pass.
 rk4_step = elementwise(_rk4, name="rk4_step")
+#: The same step with products fused into additions on the GPU, as nvcc fuses them in CuPy's
+#: kernel (``elementwise(..., fma=True)``).
+rk4_step_fma = elementwise(_rk4, name="rk4_step_fma", fma=True)
 
 
 def initial_values(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -145,12 +149,15 @@ def _numba_loop() -> Callable[..., Any]:
     return loop
 
 
-def _ours_eager(f: Any, g: Any, delta: Any, dt: np.float32, steps: int, history: Any) -> Any:
-    delta = delta[0]
-    for i in range(steps):
-        f, g, delta = rk4_step(f, g, delta, dt, reduce=("sum", None))
-        history[i] = delta
-    return f, g, delta
+def _ours_eager(step: Any) -> Callable[..., Any]:
+    def loop(f: Any, g: Any, delta: Any, dt: np.float32, steps: int, history: Any) -> Any:
+        delta = delta[0]
+        for i in range(steps):
+            f, g, delta = step(f, g, delta, dt, reduce=("sum", None))
+            history[i] = delta
+        return f, g, delta
+
+    return loop
 
 
 def _ours_dask(chunks: Any, fetch: bool) -> Callable[..., Any]:
@@ -248,7 +255,8 @@ def run_loop(sizes: list[int], steps: int, repeat: int, log: Callable[[str], Non
     forms: list[tuple[str, str, Callable[..., Any]]] = [
         ("peer cupy ElementwiseKernel + sum", "peer", _cupy_loop()),
         ("peer numba-cuda kernel + sum", "peer", _numba_loop()),
-        ("ours, eager CuPy", "ours", _ours_eager),
+        ("ours, eager CuPy", "ours", _ours_eager(rk4_step)),
+        ("ours, eager CuPy, fma=True", "ours", _ours_eager(rk4_step_fma)),
     ]
     for n in sizes:
         f0, g0 = initial_values(n)
