@@ -35,6 +35,11 @@ its workers.
     Chunk writes at once per process (0: no limit). Measured on the H200 machine's disk, a
     40 GB Gram output: 16 writers at once drained the page cache at 2 GB/s, one sequential
     writer at 3 GB/s.
+``gpuchunk.gram-mirror`` (default ``"transpose"``)
+    How ``dg.gram`` of words read from a ``.npy`` makes its blocks below the diagonal: the
+    transpose of the block above, a view on the host (``"transpose"``), or computed again
+    (``"recompute"``): twice the GPU's work, but every block then one task with no other
+    dependency than the source, handed out as root tasks with no wait on another block.
 ``gpuchunk.no-workers-timeout`` (default ``300``)
     Seconds a job waits for a cluster without workers to get one again before giving up (the
     CLI's ``--worker-timeout``).
@@ -67,6 +72,7 @@ DEFAULTS: dict[str, Any] = {
     "file-reads": 0,
     "file-read-threads": 8,
     "file-writes": 1,
+    "gram-mirror": "transpose",
     "no-workers-timeout": 300,
     "cache-dir": None,
 }
@@ -138,6 +144,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "file-read-threads": (_positive, "a whole number, 1 or more"),
     "file-writes": (_count, "a whole number, 0 or more"),
     "no-workers-timeout": (_seconds, "seconds, 0 or more"),
+    "gram-mirror": (lambda v: v in ("transpose", "recompute"), "'transpose' or 'recompute'"),
 }
 
 

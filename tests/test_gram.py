@@ -349,6 +349,24 @@ def test_gram_of_a_npy_reads_its_chunks_where_the_blocks_run(rng, tmp_path, word
                                       reference_gram(a[1:] if y.shape[0] == 202 else a))
 
 
+@pytest.mark.parametrize("device", ["auto", "cpu"])
+def test_gram_of_a_npy_computes_the_blocks_below_too_when_asked(rng, tmp_path, device):
+    # gpuchunk.gram-mirror="recompute": every block its own task over the source, no
+    # transposes of other blocks; the same counts.
+    a = random_bits(rng, (150, 777), 0.4)
+    np.save(tmp_path / "w.npy", np.packbits(a, axis=1))
+    x = dg.from_npy(tmp_path / "w.npy", chunks=((40, 1, 60, 49), -1))
+    with dask.config.set({"gpuchunk.gram-mirror": "recompute"}):
+        g = dg.gram(x, packed=True, device=device)
+    graph = dict(g.__dask_graph__())
+    assert not any(v[0] is gram_module._transposed for v in graph.values() if isinstance(v, tuple))
+    assert g.name != dg.gram(x, packed=True, device=device).name
+    np.testing.assert_array_equal(g.compute(), reference_gram(a))
+    with dask.config.set({"gpuchunk.gram-mirror": "sideways"}), \
+            pytest.raises(ValueError, match="gram-mirror"):
+        dg.gram(x, packed=True, device=device)
+
+
 def test_gram_of_a_npy_refuses_a_file_changed_since_and_names_it_to_to_npy(rng, tmp_path):
     from dask_gpuchunk.files import InputChangedError
     from dask_gpuchunk.io import _inputs_of
