@@ -349,6 +349,7 @@ def test_gram_of_a_npy_reads_its_chunks_where_the_blocks_run(rng, tmp_path, word
                                       reference_gram(a[1:] if y.shape[0] == 202 else a))
 
 
+@needs_legacy_graphs
 @pytest.mark.parametrize("device", ["auto", "cpu"])
 def test_gram_of_a_npy_computes_the_blocks_below_too_when_asked(rng, tmp_path, device):
     # gpuchunk.gram-mirror="recompute": every block its own task over the source, no
