@@ -263,18 +263,20 @@ def _move(transfer: Callable[[memoryview, int], int], view: memoryview, offset: 
 #: The size of the pieces that several threads read of one large region
 #: (``gpuchunk.file-read-threads``).
 READ_PIECE_BYTES = 16 << 20
-_piece_pools: dict[int, Any] = {}
+_piece_pools: dict[tuple[int, int], Any] = {}
 
 
 def _piece_pool(threads: int) -> Any:
     """The process's pool of ``threads`` threads for the pieces of large reads (made once per
-    size; its threads only copy, never wait on the tasks that use them)."""
+    size and process: a forked child has none of its parent's threads, so it makes its own;
+    the threads only copy, never wait on the tasks that use them)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    key = (os.getpid(), threads)
     with _slots_lock:
-        pool = _piece_pools.get(threads)
+        pool = _piece_pools.get(key)
         if pool is None:
-            pool = _piece_pools[threads] = ThreadPoolExecutor(
+            pool = _piece_pools[key] = ThreadPoolExecutor(
                 threads, thread_name_prefix="gpuchunk-read")
     return pool
 

@@ -393,3 +393,29 @@ def test_to_npy_finds_the_npy_inputs_behind_its_operand(rng, tmp_path, blocks):
     found = sorted(os.path.basename(path) for path, _ in _inputs_of(x))
     assert found == ["a.npy", "b.npy"]
     assert _inputs_of(np.ones(3)) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_process_reads_in_pieces_with_threads_of_its_own(rng, tmp_path):
+    # The parent's piece pool has no threads in a forked child: the child must not wait on it.
+    import multiprocessing
+
+    import dask_gpuchunk.io as io
+
+    a = random_array(rng, (100, 10), "int32")
+    np.save(tmp_path / "a.npy", a)
+    x = dg.from_npy(tmp_path / "a.npy", chunks=(50, 10))
+    old, io.READ_PIECE_BYTES = io.READ_PIECE_BYTES, 256
+    try:
+        for _ in range(3):  # the parent's pool: threads made, then idle (8 pieces a chunk)
+            np.testing.assert_array_equal(x.compute(scheduler="sync"), a)
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(1) as pool:  # 4 pieces a chunk: fewer than the parent's idle threads
+            got = pool.apply_async(_read_in_child, (str(tmp_path / "a.npy"),)).get(timeout=30)
+        np.testing.assert_array_equal(got, a)
+    finally:
+        io.READ_PIECE_BYTES = old
+
+
+def _read_in_child(path: str) -> np.ndarray:
+    return dg.from_npy(path, chunks=(25, 10)).compute(scheduler="sync")
