@@ -61,7 +61,7 @@ import dask.array as da
 
 from ._kernels import source_cache
 
-__all__ = ["DEFAULTS", "cache_root", "check_settings", "get", "listed_graphs",
+__all__ = ["DEFAULTS", "cache_root", "check_settings", "checked", "get", "listed_graphs",
            "map_blocks_prefix"]
 
 #: Every setting and its default (``gpuchunk.<name>``).
@@ -163,12 +163,26 @@ def check_settings() -> None:
     ...
     ValueError: setting gpuchunk.file-writes (environment: DASK_GPUCHUNK__FILE_WRITES) is 'abc'; it takes a whole number, 0 or more
     """
-    for name, (valid, words) in _CHECKS.items():
-        value = get(name)
-        if not valid(value):
-            variable = "DASK_GPUCHUNK__" + name.upper().replace("-", "_")
-            raise ValueError(f"setting gpuchunk.{name} (environment: {variable}) is {value!r}; "
-                             f"it takes {words}")
+    for name in _CHECKS:
+        checked(name)
+
+
+def checked(name: str) -> Any:
+    """The value of ``gpuchunk.<name>`` now, or the ``ValueError`` of :func:`check_settings`
+    where it cannot be used: for a setting read where the API uses it.
+
+    Examples
+    --------
+    >>> checked("gram-mirror")
+    'transpose'
+    """
+    value = get(name)
+    valid, words = _CHECKS.get(name, (lambda v: True, ""))
+    if not valid(value):
+        variable = "DASK_GPUCHUNK__" + name.upper().replace("-", "_")
+        raise ValueError(f"setting gpuchunk.{name} (environment: {variable}) is {value!r}; "
+                         f"it takes {words}")
+    return value
 
 
 def cache_root() -> Path:

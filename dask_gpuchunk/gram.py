@@ -638,11 +638,7 @@ def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta
     over TLS for 2.1 GB of words) and staged again for every block (34 GB of H2D). The reader
     and the source that reads it are entries of the graph
     (:func:`~dask_gpuchunk.resident.source_tasks`)."""
-    mirror = config.get("gram-mirror")
-    if mirror not in ("transpose", "recompute"):
-        raise ValueError(f"setting gpuchunk.gram-mirror is {mirror!r}; it takes 'transpose' or "
-                         "'recompute'")
-    recompute = mirror == "recompute"
+    recompute = config.checked("gram-mirror") == "recompute"
     token = tokenize(words, method, device, "resident", recompute)
     name, upper = f"gram-{token}", f"gram-upper-{token}"
     bounds = row_bounds(words.chunks[0])
@@ -653,11 +649,12 @@ def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta
     # so each went where the source was made: on two GPUs one worker ran ~3/4 of the blocks
     # and sent the other 1.3 GB of them for its transposes.
     for i, rows_a in enumerate(bounds):
-        for j in range(i if not recompute else 0, len(bounds)):
+        first_computed = 0 if recompute else i  # the blocks before it are transposes
+        for j in range(first_computed, len(bounds)):
             dsk[(upper, i, j)] = (_resident_block, source_key, rows_a, bounds[j], i == j,
                                   method, device)
             dsk[(name, i, j)] = (upper, i, j)
-        for j in range(i if not recompute else 0):
+        for j in range(first_computed):
             dsk[(name, i, j)] = (_transposed, (upper, j, i))
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=[])
     return da.Array(graph, name, (words.chunks[0], words.chunks[0]), dtype=np.int32, meta=meta)

@@ -333,7 +333,7 @@ def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...],
     try:
         with in_flight("file-reads"):
             if not _each_run(lambda view, offset: os.preadv(fd, [view], offset), raw, run, offsets,
-                             int(config.get("file-read-threads"))):
+                             int(config.checked("file-read-threads"))):
                 raise NpyFormatError(f"{path} ended before its data (truncated?)")
     finally:
         os.close(fd)
