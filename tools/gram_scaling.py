@@ -278,6 +278,9 @@ def main() -> None:
     parser.add_argument("--methods", default="auto,popcount")
     parser.add_argument("--variants", default="host,device")
     parser.add_argument("--cpu-workers", type=int, default=2)
+    parser.add_argument("--gpus", default=None,
+                        help="cluster sizes to time, comma-separated, e.g. 1,2,4 (default: 1 "
+                             "and every GPU visible)")
     parser.add_argument("--threads-per-gpu", default=None,
                         help="dg.local_cluster's threads_per_gpu (default: its own)")
     parser.add_argument("--repeats", type=int, default=3,
@@ -320,7 +323,12 @@ def main() -> None:
     result: dict = {"rows": args.rows, "bits": args.bits, "chunk_rows": args.chunk_rows,
                     "gpus_visible": gpus_visible, "saturation": args.saturation,
                     "threads_per_gpu": args.threads_per_gpu, "runs": {}}
-    sizes = sorted({1, gpus_visible}) if gpus_visible else [1, args.cpu_workers]
+    if args.gpus and gpus_visible:
+        sizes = sorted({int(g) for g in args.gpus.split(",")} | {1})
+        if sizes[-1] > gpus_visible:
+            parser.error(f"--gpus {args.gpus}: only {gpus_visible} GPUs are visible")
+    else:
+        sizes = sorted({1, gpus_visible}) if gpus_visible else [1, args.cpu_workers]
     for size in sizes if args.api == "yes" else []:
         options = ({"gpus": size, "threads_per_gpu": args.threads_per_gpu} if gpus_visible
                    else {"n_workers": size, "threads_per_worker": 1})
@@ -344,11 +352,16 @@ def main() -> None:
         result["cli"] = _cli_runs(path, sizes if gpus_visible else [None], args, sample,
                                   expected_rows)
     if len(sizes) > 1 and args.api == "yes":
-        one, many = (result["runs"][s] for s in sizes)
-        result["speedup"] = {name: one[name]["best"] / many[name]["best"]
-                             for name in one if isinstance(one[name], dict) and "best" in one[name]}
-        print(f"speed-up on {sizes[-1]}: " + json.dumps(
-            {k: round(v, 2) for k, v in result["speedup"].items()}), flush=True)
+        one = result["runs"][sizes[0]]
+        result["speedups"] = {}
+        for size in sizes[1:]:
+            many = result["runs"][size]
+            result["speedups"][size] = {
+                name: one[name]["best"] / many[name]["best"]
+                for name in one if isinstance(one[name], dict) and "best" in one[name]}
+            print(f"speed-up on {size}: " + json.dumps(
+                {k: round(v, 2) for k, v in result["speedups"][size].items()}), flush=True)
+        result["speedup"] = result["speedups"][sizes[-1]]
     if args.out:
         args.out.write_text(json.dumps(result, indent=1, default=str))
     if not args.keep:
