@@ -41,6 +41,12 @@ its workers.
     the host (``"transpose"``), or computed again (``"recompute"``): twice the GPU's work, but
     every block then one task with no other dependency than the source. On 2 x H200, one run
     each: 1.83 x from one GPU to two with ``"recompute"``, 1.64 x without.
+``gpuchunk.read-ahead`` (default ``True``)
+    Where ``dg.gram`` (and its CLI job) reads its words straight from a ``.npy``, each process
+    reads the row chunks its blocks will want on a thread of its own once its first block has
+    asked, for as long as they fit where it keeps them (:mod:`dask_gpuchunk.resident`), instead
+    of each block waiting on the file in its task's thread. ``False``: blocks read what they
+    need when they need it.
 ``gpuchunk.no-workers-timeout`` (default ``300``)
     Seconds a job waits for a cluster without workers to get one again before giving up (the
     CLI's ``--worker-timeout``).
@@ -61,7 +67,7 @@ import dask.array as da
 
 from ._kernels import source_cache
 
-__all__ = ["DEFAULTS", "cache_root", "check_settings", "checked", "get", "listed_graphs",
+__all__ = ["DEFAULTS", "cache_root", "check_settings", "checked", "flag", "get", "listed_graphs",
            "map_blocks_prefix"]
 
 #: Every setting and its default (``gpuchunk.<name>``).
@@ -74,6 +80,7 @@ DEFAULTS: dict[str, Any] = {
     "file-read-threads": 8,
     "file-writes": 1,
     "gram-mirror": "transpose",
+    "read-ahead": True,
     "no-workers-timeout": 300,
     "cache-dir": None,
 }
@@ -146,6 +153,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "file-writes": (_count, "a whole number, 0 or more"),
     "no-workers-timeout": (_seconds, "seconds, 0 or more"),
     "gram-mirror": (lambda v: v in ("transpose", "recompute"), "'transpose' or 'recompute'"),
+    "read-ahead": (_flag, "True or False"),
 }
 
 
@@ -183,6 +191,20 @@ def checked(name: str) -> Any:
         raise ValueError(f"setting gpuchunk.{name} (environment: {variable}) is {value!r}; "
                          f"it takes {words}")
     return value
+
+
+def flag(name: str) -> bool:
+    """A True/False setting's value now (:func:`checked`), from a bool, 0/1, or its text
+    (``DASK_GPUCHUNK__READ_AHEAD=false``).
+
+    Examples
+    --------
+    >>> with dask.config.set({"gpuchunk.read-ahead": "False"}):
+    ...     flag("read-ahead")
+    False
+    """
+    value = checked(name)
+    return str(value).strip().lower() in ("true", "1")
 
 
 def cache_root() -> Path:

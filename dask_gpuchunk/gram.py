@@ -639,10 +639,10 @@ def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta
     and the source that reads it are entries of the graph
     (:func:`~dask_gpuchunk.resident.source_tasks`)."""
     recompute = config.checked("gram-mirror") == "recompute"
-    token = tokenize(words, method, device, "resident", recompute)
+    token = tokenize(words, method, device, "resident", recompute, config.flag("read-ahead"))
     name, upper = f"gram-{token}", f"gram-upper-{token}"
     bounds = row_bounds(words.chunks[0])
-    dsk, source_key = source_tasks(reader, token)
+    dsk, source_key = source_tasks(reader, token, read_ahead=bounds)
     # The computed blocks are a task group of their own, whose only dependency is the source:
     # distributed then takes them as root tasks and hands them to whichever worker has a free
     # thread. Named as the Gram's own blocks, the group depended on itself (the transposes),

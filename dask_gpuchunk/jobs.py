@@ -26,7 +26,7 @@ from dask.array.core import normalize_chunks
 from dask.base import tokenize
 from dask.utils import format_bytes, parse_bytes
 
-from . import process_memory
+from . import config, process_memory
 from ._kernels.bitpack import BitValueError, check_bits_dtype, check_words_dtype
 from ._kernels.elementwise import check_dtype
 from ._kernels.gram import GPU_METHODS
@@ -198,10 +198,11 @@ def _slab_tasks(words: Any, method: str, device: str, upper: bool
         chunks = _row_chunks_delayed(words)
         return lambda i, previous: delayed(_slab_after, pure=True)(
             previous, chunks[i], chunks[i:] if upper else chunks, method, device)
-    dsk, source_key = source_tasks(reader, tokenize(words, "gram-slabs"))
+    bounds = row_bounds(words.chunks[0])
+    tag = tokenize(words, "gram-slabs", config.flag("read-ahead"))
+    dsk, source_key = source_tasks(reader, tag, read_ahead=bounds)
     source = Delayed(source_key, HighLevelGraph.from_collections(source_key, dsk,
                                                                  dependencies=[]))
-    bounds = row_bounds(words.chunks[0])
     return lambda i, previous: delayed(_resident_slab_after, pure=True)(
         previous, source, bounds[i], bounds[i:] if upper else bounds, method, device)
 

@@ -123,3 +123,111 @@ def test_kept_device_chunks_are_dropped_when_a_chunk_runs_out_of_memory(monkeypa
     for drop in budget.out_of_memory_hooks:
         drop()
     assert on_device.nbytes == 0 and resident_stats()["host"]["nbytes"] == 2 * 4 * 8
+
+
+def _join_read_ahead(source, place="host"):
+    thread = source._reading_ahead.get(place)
+    assert thread is not None, "no read-ahead started"
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_a_source_reads_ahead_what_its_blocks_will_ask_for_on_its_own_thread():
+    rows = np.arange(200, dtype=np.uint64).reshape(40, 5)
+    reader = CountingReader(rows)
+    bounds = [(0, 10), (10, 20), (20, 30), (30, 40)]
+    source = ResidentSource(reader, "forty rows", read_ahead=bounds)
+    np.testing.assert_array_equal(source.rows(10, 20, on_gpu=False), rows[10:20])
+    _join_read_ahead(source)
+    assert sorted(reader.reads, key=lambda s: s.start) == [slice(a, b) for a, b in bounds]
+    assert reader.reads[0] == slice(10, 20)  # the block's own chunk first, in its thread
+    hits = resident_stats()["host"]["hits"]
+    for a, b in bounds:  # all kept: no block waits on the reader again
+        np.testing.assert_array_equal(source.rows(a, b, on_gpu=False), rows[a:b])
+    assert len(reader.reads) == 4 and resident_stats()["host"]["hits"] - hits == 4
+    # Sent to a worker with its read-ahead; the copy reads ahead on its own.
+    copy = pickle.loads(pickle.dumps(source))
+    assert copy.read_ahead == tuple(bounds)
+    copy.rows(0, 10, on_gpu=False)
+    _join_read_ahead(copy)
+    assert len(copy.reader.reads) == 8
+
+
+def test_a_read_ahead_drops_nothing_and_stops_where_the_limit_is(monkeypatch):
+    monkeypatch.setattr(resident, "_host_limit", lambda: 2 * 10 * 5 * 8)  # two chunks
+    rows = np.arange(200, dtype=np.uint64).reshape(40, 5)
+    reader = CountingReader(rows)
+    dropped = resident_stats()["host"]["dropped"]
+    source = ResidentSource(reader, "forty rows, room for two",
+                            read_ahead=[(0, 10), (10, 20), (20, 30), (30, 40)])
+    source.rows(20, 30, on_gpu=False)
+    _join_read_ahead(source)
+    assert reader.reads == [slice(20, 30), slice(0, 10)]  # then no room: stopped
+    assert resident_stats()["host"]["dropped"] == dropped
+    np.testing.assert_array_equal(source.rows(30, 40, on_gpu=False), rows[30:40])
+
+
+def test_a_read_ahead_stops_when_the_cache_is_cleared_or_a_read_fails():
+    gate = threading.Event()
+
+    class GatedReader(CountingReader):
+        def __getitem__(self, region):
+            if region[0].start == 10:
+                gate.wait(10)  # the read-ahead's first chunk: the cache is cleared meanwhile
+            if region[0].start == 30:
+                raise OSError("disk gone")
+            return super().__getitem__(region)
+
+    rows = np.arange(200, dtype=np.uint64).reshape(40, 5)
+    bounds = [(0, 10), (10, 20), (20, 30), (30, 40)]
+    cleared = ResidentSource(GatedReader(rows), "cleared", read_ahead=bounds)
+    cleared.rows(0, 10, on_gpu=False)
+    cleared._caches["host"].clear()
+    gate.set()
+    _join_read_ahead(cleared)
+    assert cleared.reader.reads == [slice(0, 10), slice(10, 20)]  # none after the clear
+
+    failing = ResidentSource(GatedReader(rows), "failing", read_ahead=bounds[::-1])
+    failing.rows(0, 10, on_gpu=False)
+    _join_read_ahead(failing)
+    assert failing.reader.reads == [slice(0, 10)]  # (30, 40) failed first: nothing after it
+    with pytest.raises(OSError, match="disk gone"):  # the block that needs it raises itself
+        failing.rows(30, 40, on_gpu=False)
+
+
+def test_a_read_ahead_does_not_keep_its_source_alive():
+    import gc
+    import weakref
+
+    gate = threading.Event()
+
+    class SlowReader(CountingReader):
+        def __getitem__(self, region):
+            if region[0].start:
+                gate.wait(10)
+            return super().__getitem__(region)
+
+    rows = np.arange(200, dtype=np.uint64).reshape(40, 5)
+    source = ResidentSource(SlowReader(rows), "slow",
+                            read_ahead=[(0, 10), (10, 20), (20, 30), (30, 40)])
+    source.rows(0, 10, on_gpu=False)
+    thread, gone = source._reading_ahead["host"], weakref.ref(source)
+    del source
+    gc.collect()
+    assert gone() is None  # while its read-ahead still waits on the file
+    gate.set()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_source_tasks_read_ahead_only_where_the_setting_is_on():
+    import dask
+
+    entries, key = resident.source_tasks("a reader", "t", read_ahead=[(0, 2), (2, 4)])
+    assert entries[key][3] == ((0, 2), (2, 4))
+    with dask.config.set({"gpuchunk.read-ahead": "false"}):
+        entries, key = resident.source_tasks("a reader", "t", read_ahead=[(0, 2), (2, 4)])
+    assert len(entries[key]) == 3  # (ResidentSource, reader key, token): no read-ahead
+    with dask.config.set({"gpuchunk.read-ahead": "sometimes"}), \
+            pytest.raises(ValueError, match="read-ahead"):
+        resident.source_tasks("a reader", "t", read_ahead=[(0, 2)])
