@@ -285,7 +285,8 @@ class ResidentSource:
         cache = self._cache(place)
         chunk = cache.get((start, stop), self._reading(start, stop, device))
         if self.read_ahead and place not in self._reading_ahead and stop > start:
-            self._start_read_ahead(place, cache, device, chunk.nbytes // (stop - start))
+            self._start_read_ahead(place, cache, device, chunk.nbytes // (stop - start),
+                                   (start, stop))
         return chunk
 
     def _reading(self, start: int, stop: int, device: int | None) -> Callable[[], Any]:
@@ -299,12 +300,18 @@ class ResidentSource:
         return read if device is None else (lambda: _to_device(read()))
 
     def _start_read_ahead(self, place: Any, cache: ResidentChunks, device: int | None,
-                          row_bytes: int) -> None:
+                          row_bytes: int, first: tuple[int, int]) -> None:
+        # From the chunk after the first one asked for, round to the one before it: a worker
+        # handed the blocks of one row from its middle wants the chunks after it soonest.
+        order = list(self.read_ahead)
+        if first in order:
+            at = order.index(first)
+            order = order[at + 1:] + order[:at]
         with self._lock:
             if place in self._reading_ahead:
                 return
             chunks = [((a, b), (b - a) * row_bytes, self._reading(a, b, device))
-                      for a, b in self.read_ahead]
+                      for a, b in order]
             thread = threading.Thread(target=_read_ahead, name=f"dask-gpuchunk-read-ahead-{place}",
                                       args=(weakref.ref(cache), chunks, device), daemon=True)
             self._reading_ahead[place] = thread

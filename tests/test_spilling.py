@@ -110,8 +110,9 @@ def test_stored_results_yield_to_an_allocation_that_would_fail(device_cap):
     device_cap(cap)
     chunk = 64 * MiB // 8
     # Stored results may fill 90 % of the card: a 192 MiB allocation beside them only fits
-    # once some of them have moved to the host.
-    with dg.local_cluster(dashboard_address=None, device_memory_limit=0.9) as client:
+    # once some of them have moved to the host. One worker: on a machine of several GPUs the
+    # chunks spread over them and none fills up.
+    with dg.local_cluster(gpus=1, dashboard_address=None, device_memory_limit=0.9) as client:
         x = dg.asarray(np.arange(7 * chunk, dtype=np.float64), chunks=chunk)
         x = x.map_blocks(cupy.asarray, dtype=x.dtype,
                          meta=cupy.empty((0,), np.float64)).persist()

@@ -85,6 +85,7 @@ def test_on_the_gpu_ours_and_the_cupy_peer_run_and_agree(tmp_path):
                                        "--chunk-rows", "4096", "--peer-rows", "5000",
                                        "--repeat", "1", "--out-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    assert "WRONG" not in result.output and "skipped" not in result.output.replace(
-        "RDKit not importable", ""), result.output
+    # RDKit's peer is skipped where RDKit is not installed; every other row runs.
+    ours_and_cupy = "\n".join(line for line in result.output.splitlines() if "RDKit" not in line)
+    assert "WRONG" not in result.output and "skipped" not in ours_and_cupy, result.output
     assert (tmp_path / "bench-similarity.json").exists()
