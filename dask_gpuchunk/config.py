@@ -47,6 +47,11 @@ its workers.
     asked, for as long as they fit where it keeps them (:mod:`dask_gpuchunk.resident`), instead
     of each block waiting on the file in its task's thread. ``False``: blocks read what they
     need when they need it.
+``gpuchunk.register-reads`` (default ``True``)
+    Where ``dg.gram`` (and its CLI job) keeps a ``.npy``'s words on the GPU, the GPU copies each
+    chunk straight out of the page cache (the file's pages mapped and page-locked where they
+    lie, read-only) instead of a read into a pinned buffer first: no host copy. A device that
+    refuses such registrations reads as with ``False``.
 ``gpuchunk.no-workers-timeout`` (default ``300``)
     Seconds a job waits for a cluster without workers to get one again before giving up (the
     CLI's ``--worker-timeout``).
@@ -81,6 +86,7 @@ DEFAULTS: dict[str, Any] = {
     "file-writes": 1,
     "gram-mirror": "transpose",
     "read-ahead": True,
+    "register-reads": True,
     "no-workers-timeout": 300,
     "cache-dir": None,
 }
@@ -154,6 +160,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "no-workers-timeout": (_seconds, "seconds, 0 or more"),
     "gram-mirror": (lambda v: v in ("transpose", "recompute"), "'transpose' or 'recompute'"),
     "read-ahead": (_flag, "True or False"),
+    "register-reads": (_flag, "True or False"),
 }
 
 

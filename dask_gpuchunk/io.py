@@ -24,6 +24,7 @@ import contextlib
 import errno
 import logging
 import math
+import mmap
 import os
 import stat
 import struct
@@ -340,6 +341,79 @@ def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...],
     return out
 
 
+#: cudaHostRegisterReadOnly, and the device attribute that says a device takes it.
+_REGISTER_READ_ONLY = 8
+_READ_ONLY_REGISTER_SUPPORTED = 113
+_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
+# Devices of this process that refused a read-only registration: they read into pinned buffers.
+_register_refused: set[int] = set()
+
+
+def _rows_on_device(path: str, header: NpyHeader, start: int, stop: int,
+                    pinned_file: FileIdentity | None) -> Any:
+    """Rows ``start:stop`` of a C-order, native-endian ``.npy`` as a CuPy array on the current
+    device, copied by the GPU straight out of the page cache: the rows' bytes mapped read-only,
+    page-locked where they lie (``cudaHostRegister``, read-only), one H2D copy, then unlocked.
+    ``None`` where the device refuses such a registration (the caller reads them instead).
+
+    No CPU copy into a pinned buffer: on an H200, 2.1 GB of words in 128 MiB chunks moved in
+    0.10 s this way against 0.23 s read (``tools/staging_path_probe.py``), and a worker that
+    reads every chunk of a Gram's words no longer takes host memory bandwidth from the others.
+    """
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    if device in _register_refused:
+        return None
+    if not cupy.cuda.runtime.deviceGetAttribute(_READ_ONLY_REGISTER_SUPPORTED, device):
+        _register_refused.add(device)
+        return None
+    row_bytes = int(np.prod(header.shape[1:], dtype=np.int64)) * header.dtype.itemsize
+    offset, nbytes = header.offset + start * row_bytes, max(stop - start, 0) * row_bytes
+    out = cupy.empty((max(stop - start, 0), *header.shape[1:]), header.dtype)
+    if nbytes == 0:
+        return out
+    fd = open_pinned(path, pinned_file) if pinned_file is not None else os.open(path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size < offset + nbytes:  # a map past the end faults (SIGBUS)
+            raise NpyFormatError(f"{path} ended before its data (truncated?)")
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        with in_flight("file-reads"), mmap.mmap(fd, offset + nbytes - base, prot=mmap.PROT_READ,
+                                                offset=base) as mapped:
+            # Read ahead by the kernel, not page by page as the registration faults them in.
+            mapped.madvise(mmap.MADV_WILLNEED)
+            rows = np.frombuffer(mapped, np.uint8, nbytes, offset - base)
+            try:  # the map closes only once no array looks at it
+                if not _copy_registered(rows, out, device):
+                    return None
+            finally:
+                del rows
+    finally:
+        os.close(fd)
+    return out
+
+
+def _copy_registered(rows: np.ndarray, out: Any, device: int) -> bool:
+    """Copy the host bytes ``rows`` into the CuPy array ``out`` with ``rows`` page-locked for
+    the copy (read-only); ``False``, and ``device`` noted, where the registration is refused."""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    address = rows.ctypes.data
+    try:
+        runtime.hostRegister(address, rows.nbytes, _REGISTER_READ_ONLY)
+    except runtime.CUDARuntimeError:
+        _register_refused.add(device)
+        return False
+    try:
+        stream = cupy.cuda.get_current_stream()
+        runtime.memcpyAsync(out.data.ptr, address, rows.nbytes, _HOST_TO_DEVICE, stream.ptr)
+        stream.synchronize()
+    finally:
+        runtime.hostUnregister(address)
+    return True
+
+
 def from_npy(path: str | os.PathLike, chunks: Any = "auto", *, pinned: bool | None = None) -> da.Array:
     """A Dask array over a ``.npy`` file, read chunk by chunk: each task reads its own region
     with large sequential reads into a new array (Fortran-order and big-endian files through a
@@ -435,6 +509,21 @@ class NpyReader:
 
     def __getitem__(self, region: tuple[slice, ...]) -> np.ndarray:
         return _read_region(self.path, self.header, region, self.pinned, self.pinned_file)
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row (of the first axis)."""
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+    def rows_on_device(self, start: int, stop: int) -> Any:
+        """Rows ``start:stop`` as a CuPy array on the current device, copied by the GPU out of
+        the page cache with no host copy (:func:`_rows_on_device`), or ``None`` where that
+        cannot be: a Fortran-order or byte-swapped file, ``gpuchunk.register-reads`` off, or a
+        device that refuses read-only registrations (read them with ``self[...]`` instead)."""
+        if (self.header.fortran_order or not self.header.dtype.isnative or not self.ndim
+                or not config.flag("register-reads")):
+            return None
+        return _rows_on_device(self.path, self.header, start, stop, self.pinned_file)
 
     def __dask_tokenize__(self) -> tuple:
         return ("dask-gpuchunk-npy", self.path, self.pinned_file, self.pinned)

@@ -231,6 +231,23 @@ def _read_ahead(cache_ref: weakref.ref, chunks: list[tuple[Hashable, int, Callab
         del cache
 
 
+def _rows_to_device(reader: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of ``reader`` on this process's current GPU: copied by the GPU
+    straight from the file's pages where the reader can (``rows_on_device``, as
+    :class:`~dask_gpuchunk.io.NpyReader`), else read into host memory and sent
+    (:func:`_to_device`); admitted by the budget either way."""
+    direct = getattr(reader, "rows_on_device", None)
+    if direct is not None:
+        nbytes = int(reader.row_nbytes) * (stop - start)
+        t0 = time.perf_counter()
+        on_device = run_reserved(lambda: direct(start, stop), nbytes,
+                                 "a chunk of words kept on the GPU")
+        if on_device is not None:
+            staging_totals.add(h2d_bytes=nbytes, device_seconds=time.perf_counter() - t0)
+            return on_device
+    return _to_device(reader[slice(start, stop), :])
+
+
 class ResidentSource:
     """Row chunks of ``reader`` (indexed by ``reader[start:stop, :]``, a NumPy array, pinned
     where a GPU is visible), each read once per process and kept (:class:`ResidentChunks`) on
@@ -297,7 +314,7 @@ class ResidentSource:
         def read() -> Any:
             return reader[slice(start, stop), :]
 
-        return read if device is None else (lambda: _to_device(read()))
+        return read if device is None else (lambda: _rows_to_device(reader, start, stop))
 
     def _start_read_ahead(self, place: Any, cache: ResidentChunks, device: int | None,
                           row_bytes: int, first: tuple[int, int]) -> None:

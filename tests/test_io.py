@@ -419,3 +419,39 @@ def test_a_forked_process_reads_in_pieces_with_threads_of_its_own(rng, tmp_path)
 
 def _read_in_child(path: str) -> np.ndarray:
     return dg.from_npy(path, chunks=(25, 10)).compute(scheduler="sync")
+
+
+@pytest.mark.gpu
+def test_rows_reach_the_gpu_straight_from_the_file_where_they_can(tmp_path, monkeypatch):
+    import cupy
+
+    from dask_gpuchunk import io
+    from dask_gpuchunk.io import npy_reader_of
+
+    rng = np.random.default_rng(11)
+    words = rng.integers(0, 2**63, (1000, 37), dtype=np.uint64)  # 296-byte rows: unaligned
+    np.save(tmp_path / "w.npy", words)
+    reader = npy_reader_of(dg.from_npy(tmp_path / "w.npy", chunks=(300, -1)))
+    assert reader.row_nbytes == 296
+    for start, stop in [(0, 300), (300, 600), (901, 1000), (5, 5), (999, 1000)]:
+        got = reader.rows_on_device(start, stop)
+        assert isinstance(got, cupy.ndarray) and got.dtype == words.dtype
+        np.testing.assert_array_equal(got.get(), words[start:stop])
+    with dask.config.set({"gpuchunk.register-reads": False}):
+        assert reader.rows_on_device(0, 10) is None
+    np.save(tmp_path / "f.npy", np.asfortranarray(words))
+    fortran = npy_reader_of(dg.from_npy(tmp_path / "f.npy", chunks=(300, -1)))
+    assert fortran is None or fortran.rows_on_device(0, 10) is None
+
+    # A device that refuses the registration: None, noted, and the chunk read as before.
+    from dask_gpuchunk.resident import ResidentSource
+
+    def refuse(*args):
+        raise cupy.cuda.runtime.CUDARuntimeError(801)  # cudaErrorNotSupported
+
+    monkeypatch.setattr(cupy.cuda.runtime, "hostRegister", refuse)
+    monkeypatch.setattr(io, "_register_refused", set())
+    assert reader.rows_on_device(0, 10) is None
+    assert io._register_refused == {cupy.cuda.runtime.getDevice()}
+    source = ResidentSource(reader, "refused")
+    np.testing.assert_array_equal(source.rows(300, 600, on_gpu=True).get(), words[300:600])
