@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import ctypes
 import errno
+import functools
 import logging
 import math
 import mmap
@@ -377,37 +379,59 @@ def _rows_on_device(path: str, header: NpyHeader, start: int, stop: int,
     try:
         if os.fstat(fd).st_size < offset + nbytes:  # a map past the end faults (SIGBUS)
             raise NpyFormatError(f"{path} ended before its data (truncated?)")
-        base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        with in_flight("file-reads"), mmap.mmap(fd, offset + nbytes - base, prot=mmap.PROT_READ,
-                                                offset=base) as mapped:
-            # Read ahead by the kernel, not page by page as the registration faults them in.
-            mapped.madvise(mmap.MADV_WILLNEED)
-            rows = np.frombuffer(mapped, np.uint8, nbytes, offset - base)
-            try:  # the map closes only once no array looks at it
-                if not _copy_registered(rows, out, device):
-                    return None
-            finally:
-                del rows
+        with in_flight("file-reads"), _mapped_read_only(fd, offset, nbytes) as address:
+            if not _copy_registered(address, nbytes, out, device):
+                return None
     finally:
         os.close(fd)
     return out
 
 
-def _copy_registered(rows: np.ndarray, out: Any, device: int) -> bool:
-    """Copy the host bytes ``rows`` into the CuPy array ``out`` with ``rows`` page-locked for
-    the copy (read-only); ``False``, and ``device`` noted, where the registration is refused."""
+@contextlib.contextmanager
+def _mapped_read_only(fd: int, offset: int, nbytes: int) -> Iterator[int]:
+    """The address of bytes ``offset:offset + nbytes`` of ``fd`` mapped read-only (through the
+    C library: a Python ``mmap`` refuses to close while another thread's sampled frame still
+    holds an array over it, as distributed's profiler does), read ahead by the kernel."""
+    libc = _libc()
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    length = offset + nbytes - base
+    address = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, base)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"mmap of {length} bytes failed")
+    try:
+        # Read ahead by the kernel, not page by page as the registration faults them in.
+        libc.madvise(ctypes.c_void_p(address), length, mmap.MADV_WILLNEED)
+        yield address + offset - base
+    finally:
+        libc.munmap(ctypes.c_void_p(address), length)
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _copy_registered(address: int, nbytes: int, out: Any, device: int) -> bool:
+    """Copy ``nbytes`` of host memory at ``address`` into the CuPy array ``out`` with them
+    page-locked for the copy (read-only); ``False``, and ``device`` noted, where the
+    registration is refused."""
     import cupy
 
     runtime = cupy.cuda.runtime
-    address = rows.ctypes.data
     try:
-        runtime.hostRegister(address, rows.nbytes, _REGISTER_READ_ONLY)
+        runtime.hostRegister(address, nbytes, _REGISTER_READ_ONLY)
     except runtime.CUDARuntimeError:
         _register_refused.add(device)
         return False
     try:
         stream = cupy.cuda.get_current_stream()
-        runtime.memcpyAsync(out.data.ptr, address, rows.nbytes, _HOST_TO_DEVICE, stream.ptr)
+        runtime.memcpyAsync(out.data.ptr, address, nbytes, _HOST_TO_DEVICE, stream.ptr)
         stream.synchronize()
     finally:
         runtime.hostUnregister(address)

@@ -455,3 +455,20 @@ def test_rows_reach_the_gpu_straight_from_the_file_where_they_can(tmp_path, monk
     assert io._register_refused == {cupy.cuda.runtime.getDevice()}
     source = ResidentSource(reader, "refused")
     np.testing.assert_array_equal(source.rows(300, 600, on_gpu=True).get(), words[300:600])
+
+
+def test_the_bytes_a_gpu_copies_from_are_the_files(tmp_path):
+    # What the GPU copies straight from the page cache: the file's bytes, at any offset.
+    import ctypes
+
+    from dask_gpuchunk.io import _mapped_read_only
+
+    data = np.random.default_rng(3).integers(0, 256, 3 * 4096 + 77, dtype=np.uint8).tobytes()
+    (tmp_path / "b").write_bytes(data)
+    fd = os.open(tmp_path / "b", os.O_RDONLY)
+    try:
+        for offset, nbytes in [(0, 4096), (128, 5000), (4095, 2), (8192 + 5, 4096 + 72)]:
+            with _mapped_read_only(fd, offset, nbytes) as address:
+                assert ctypes.string_at(address, nbytes) == data[offset:offset + nbytes]
+    finally:
+        os.close(fd)
