@@ -359,8 +359,9 @@ def _rows_on_device(path: str, header: NpyHeader, start: int, stop: int,
     ``None`` where the device refuses such a registration (the caller reads them instead).
 
     No CPU copy into a pinned buffer: on an H200, 2.1 GB of words in 128 MiB chunks moved in
-    0.10 s this way against 0.23 s read (``tools/staging_path_probe.py``), and a worker that
-    reads every chunk of a Gram's words no longer takes host memory bandwidth from the others.
+    0.10 s this way against 0.23 s read; four processes at once on 4 x H200, 0.26 s against
+    0.33 s (``tools/staging_path_probe.py``). Opt-in (``gpuchunk.register-reads``): the
+    4-GPU Gram was no faster end to end, and a cold file is not measured.
     """
     import cupy
 

@@ -433,6 +433,8 @@ def test_rows_reach_the_gpu_straight_from_the_file_where_they_can(tmp_path, monk
     np.save(tmp_path / "w.npy", words)
     reader = npy_reader_of(dg.from_npy(tmp_path / "w.npy", chunks=(300, -1)))
     assert reader.row_nbytes == 296
+    assert reader.rows_on_device(0, 10) is None  # off by default
+    monkeypatch.setitem(dask.config.config["gpuchunk"], "register-reads", True)
     for start, stop in [(0, 300), (300, 600), (901, 1000), (5, 5), (999, 1000)]:
         got = reader.rows_on_device(start, stop)
         assert isinstance(got, cupy.ndarray) and got.dtype == words.dtype
