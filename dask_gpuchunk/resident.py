@@ -52,7 +52,7 @@ DEVICE_FRACTION = 0.5
 #: Bytes of host memory that the chunks kept for the CPU may take, at most an eighth of the
 #: machine's memory.
 HOST_BYTES = 2 << 30
-_STAT_NAMES = ("reads", "hits", "bytes_read", "dropped")
+_STAT_NAMES = ("reads", "read_ahead", "hits", "bytes_read", "dropped")
 
 
 class ResidentChunks:
@@ -87,8 +87,9 @@ class ResidentChunks:
         with self._lock:
             return list(self._chunks)
 
-    def get(self, key: Hashable, read: Callable[[], Any]) -> Any:
-        """The chunk ``key``: kept, or ``read()`` now (once, whichever thread asks first)."""
+    def get(self, key: Hashable, read: Callable[[], Any], ahead: bool = False) -> Any:
+        """The chunk ``key``: kept, or ``read()`` now (once, whichever thread asks first);
+        ``ahead``: read by a read-ahead, not for a block (counted as ``read_ahead`` too)."""
         while True:
             with self._lock:
                 if key in self._chunks:
@@ -108,6 +109,7 @@ class ResidentChunks:
             raise
         with self._lock:
             self.stats["reads"] += 1
+            self.stats["read_ahead"] += int(ahead)
             self.stats["bytes_read"] += int(chunk.nbytes)
             limit = self.limit(self)
             if chunk.nbytes <= limit:
@@ -120,12 +122,15 @@ class ResidentChunks:
             self._reading.pop(key).set()
         return chunk
 
-    def has_room(self, key: Hashable, nbytes: int) -> bool:
-        """Whether ``key`` is neither kept nor being read, and ``nbytes`` more fit under the
-        limit with nothing dropped (what a read-ahead may take)."""
+    def room_for(self, key: Hashable, nbytes: int) -> str:
+        """What a read-ahead finds for ``key`` of ``nbytes``: ``"kept"``, ``"reading"`` (by
+        another thread), ``"fits"`` (under the limit with nothing dropped) or ``"full"``."""
         with self._lock:
-            return (key not in self._chunks and key not in self._reading
-                    and self.nbytes + nbytes <= self.limit(self))
+            if key in self._chunks:
+                return "kept"
+            if key in self._reading:
+                return "reading"
+            return "fits" if self.nbytes + nbytes <= self.limit(self) else "full"
 
     def clear(self) -> None:
         """Drop every kept chunk (those in use stay alive with their users)."""
@@ -219,15 +224,14 @@ def _read_ahead(cache_ref: weakref.ref, chunks: list[tuple[Hashable, int, Callab
         cache = cache_ref()
         if cache is None or cache.clears != clears:
             return
-        if cache.has_room(key, nbytes):
+        room = cache.room_for(key, nbytes)
+        if room == "full":
+            return
+        if room == "fits":
             try:
-                cache.get(key, read)
-            except Exception:
+                cache.get(key, read, ahead=True)
+            except Exception:  # noqa: BLE001 - the block that needs it reads it and raises
                 return
-        elif key not in cache.keys():  # being read by a block, or no room left
-            with cache._lock:
-                if key not in cache._reading:
-                    return
         del cache
 
 
@@ -342,7 +346,7 @@ def resident_stats() -> dict[str, dict[str, int]]:
     Examples
     --------
     >>> sorted(resident_stats()["host"])
-    ['bytes_read', 'dropped', 'hits', 'nbytes', 'reads']
+    ['bytes_read', 'dropped', 'hits', 'nbytes', 'read_ahead', 'reads']
     """
     with _registry_lock:
         places = {"host", *_totals}

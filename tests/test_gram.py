@@ -403,6 +403,30 @@ def test_gram_of_a_npy_sends_no_words_between_workers(rng, tmp_path):
 
 
 @needs_legacy_graphs
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_gram_of_a_npy_reads_ahead_on_each_worker_once_per_chunk(rng, tmp_path, read_ahead):
+    # Each worker reads every row chunk its blocks need once; with gpuchunk.read-ahead (the
+    # default) all but the first on a thread of its own, before its blocks ask.
+    from distributed import Client, LocalCluster
+
+    from dask_gpuchunk.resident import resident_stats
+
+    words = np.packbits(random_bits(rng, (900, 4096), 0.3), axis=1)
+    np.save(tmp_path / "w.npy", words)
+    with dask.config.set({"gpuchunk.read-ahead": read_ahead}):
+        g = dg.gram(dg.from_npy(tmp_path / "w.npy", chunks=(100, -1)), packed=True,
+                    device="cpu")
+    want = reference_gram(np.unpackbits(words, axis=1)).sum(dtype=np.int64)
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        assert client.compute(g.sum(dtype=np.int64), sync=True) == want
+        stats = [s["host"] for s in client.run(resident_stats).values()]
+    assert all(s["reads"] <= 9 for s in stats), stats  # 9 row chunks: each once at most
+    ahead = sum(s["read_ahead"] for s in stats)
+    assert (ahead > 0) if read_ahead else (ahead == 0), stats
+
+
+@needs_legacy_graphs
 def test_gram_of_a_npy_shares_its_blocks_between_workers_and_sends_none(rng, tmp_path):
     # distributed hands out a task group whose dependencies are few tasks as root tasks, to
     # whichever worker has a free thread. Named as the Gram's own blocks, the computed blocks

@@ -30,7 +30,7 @@ def test_chunks_are_kept_least_recently_used_first_out():
     big = cache.get("big", reader("big", 40))  # more than the limit: returned, never kept
     assert big.nbytes == 40 and "big" not in cache.keys()
     assert reads == ["a", "b", "c", "d", "big"]
-    assert cache.stats == {"reads": 5, "hits": 1, "bytes_read": 72, "dropped": 1}
+    assert cache.stats == {"reads": 5, "read_ahead": 0, "hits": 1, "bytes_read": 72, "dropped": 1}
     cache.clear()
     assert cache.keys() == [] and cache.nbytes == 0
 
@@ -142,6 +142,7 @@ def test_a_source_reads_ahead_what_its_blocks_will_ask_for_on_its_own_thread():
     assert sorted(reader.reads, key=lambda s: s.start) == [slice(a, b) for a, b in bounds]
     # The block's own chunk first, in its thread; then from the next one round.
     assert reader.reads == [slice(10, 20), slice(20, 30), slice(30, 40), slice(0, 10)]
+    assert resident_stats()["host"]["read_ahead"] >= 3
     hits = resident_stats()["host"]["hits"]
     for a, b in bounds:  # all kept: no block waits on the reader again
         np.testing.assert_array_equal(source.rows(a, b, on_gpu=False), rows[a:b])
