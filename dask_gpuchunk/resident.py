@@ -16,7 +16,9 @@ A source made with ``read_ahead`` (the row chunks its blocks will ask for, in or
 rest of them on a thread of its own once a block has asked for the first, for as long as they fit
 without dropping any: the blocks then find their chunks kept instead of waiting on the file in
 their own threads. On 4 x H200, 65,536 x 262,144 bits in 4,096-row chunks, every worker reads all
-2.1 GB of words, which took 27 % of its task threads' busy time before the reads moved there.
+2.1 GB of words, 27 % of its task threads' busy time; with the read-ahead the four workers' task
+threads were busy 4.58 s instead of 5.37, and ``C.sum()`` took 0.92 s instead of 1.03 (one A/B;
+with 16 read threads, 0.93 s either way).
 
 What a device keeps is allocated from CuPy's pool, so the budget's admission
 (:func:`dask_gpuchunk.budget.reserve`) counts it as held outside the running chunks: blocks wait
