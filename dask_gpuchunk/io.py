@@ -309,6 +309,12 @@ def in_flight(setting: str) -> contextlib.AbstractContextManager:
     return slots
 
 
+def _open_to_read(path: str, pinned_file: FileIdentity | None) -> int:
+    """A descriptor to read ``path``, checked against ``pinned_file`` where given
+    (:class:`InputChangedError` where the file changed since)."""
+    return open_pinned(path, pinned_file) if pinned_file is not None else os.open(path, os.O_RDONLY)
+
+
 def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...],
                  pinned: bool | None = None, pinned_file: FileIdentity | None = None) -> np.ndarray:
     """Read one region of the file into a new (pinned where a GPU is visible) array.
@@ -321,7 +327,7 @@ def _read_region(path: str, header: NpyHeader, region: tuple[slice, ...],
     shape = tuple(len(range(*s.indices(n))) for s, n in zip(region, header.shape))
     if header.nbytes == 0 or 0 in shape:
         return np.empty(shape, dtype=_native(header.dtype))
-    fd = open_pinned(path, pinned_file) if pinned_file is not None else os.open(path, os.O_RDONLY)
+    fd = _open_to_read(path, pinned_file)
     if header.fortran_order or not header.dtype.isnative:
         with open(fd, "rb") as f:  # the map outlives the descriptor
             mm = np.memmap(f, dtype=header.dtype, mode="r", offset=header.offset,
@@ -351,7 +357,7 @@ _HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 _register_refused: set[int] = set()
 
 
-def _rows_on_device(path: str, header: NpyHeader, start: int, stop: int,
+def _rows_on_device(path: str, header: NpyHeader, row_bytes: int, start: int, stop: int,
                     pinned_file: FileIdentity | None) -> Any:
     """Rows ``start:stop`` of a C-order, native-endian ``.npy`` as a CuPy array on the current
     device, copied by the GPU straight out of the page cache: the rows' bytes mapped read-only,
@@ -371,12 +377,11 @@ def _rows_on_device(path: str, header: NpyHeader, start: int, stop: int,
     if not cupy.cuda.runtime.deviceGetAttribute(_READ_ONLY_REGISTER_SUPPORTED, device):
         _register_refused.add(device)
         return None
-    row_bytes = int(np.prod(header.shape[1:], dtype=np.int64)) * header.dtype.itemsize
     offset, nbytes = header.offset + start * row_bytes, max(stop - start, 0) * row_bytes
     out = cupy.empty((max(stop - start, 0), *header.shape[1:]), header.dtype)
     if nbytes == 0:
         return out
-    fd = open_pinned(path, pinned_file) if pinned_file is not None else os.open(path, os.O_RDONLY)
+    fd = _open_to_read(path, pinned_file)
     try:
         if os.fstat(fd).st_size < offset + nbytes:  # a map past the end faults (SIGBUS)
             raise NpyFormatError(f"{path} ended before its data (truncated?)")
@@ -548,7 +553,8 @@ class NpyReader:
         if (self.header.fortran_order or not self.header.dtype.isnative or not self.ndim
                 or not config.flag("register-reads")):
             return None
-        return _rows_on_device(self.path, self.header, start, stop, self.pinned_file)
+        return _rows_on_device(self.path, self.header, self.row_nbytes, start, stop,
+                               self.pinned_file)
 
     def __dask_tokenize__(self) -> tuple:
         return ("dask-gpuchunk-npy", self.path, self.pinned_file, self.pinned)
