@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import threading
 import types
+from fractions import Fraction
 from collections.abc import Callable
 from typing import Any
 
@@ -198,12 +199,23 @@ def _multiply_float(a, b):
 
 
 def _multiply_complex(a, b):
-    # NumPy's scalar product, each partial product rounded on its own.
+    # NumPy's scalar product (and CPython's), each partial product rounded on its own.
     ar = a.real
     ai = a.imag
     br = b.real
     bi = b.imag
     return PACK(FMUL(ar, br) - FMUL(ai, bi), FMUL(ar, bi) + FMUL(ai, br))
+
+
+def _multiply_complex_array(a, b):
+    # NumPy's array loop (its AVX2/AVX-512 and NEON builds): the second partial product
+    # rounded, the first fused with it, a the left operand. Two products and two fused
+    # multiply-adds instead of four products and two additions.
+    ar = a.real
+    ai = a.imag
+    br = b.real
+    bi = b.imag
+    return PACK(FMA(ar, br, -FMUL(ai, bi)), FMA(ar, bi, FMUL(ai, br)))
 
 
 def _divide_complex(a, b):
@@ -369,6 +381,7 @@ _FLOAT_HELPERS = {
 #: ones call earlier ones: MUL, DIV, NPYDIV, PYDIV).
 _COMPLEX_HELPERS = {
     "multiply": _multiply_complex,
+    "multiply_array": _multiply_complex_array,
     "divide": _divide_complex,
     "divide_npymath": _divide_complex_npymath,
     "divide_python": _divide_python_complex,
@@ -443,11 +456,83 @@ def _primitives(target: str, precision: str) -> dict[str, Any]:
             # "cuda-fma": a plain product, which the compiler may fuse with an addition.
             "FMUL": (None if target == "cuda-fma"
                      else libdevice.fmul_rn if single else libdevice.dmul_rn),
+            "FMA": libdevice.fmaf if single else libdevice.fma,
         }
     # numba's CPU target has np.floor/np.fmod/np.copysign for scalars (not math.fmod); they
     # keep float32 as float32, as NumPy does on the simulator.
     return {"FLOOR": np.floor, "CEIL": np.ceil, "TRUNC": np.trunc, "FMOD": np.fmod,
-            "COPYSIGN": np.copysign, "HYPOT": np.hypot, "FMUL": None}
+            "COPYSIGN": np.copysign, "HYPOT": np.hypot, "FMUL": None,
+            "FMA": _cpu_fma() if target == "cpu" else _sim_fma(np.dtype(precision))}
+
+
+def _cpu_fma() -> Any:
+    """A numba CPU intrinsic: ``a * b + c`` rounded once (LLVM's ``llvm.fma``: the machine's
+    instruction, or the C library's exact ``fma`` where it has none)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def fma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
+        if not (isinstance(a, types.Float) and a == b == c):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            lty = args[0].type
+            name = f"llvm.fma.f{signature.args[0].bitwidth}"
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lty, [lty] * 3),
+                                                name)
+            return builder.call(fn, args)
+
+        return a(a, b, c), codegen
+
+    return fma
+
+
+def _sim_fma(real: np.dtype) -> Callable[[Any, Any, Any], Any]:
+    """``a * b + c`` rounded once to ``real``, in plain Python (exact rational arithmetic)."""
+    def fma(a: Any, b: Any, c: Any) -> Any:
+        a, b, c = float(a), float(b), float(c)
+        with np.errstate(all="ignore"):
+            if not (math.isfinite(a) and math.isfinite(b)):
+                return real.type(a * b + c)  # inf and nan as the fused operation has them
+            if not math.isfinite(c):
+                return real.type(c)  # a finite product, however large, leaves c as it is
+            if a == 0 or b == 0:
+                # A zero product: the sum of signed zeros as IEEE adds them.
+                return real.type(real.type(a * b) + real.type(c))
+            exact = Fraction(a) * Fraction(b) + Fraction(c)
+            if exact == 0:
+                return real.type(0.0)
+            try:
+                return real.type(float(exact)) if real.itemsize == 8 else \
+                    _round_fraction_to_float32(exact)
+            except OverflowError:
+                return real.type(-math.inf if exact < 0 else math.inf)
+
+    return fma
+
+
+def _round_fraction_to_float32(x: Fraction) -> np.float32:
+    """``x`` (a non-zero Fraction) rounded once to float32, to nearest, ties to even (through
+    float64 it could round twice)."""
+    sign = -1 if x < 0 else 1
+    x = abs(x)
+    exponent = x.numerator.bit_length() - x.denominator.bit_length()  # 2**exponent ~ x
+    if x >= Fraction(2) ** (exponent + 1):
+        exponent += 1
+    elif x < Fraction(2) ** exponent:
+        exponent -= 1
+    quantum = Fraction(2) ** (max(exponent, -126) - 23)  # subnormals: the smallest spacing
+    steps = x / quantum
+    whole, rest = divmod(steps.numerator, steps.denominator)
+    if 2 * rest > steps.denominator or (2 * rest == steps.denominator and whole % 2):
+        whole += 1
+    value = sign * float(whole * quantum)  # exact: whole <= 2**24
+    if abs(value) > float(np.finfo(np.float32).max):
+        return np.float32(sign * math.inf)
+    return np.float32(value)
 
 
 def _instantiate(func: Callable, globals_: dict[str, Any], name: str) -> Callable:

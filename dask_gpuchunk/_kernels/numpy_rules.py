@@ -542,7 +542,10 @@ class Emitter:
         cast = cast_name(out)
         k = t.kind
         if op in ("+", "-", "*", "&", "|", "^"):
-            if k in "fc" and op == "*":
+            if k == "c" and op == "*":
+                # NumPy's array loop, not its scalar product: what NumPy computes on arrays.
+                expr = f"_nr_multiply_array_{s}({x}, {y})"
+            elif k == "f" and op == "*":
                 expr = f"_nr_multiply_{s}({x}, {y})"
             elif k in "fc":
                 expr = f"({x} {op} {y})"
