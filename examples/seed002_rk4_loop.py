@@ -13,8 +13,10 @@ Only the history of ``delta`` comes back to the host, once, at the end.
 
 The same step runs eagerly on CuPy arrays (NumPy where no GPU is visible) and on Dask arrays of
 several chunks, and both loops agree. ``--fma`` runs the step made with ``fma=True``: on the GPU
-each product is fused with the addition that follows, as CuPy's own kernels do (about 11 %
-faster per step on an H200; values within a rounding of NumPy's).
+each real product is fused with the addition that follows, as CuPy's own kernels do. This step's
+products are all complex, which the default already computes as NumPy's array loops do (one
+fused multiply-add per part), so both give the same values at about the same speed (0.180 and
+0.175 ms per step at 4096² on an H200, CuPy's own loop 0.199).
 
     python examples/seed002_rk4_loop.py --n 10000000 --steps 1000
 """
