@@ -34,8 +34,8 @@ from __future__ import annotations
 import math
 import threading
 import types
-from fractions import Fraction
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
