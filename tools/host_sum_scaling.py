@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from gram_scaling import _task_seconds, _timeline
 
 
 def upper_block(i: int, j: int, rows: int) -> np.ndarray:
@@ -68,27 +69,31 @@ def expected_sum(grid: int, rows: int) -> int:
 
 
 def _timed(client, total_expr, expected: int, threads: int) -> dict:
-    from dask.utils import key_split
+    """One compute of ``total_expr``, its task stream summed over the workers with
+    ``gram_scaling``'s own accounting (so that both tools' busy and idle mean the same)."""
     from distributed import get_task_stream
 
     with get_task_stream(client) as stream:
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         value = int(total_expr.compute())
         seconds = time.perf_counter() - t0
-    spans = [(t["worker"], key_split(t["key"]), p["start"], p["stop"]) for t in stream.data
-             for p in t["startstops"] if p["action"] == "compute"]
-    busy = sum(b - a for _, _, a, b in spans)
-    workers = {w for w, *_ in spans}
-    span = max(b for *_, b in spans) - min(a for *_, a, _ in spans)
+    timeline = _timeline(stream.data, wall0, wall0 + seconds)
+    busy = sum(w["busy"] for w in timeline.values())
+    span = (max(w["last_stop"] for w in timeline.values())
+            - min(w["first_start"] for w in timeline.values()))
     by_kind: dict[str, list[float]] = {}
-    for _, kind, a, b in spans:
-        by_kind.setdefault(kind, []).append(b - a)
+    for tasks in _task_seconds(stream.data).values():
+        for name, (task_seconds, count) in tasks.items():
+            if name.startswith("compute "):
+                total = by_kind.setdefault(name[len("compute "):], [0.0, 0])
+                total[0] += task_seconds
+                total[1] += count
     return {"seconds": round(seconds, 4), "exact": value == expected,
             "busy": round(busy, 3),
-            "idle_share": round(1 - busy / (threads * len(workers) * span), 3),
-            "tasks": {kind: {"count": len(t), "seconds": round(sum(t), 3),
-                             "ms_each": round(1e3 * sum(t) / len(t), 2)}
-                      for kind, t in sorted(by_kind.items())}}
+            "idle_share": round(1 - busy / (threads * len(timeline) * span), 3),
+            "tasks": {kind: {"count": count, "seconds": round(total, 3),
+                             "ms_each": round(1e3 * total / count, 2)}
+                      for kind, (total, count) in sorted(by_kind.items())}}
 
 
 def main() -> None:
