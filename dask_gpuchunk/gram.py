@@ -26,6 +26,7 @@ from typing import Any
 
 import dask.array as da
 import numpy as np
+from dask._task_spec import Task, TaskRef
 from dask.array.utils import meta_from_array
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
@@ -643,16 +644,20 @@ def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta
     name, upper = f"gram-{token}", f"gram-upper-{token}"
     bounds = row_bounds(words.chunks[0])
     dsk, source_key = source_tasks(reader, token, read_ahead=bounds)
-    # The computed blocks are a task group of their own, whose only dependency is the source:
-    # distributed then takes them as root tasks and hands them to whichever worker has a free
-    # thread. Named as the Gram's own blocks, the group depended on itself (the transposes),
-    # so each went where the source was made: on two GPUs one worker ran ~3/4 of the blocks
-    # and sent the other 1.3 GB of them for its transposes.
+    # The computed blocks are a task group of their own, whose only dependency is the source,
+    # each marked a data producer: distributed then takes them as root tasks and hands them to
+    # whichever worker has a free thread. Named as the Gram's own blocks, the group depended
+    # on itself (the transposes), so each went where the source was made: on two GPUs one
+    # worker ran ~3/4 of the blocks and sent the other 1.3 GB of them for its transposes.
+    # Unmarked, the diagonal blocks, fused with their one dependent, form a group of their own
+    # that is root-ish only while it has more than twice the cluster's threads: on four GPUs
+    # of two threads one worker ran all 16 of them.
     for i, rows_a in enumerate(bounds):
         first_computed = 0 if recompute else i  # the blocks before it are transposes
         for j in range(first_computed, len(bounds)):
-            dsk[(upper, i, j)] = (_resident_block, source_key, rows_a, bounds[j], i == j,
-                                  method, device)
+            dsk[(upper, i, j)] = Task((upper, i, j), _resident_block, TaskRef(source_key),
+                                      rows_a, bounds[j], i == j, method, device,
+                                      _data_producer=True)
             dsk[(name, i, j)] = (upper, i, j)
         for j in range(first_computed):
             dsk[(name, i, j)] = (_transposed, (upper, j, i))

@@ -434,22 +434,17 @@ def test_gram_of_a_npy_shares_its_blocks_between_workers_and_sends_none(rng, tmp
     # the source was made, and on two GPUs one worker ran 3/4 of them and sent the other
     # 1.3 GB of blocks for its transposes. Small blocks on the CPU do not show it (work
     # stealing evens them out), so the graph's shape is checked, then the cluster's outcome.
-    from dask.core import get_dependencies
     from dask.utils import key_split
     from distributed import Client, LocalCluster, get_task_stream
-
-    from dask_gpuchunk.gram import _resident_block
 
     words = np.packbits(random_bits(rng, (2400, 4096), 0.3), axis=1)
     np.save(tmp_path / "w.npy", words)
     g = dg.gram(dg.from_npy(tmp_path / "w.npy", chunks=(200, -1)), packed=True, device="cpu")
-    layer = dict(g.__dask_graph__().layers[g.name])
-    computed = [key for key, task in layer.items()
-                if isinstance(task, tuple) and task and task[0] is _resident_block]
+    computed = _computed_blocks(g)
     assert len(computed) == 78  # 12 row chunks: the blocks on and above the diagonal
     groups = {key_split(key) for key in computed}
     assert len(groups) == 1 and groups != {key_split(g.name)}, groups
-    sources = set().union(*(get_dependencies(layer, key) for key in computed))
+    sources = set().union(*(task.dependencies for task in computed.values()))
     assert len(sources) == 1, sources  # the source only: not the group itself
 
     block_bytes = 200 * 200 * 4
@@ -464,6 +459,45 @@ def test_gram_of_a_npy_shares_its_blocks_between_workers_and_sends_none(rng, tmp
     blocks = Counter(t["worker"] for t in stream.data if key_split(t["key"]) in groups)
     assert len(blocks) == 2 and min(blocks.values()) >= sum(blocks.values()) // 5, blocks
     assert sum(sent.values()) < block_bytes, sent  # not one block of C between the workers
+
+
+def _computed_blocks(g: da.Array) -> dict:
+    """The tasks of a Gram over a ``.npy`` that compute a block, by key."""
+    from dask._task_spec import Task
+
+    from dask_gpuchunk.gram import _resident_block
+
+    layer = dict(g.__dask_graph__().layers[g.name])
+    return {key: task for key, task in layer.items()
+            if isinstance(task, Task) and task.func is _resident_block}
+
+
+@needs_legacy_graphs
+def test_gram_of_a_npy_spreads_its_diagonal_blocks_over_the_workers(rng, tmp_path):
+    # Each diagonal block has one dependent (its block of C), so dask fuses the two and the
+    # 16 diagonal blocks form a task group of their own. Without the data-producer mark,
+    # distributed takes a group as root tasks only when it has more than twice the cluster's
+    # threads: on four workers of two threads (four GPUs), one worker ran all 16.
+    from dask.utils import key_split
+    from distributed import Client, LocalCluster, get_task_stream
+
+    words = np.packbits(random_bits(rng, (16 * 48, 512), 0.3), axis=1)
+    np.save(tmp_path / "w.npy", words)
+    g = dg.gram(dg.from_npy(tmp_path / "w.npy", chunks=(48, -1)), packed=True, device="cpu")
+    computed = _computed_blocks(g)
+    assert len(computed) == 136 and all(task.data_producer for task in computed.values())
+    want = reference_gram(np.unpackbits(words, axis=1)).sum(dtype=np.int64)
+    # Without work stealing, which moved some of them at times: where the scheduler put them.
+    with dask.config.set({"distributed.scheduler.work-stealing": False}), \
+            LocalCluster(n_workers=4, threads_per_worker=2, processes=False,
+                         dashboard_address=None) as cluster, Client(cluster) as client:
+        with get_task_stream(client) as stream:
+            assert client.compute(g.sum(dtype=np.int64), sync=True) == want
+    fused = {t["key"] for t in stream.data if "upper" in key_split(t["key"])
+             and key_split(t["key"]) != key_split(next(iter(computed))[0])}
+    assert len(fused) == 16, fused  # the diagonal blocks, fused with their blocks of C
+    workers = Counter(t["worker"] for t in stream.data if t["key"] in fused)
+    assert len(workers) >= 2, workers
 
 
 @needs_legacy_graphs
