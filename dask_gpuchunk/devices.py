@@ -18,6 +18,7 @@ __all__ = [
     "gpu_available",
     "check_device",
     "check_device_for_graph",
+    "cluster_workers",
     "distributed_client_active",
 ]
 
@@ -109,6 +110,27 @@ def distributed_client_active() -> bool:
         return True
     except Exception:  # distributed missing, or no client
         return False
+
+
+def cluster_workers() -> int:
+    """How many workers the default ``distributed`` client's cluster has now (at least 1;
+    1 without a client): how many tasks of a graph can run at once on different GPUs.
+
+    Examples
+    --------
+    >>> cluster_workers()
+    1
+    """
+    try:
+        from distributed import default_client
+
+        client = default_client()
+    except Exception:  # distributed missing, or no client
+        return 1
+    try:
+        return max(len(client.scheduler_info(n_workers=-1).get("workers", ())), 1)
+    except Exception:  # an asynchronous client, or the scheduler did not answer
+        return 1
 
 
 def check_device_for_graph(device: str) -> str:

@@ -49,7 +49,7 @@ from .arrays import asarray
 from .backend import is_cupy, run_cpu_kernel
 from .budget import check_fits, run_reserved, working_budget
 from .config import listed_graphs
-from .devices import gpu_available
+from .devices import cluster_workers, gpu_available
 from .gram import (
     block_counts,
     block_scratch_bytes,
@@ -413,11 +413,25 @@ def _next_states(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: 
     return (_merged_state(state_a, mine), _merged_state(state_b, theirs) if both else None)
 
 
-#: Blocks of one round that one task of the top-k chain computes, one after the other. The
-#: distributed scheduler costs about a millisecond or two a task, as much as the fused kernel
-#: takes for a block of 16,384 x 16,384 rows; a round of 62 chunks' 31 blocks still makes four
-#: tasks, which several workers can run at once.
+#: Blocks of one round that one task of the top-k chain computes, one after the other, at
+#: most. The distributed scheduler costs about a millisecond or two a task, as much as the
+#: fused kernel takes for a block of 16,384 x 16,384 rows; a round of 62 chunks' 31 blocks still
+#: makes four tasks, which several workers can run at once. A round has at least as many tasks
+#: as the cluster has workers (:func:`_tasks_per_round`).
 BLOCKS_PER_TASK = 8
+
+
+def _tasks_per_round(blocks: int, workers: int) -> int:
+    """Tasks of a round of ``blocks`` blocks on a cluster of ``workers``: enough that each
+    holds :data:`BLOCKS_PER_TASK` at most, and one per worker where the round has the blocks
+    (a round of 15 blocks made two tasks, so four GPUs ran it on two).
+
+    Examples
+    --------
+    >>> _tasks_per_round(15, 1), _tasks_per_round(15, 4), _tasks_per_round(3, 4)
+    (2, 4, 3)
+    """
+    return max(-(-blocks // BLOCKS_PER_TASK), min(blocks, workers))
 
 #: Arguments of one block in a task of :func:`_next_states_of_blocks`.
 _BLOCK_ARGS = 10
@@ -482,7 +496,8 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     :data:`BLOCKS_PER_TASK` of a round in one task; what a block keeps never leaves the device
     that computed it, and only the states (``8 k`` bytes a row) move between tasks."""
     k = selection.k
-    token = tokenize(wx, wy, selection, method, device)
+    workers = cluster_workers()
+    token = tokenize(wx, wy, selection, method, device, workers)
     name, first, step = (f"similarity-top-k-{token}", f"similarity-first-{token}",
                          f"similarity-step-{token}")
     starts_x = np.concatenate([[0], np.cumsum(wx.chunks[0])]).tolist()
@@ -511,7 +526,7 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     else:  # a round per database chunk: each query chunk's state once
         rounds = [[(i, j) for i in range(chunks_x)] for j in range(1, chunks_y)]
     for r, blocks in enumerate(rounds):
-        tasks = -(-len(blocks) // BLOCKS_PER_TASK)
+        tasks = _tasks_per_round(len(blocks), workers)
         for t in range(tasks):
             key = (step, r, t)
             args: list[Any] = []

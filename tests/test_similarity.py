@@ -433,6 +433,30 @@ def test_top_k_of_a_npy_sends_no_words_between_workers(rng, tmp_path):
     assert sum(sent.values()) < words.nbytes // 10
 
 
+@pytest.mark.skipif(not listed_graphs(), reason="the top-k chain is listed only in listed graphs")
+def test_top_k_chain_runs_a_round_on_every_worker(rng):
+    # A round of the chain's 4 blocks (9 row chunks) made one task: on four workers (four
+    # GPUs) one of them ran every step. Now a round has a task per worker, where it has the
+    # blocks. Work stealing off: where the scheduler put them.
+    from dask.utils import key_split
+    from distributed import Client, LocalCluster, get_task_stream
+
+    x = random_bits(rng, (9 * 40, 200), 0.3)
+    want = brute_top_k(reference(x, x, "tanimoto"), 4, False, True)
+    with dask.config.set({"distributed.scheduler.work-stealing": False}), \
+            LocalCluster(n_workers=4, threads_per_worker=1, processes=False,
+                         dashboard_address=None) as cluster, Client(cluster) as client:
+        indices, scores = dg.similarity(da.from_array(x, chunks=(40, -1)), top_k=4,
+                                        device="cpu")
+        with get_task_stream(client) as stream:
+            got = client.compute([indices, scores], sync=True)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    steps = [t for t in stream.data if key_split(t["key"]) == "similarity-step"]
+    assert len(steps) == 9 * 4  # 9 rounds of 4 blocks, a task each
+    assert len({t["worker"] for t in steps}) >= 3
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not listed_graphs(),
                     reason="the top-k chain reads a .npy's chunks itself only in listed graphs")
