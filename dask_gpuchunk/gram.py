@@ -26,7 +26,7 @@ from typing import Any
 
 import dask.array as da
 import numpy as np
-from dask._task_spec import Task, TaskRef
+from dask.task_spec import Task, TaskRef
 from dask.array.utils import meta_from_array
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import dask.array as da
 import numpy as np
+from dask.task_spec import Task, TaskRef
 from dask.array.core import PerformanceWarning
 from dask.array.utils import meta_from_array
 from dask.base import tokenize
@@ -361,9 +362,16 @@ def _state_of(previous: tuple, slot: int) -> Any:
     return previous[slot]
 
 
-def _merged_state(state: Any, keys: Any) -> Any:
-    xp = kernels._xp(state)
-    return kernels.smallest_keys(xp.concatenate([state, keys], axis=1), state.shape[1])
+def _merged_state(state: Any, keys: Any, k: int) -> Any:
+    """A row chunk's state with a block's best keys merged in (``state`` ``None``: the block's
+    begin it)."""
+    if state is None:
+        return kernels.smallest_keys(keys, k)
+    if is_cupy(state) != is_cupy(keys):  # one of them from a host path
+        import cupy
+
+        state, keys = cupy.asarray(state), cupy.asarray(keys)
+    return kernels.smallest_keys(kernels._xp(state).concatenate([state, keys], axis=1), k)
 
 
 def _first_state(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
@@ -381,20 +389,22 @@ def _first_state(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: 
 
 
 def _next_states(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
-                 previous_a: tuple, slot_a: int, previous_b: tuple | None, slot_b: int,
-                 selection: _Selection, method: str, device: str) -> tuple:
-    """The states of ``a``'s rows (and, with ``previous_b``, of ``b``'s rows: all pairs, a
-    block above the diagonal) after their block: ``(state_a, state_b)``. On the 1-bit tensor
-    cores, selected in the kernel's epilogue against the states so far
+                 previous_a: tuple | None, slot_a: int, previous_b: tuple | None, slot_b: int,
+                 both: bool, selection: _Selection, method: str, device: str) -> tuple:
+    """The states of ``a``'s rows (and, with ``both``, of ``b``'s rows: all pairs, a block
+    above the diagonal) after their block: ``(state_a, state_b)``; a ``previous`` of ``None``:
+    this chain has no state of those rows yet. On the 1-bit tensor cores, selected in the
+    kernel's epilogue against the states so far
     (:func:`dask_gpuchunk._kernels.bmma_select.top_k_candidates`); where that cannot be used
-    (another method, larger k, host chunks), the block's own best keys merged in."""
-    state_a = previous_a[slot_a]
+    (another method, larger k, host chunks, a state not begun), the block's own best keys merged
+    in."""
+    state_a = None if previous_a is None else previous_a[slot_a]
     state_b = None if previous_b is None else previous_b[slot_b]
-    both = state_b is not None
     exclude = selection.exclude_self and not both and _ids_meet(
         range(first_a, first_a + len(a)), range(first_b, first_b + len(b)))
     on_device = is_cupy(a) and is_cupy(b) and device != "cpu"
-    if (on_device and selection.k <= kernels.CUDA_TOP_K_MAX
+    begun = state_a is not None and (state_b is not None or not both)
+    if (on_device and begun and selection.k <= kernels.CUDA_TOP_K_MAX
             and _selecting_method(method) == "bmma"):
         words64 = -(-a.shape[1] * a.dtype.itemsize // 8)
         return run_reserved(
@@ -410,31 +420,18 @@ def _next_states(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: 
         cols = np.arange(first_b, first_b + len(b))
         mine, theirs = _scored_block(a, b, pop_a, pop_b, rows, cols, selection, both, exclude,
                                      method, device)
-    return (_merged_state(state_a, mine), _merged_state(state_b, theirs) if both else None)
+    return (_merged_state(state_a, mine, selection.k),
+            _merged_state(state_b, theirs, selection.k) if both else None)
 
 
 #: Blocks of one round that one task of the top-k chain computes, one after the other, at
 #: most. The distributed scheduler costs about a millisecond or two a task, as much as the
 #: fused kernel takes for a block of 16,384 x 16,384 rows; a round of 62 chunks' 31 blocks still
-#: makes four tasks, which several workers can run at once. A round has at least as many tasks
-#: as the cluster has workers (:func:`_tasks_per_round`).
+#: makes four tasks, which one worker's threads run at once.
 BLOCKS_PER_TASK = 8
 
-
-def _tasks_per_round(blocks: int, workers: int) -> int:
-    """Tasks of a round of ``blocks`` blocks on a cluster of ``workers``: enough that each
-    holds :data:`BLOCKS_PER_TASK` at most, and one per worker where the round has the blocks
-    (a round of 15 blocks made two tasks, so four GPUs ran it on two).
-
-    Examples
-    --------
-    >>> _tasks_per_round(15, 1), _tasks_per_round(15, 4), _tasks_per_round(3, 4)
-    (2, 4, 3)
-    """
-    return max(-(-blocks // BLOCKS_PER_TASK), min(blocks, workers))
-
 #: Arguments of one block in a task of :func:`_next_states_of_blocks`.
-_BLOCK_ARGS = 10
+_BLOCK_ARGS = 11
 
 
 def _next_states_of_blocks(*args: Any, selection: _Selection, method: str, device: str
@@ -446,6 +443,39 @@ def _next_states_of_blocks(*args: Any, selection: _Selection, method: str, devic
         states += _next_states(*args[start:start + _BLOCK_ARGS], selection=selection,
                                method=method, device=device)
     return tuple(states)
+
+
+def _first_states(*args: Any, selection: _Selection, method: str, device: str) -> tuple:
+    """:func:`_first_state` of several blocks (7 arguments each), one after the other: the
+    states they begin, flattened."""
+    return tuple(_first_state(*args[start:start + 7], selection=selection, method=method,
+                              device=device)[0] for start in range(0, len(args), 7))
+
+
+def _merged_chain_states(k: int, *refs: Any) -> Any:
+    """One row chunk's states from several chains (``(previous, slot)`` pairs, flattened)
+    merged: its ``k`` best keys over every block."""
+    states = [refs[i][refs[i + 1]] for i in range(0, len(refs), 2)]
+    if any(is_cupy(s) for s in states):
+        import cupy
+
+        states = [cupy.asarray(s) for s in states]
+    return kernels.smallest_keys(kernels._xp(states[0]).concatenate(states, axis=1), k)
+
+
+def _chains_for(workers: int, rounds: int) -> int:
+    """Chains of the top-k over ``rounds`` rounds of blocks on a cluster of ``workers``: one
+    per worker (each keeps its own states of the row chunks its blocks meet, on its own
+    device, merged once at the end), one on a single worker or process. One chain over two
+    GPUs moved every state between them between rounds (1.2 GB a worker over TLS for 10**6
+    rows) and took twice as long as on one.
+
+    Examples
+    --------
+    >>> _chains_for(1, 30), _chains_for(4, 30), _chains_for(4, 2), _chains_for(2, 0)
+    (1, 4, 2, 1)
+    """
+    return max(1, min(workers, rounds))
 
 
 def _round_robin(count: int) -> list[tuple[int, int]]:
@@ -474,38 +504,47 @@ def _chunk_refs(words: da.Array, pops: da.Array, device: str, dsk: dict, tag: st
     (:func:`dask_gpuchunk.io.npy_reader_of`), tasks inside the task that read them where it
     runs (:func:`~dask_gpuchunk.resident.rows_where_it_runs`, through a source that ``dsk``
     gains): then no chunk of words is sent between workers. Last, the collections the names
-    need."""
+    need (none for a ``.npy``)."""
     reader = npy_reader_of(words)
     if reader is None:
-        return ([(words.name, i, 0) for i in range(len(words.chunks[0]))],
-                [(pops.name, i) for i in range(len(words.chunks[0]))], [words, pops])
+        return ([TaskRef((words.name, i, 0)) for i in range(len(words.chunks[0]))],
+                [TaskRef((pops.name, i)) for i in range(len(words.chunks[0]))], [words, pops])
     entries, source_key = source_tasks(reader, tag)
     dsk.update(entries)
     bounds = row_bounds(words.chunks[0])
-    return ([(rows_where_it_runs, source_key, a, b, device) for a, b in bounds],
-            [(_resident_popcounts, source_key, a, b, device) for a, b in bounds], [])
+    source = TaskRef(source_key)
+    return ([Task(None, rows_where_it_runs, source, a, b, device) for a, b in bounds],
+            [Task(None, _resident_popcounts, source, a, b, device) for a, b in bounds], [])
 
 
 def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
                  all_pairs: bool, selection: _Selection, method: str, device: str,
                  meta: Any) -> da.Array:
-    """The best keys ``(n, k)`` of each row, listed by hand as a chain of states per row
-    chunk: each row chunk's first block (all pairs: its diagonal block) by the plain path,
-    then the further blocks, each updating the states of its row chunk and (all pairs) its
-    column chunk (:func:`_next_states`), in rounds of disjoint chunk pairs, up to
-    :data:`BLOCKS_PER_TASK` of a round in one task; what a block keeps never leaves the device
-    that computed it, and only the states (``8 k`` bytes a row) move between tasks."""
+    """The best keys ``(n, k)`` of each row, listed by hand as chains of states per row chunk:
+    each row chunk's first block (all pairs: its diagonal block) by the plain path, then the
+    further blocks, each updating the states of its row chunk and (all pairs) its column chunk
+    (:func:`_next_states`), in rounds of disjoint chunk pairs, up to :data:`BLOCKS_PER_TASK` of
+    a round in one task; what a block keeps never leaves the device that computed it, and only
+    the states (``8 k`` bytes a row) move between tasks. On a cluster of several workers, a
+    chain per worker (:func:`_chains_for`): chain ``c`` takes the first blocks of the row chunks
+    ``i`` with ``i % chains == c``, in one task that distributed hands to a worker of its own,
+    and the rounds ``r`` with ``r % chains == c``, which follow it there; a chunk's states of
+    the chains are merged at the end."""
     k = selection.k
-    workers = cluster_workers()
-    token = tokenize(wx, wy, selection, method, device, workers)
+    chunks_x, chunks_y = len(wx.chunks[0]), len(wy.chunks[0])
+    if all_pairs:  # rounds of disjoint chunk pairs
+        order = _round_robin(chunks_x)
+        per_round = max(chunks_x // 2, 1)
+        rounds = [order[r:r + per_round] for r in range(0, len(order), per_round)]
+    else:  # a round per database chunk: each query chunk's state once
+        rounds = [[(i, j) for i in range(chunks_x)] for j in range(1, chunks_y)]
+    chains = _chains_for(cluster_workers(), len(rounds))
+    token = tokenize(wx, wy, selection, method, device, chains)
     name, first, step = (f"similarity-top-k-{token}", f"similarity-first-{token}",
                          f"similarity-step-{token}")
     starts_x = np.concatenate([[0], np.cumsum(wx.chunks[0])]).tolist()
     starts_y = np.concatenate([[0], np.cumsum(wy.chunks[0])]).tolist()
-    chunks_x, chunks_y = len(wx.chunks[0]), len(wy.chunks[0])
     opts = {"selection": selection, "method": method, "device": device}
-    first_task = functools.partial(_first_state, **opts)
-    next_task = functools.partial(_next_states_of_blocks, **opts)
     dsk: dict[Any, Any] = {}
     words_x, pops_x, needs = _chunk_refs(wx, pop_x, device, dsk, f"x-{token}")
     if wy is wx:
@@ -513,37 +552,62 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     else:
         words_y, pops_y, needs_y = _chunk_refs(wy, pop_y, device, dsk, f"y-{token}")
         needs = needs + needs_y
-    latest: dict[int, tuple[tuple, int]] = {}
-    for i in range(chunks_x):
-        j = i if all_pairs else 0
-        dsk[(first, i)] = (first_task, words_x[i], words_y[j], pops_x[i], pops_y[j],
-                           starts_x[i], starts_y[j], all_pairs)
-        latest[i] = ((first, i), 0)
-    if all_pairs:  # rounds of disjoint chunk pairs
-        order = _round_robin(chunks_x)
-        per_round = max(chunks_x // 2, 1)
-        rounds = [order[r:r + per_round] for r in range(0, len(order), per_round)]
-    else:  # a round per database chunk: each query chunk's state once
-        rounds = [[(i, j) for i in range(chunks_x)] for j in range(1, chunks_y)]
+    # Read from a .npy, a task whose only dependency is the words' source is a root task:
+    # distributed hands each to a worker with a free thread, not to where the source was made.
+    producer = not needs
+    # latest[c][i]: the task and slot holding chain c's state of row chunk i so far.
+    latest: list[dict[int, tuple[Any, int]]] = [{} for _ in range(chains)]
+    for c in range(chains):
+        args: list[Any] = []
+        for i in range(c, chunks_x, chains):
+            j = i if all_pairs else 0
+            args += [words_x[i], words_y[j], pops_x[i], pops_y[j], starts_x[i], starts_y[j],
+                     all_pairs]
+        if chains == 1:  # a task a chunk: one worker's threads run them at once
+            for n, i in enumerate(range(chunks_x)):
+                key = (first, i)
+                dsk[key] = Task(key, functools.partial(_first_state, **opts),
+                                *args[7 * n:7 * n + 7])
+                latest[c][i] = (key, 0)
+        elif args:
+            key = (first, c)
+            dsk[key] = Task(key, functools.partial(_first_states, **opts), *args,
+                            _data_producer=producer)
+            for n, i in enumerate(range(c, chunks_x, chains)):
+                latest[c][i] = (key, n)
     for r, blocks in enumerate(rounds):
-        tasks = _tasks_per_round(len(blocks), workers)
+        c = r % chains
+        tasks = -(-len(blocks) // BLOCKS_PER_TASK)
         for t in range(tasks):
             key = (step, r, t)
-            args: list[Any] = []
+            args = []
             mine = blocks[t * len(blocks) // tasks:(t + 1) * len(blocks) // tasks]
             for i, j in mine:
-                column_state: tuple = latest[j] if all_pairs else (None, 0)
                 args += [words_x[i], words_y[j], pops_x[i], pops_y[j], starts_x[i],
-                         starts_y[j], *latest[i], *column_state]
-            dsk[key] = (next_task, *args)
+                         starts_y[j], *_ref(latest[c].get(i)),
+                         *_ref(latest[c].get(j) if all_pairs else None), all_pairs]
+            begun = any(isinstance(arg, TaskRef) for arg in args) or not producer
+            dsk[key] = Task(key, functools.partial(_next_states_of_blocks, **opts), *args,
+                            _data_producer=not begun)
             for b, (i, j) in enumerate(mine):
-                latest[i] = (key, 2 * b)
+                latest[c][i] = (key, 2 * b)
                 if all_pairs:
-                    latest[j] = (key, 2 * b + 1)
+                    latest[c][j] = (key, 2 * b + 1)
     for i in range(chunks_x):
-        dsk[(name, i, 0)] = (_state_of, *latest[i])
+        held = [latest[c][i] for c in range(chains) if i in latest[c]]
+        key = (name, i, 0)
+        if len(held) == 1:
+            dsk[key] = Task(key, _state_of, *_ref(held[0]))
+        else:
+            dsk[key] = Task(key, _merged_chain_states, k,
+                            *(part for ref in held for part in _ref(ref)))
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=needs)
     return da.Array(graph, name, (wx.chunks[0], (k,)), dtype=np.uint64, meta=meta)
+
+
+def _ref(held: tuple[Any, int] | None) -> tuple[Any, int]:
+    """A state's ``(previous, slot)`` arguments: the task that holds it, or ``None``."""
+    return (None, 0) if held is None else (TaskRef(held[0]), held[1])
 
 
 def _row_parts(row_blocks: list[Any], column_blocks: list[Any] | None) -> list[Any]:

@@ -433,28 +433,67 @@ def test_top_k_of_a_npy_sends_no_words_between_workers(rng, tmp_path):
     assert sum(sent.values()) < words.nbytes // 10
 
 
-@pytest.mark.skipif(not listed_graphs(), reason="the top-k chain is listed only in listed graphs")
-def test_top_k_chain_runs_a_round_on_every_worker(rng):
-    # A round of the chain's 4 blocks (9 row chunks) made one task: on four workers (four
-    # GPUs) one of them ran every step. Now a round has a task per worker, where it has the
-    # blocks. Work stealing off: where the scheduler put them.
+@pytest.mark.skipif(QUERY_PLANNING, reason="the chain is listed where graphs are listed")
+@pytest.mark.parametrize("workers", [2, 3, 7])
+@pytest.mark.parametrize("metric", ["tanimoto", "hamming"])
+def test_top_k_chains_of_several_workers_match_numpy(xp, rng, monkeypatch, workers, metric):
+    # A chain per worker: each begins the states of its own row chunks, takes every
+    # workers-th round, and begins by the plain path the states its rounds meet first; the
+    # chains' states are merged at the end.
+    similarity_module = importlib.import_module("dask_gpuchunk.similarity")
+    monkeypatch.setattr(similarity_module, "cluster_workers", lambda: workers)
+    x = fingerprints(rng, 230, 90)  # 23 chunks of 10 rows
+    y = random_bits(rng, (61, 90), 0.2)
+    lower = metric == "hamming"
+    host = (lambda a: a) if xp is np else (lambda a: a.get())
+    indices, scores = dg.similarity(dg.asarray(xp.asarray(x), chunks=(10, -1)), metric=metric,
+                                    top_k=4)
+    firsts = {key for key in dict(indices.__dask_graph__()) if isinstance(key, tuple)
+              and key[0].startswith("similarity-first")}
+    assert len(firsts) == workers
+    want_i, want_s = brute_top_k(reference(x, x, metric), 4, lower, True)
+    got_i, got_s = map(host, dask.compute(indices, scores))
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_s, want_s.astype(got_s.dtype))
+    # queries x database, uneven chunks: a round per database chunk after the first
+    indices, scores = dg.similarity(dg.asarray(xp.asarray(x[:75]), chunks=(10, -1)),
+                                    dg.asarray(xp.asarray(y), chunks=(13, -1)), metric=metric,
+                                    top_k=3)
+    want_i, want_s = brute_top_k(reference(x[:75], y, metric), 3, lower, False)
+    got_i, got_s = map(host, dask.compute(indices, scores))
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_s, want_s.astype(got_s.dtype))
+
+
+@pytest.mark.skipif(not listed_graphs(),
+                    reason="the top-k chain reads a .npy's chunks itself only in listed graphs")
+def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path):
+    # One chain over two GPUs sent every state between them between rounds (1.2 GB a worker
+    # for 10**6 rows) and took twice as long as on one. Now each worker's chain begins in a
+    # task that distributed hands to a worker of its own, its rounds follow it there, and only
+    # the chains' last states meet. Work stealing off: where the scheduler put them.
     from dask.utils import key_split
     from distributed import Client, LocalCluster, get_task_stream
 
-    x = random_bits(rng, (9 * 40, 200), 0.3)
-    want = brute_top_k(reference(x, x, "tanimoto"), 4, False, True)
+    x = fingerprints(rng, 17 * 30, 300)
+    np.save(tmp_path / "x.npy", np.packbits(x, axis=1))
+    want = brute_top_k(reference(x, x, "tanimoto"), 5, False, True)
     with dask.config.set({"distributed.scheduler.work-stealing": False}), \
             LocalCluster(n_workers=4, threads_per_worker=1, processes=False,
                          dashboard_address=None) as cluster, Client(cluster) as client:
-        indices, scores = dg.similarity(da.from_array(x, chunks=(40, -1)), top_k=4,
-                                        device="cpu")
+        wx = dg.from_npy(tmp_path / "x.npy", chunks=(30, -1))
+        indices, scores = dg.similarity(wx, packed=True, top_k=5, device="cpu")
         with get_task_stream(client) as stream:
             got = client.compute([indices, scores], sync=True)
     np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
-    steps = [t for t in stream.data if key_split(t["key"]) == "similarity-step"]
-    assert len(steps) == 9 * 4  # 9 rounds of 4 blocks, a task each
-    assert len({t["worker"] for t in steps}) >= 3
+    np.testing.assert_array_equal(got[1], want[1].astype(np.float32))
+    where = {t["key"]: t["worker"] for t in stream.data}
+    firsts = {key: w for key, w in where.items() if key_split(key) == "similarity-first"}
+    assert len(firsts) == 4 and len(set(firsts.values())) == 4, firsts  # a worker each
+    chain_of = {key[1]: w for key, w in firsts.items()}
+    steps = {key: w for key, w in where.items() if key_split(key) == "similarity-step"}
+    assert len(steps) == 17  # 17 rounds of 8 blocks, a task each
+    assert all(w == chain_of[key[1] % 4] for key, w in steps.items()), (chain_of, steps)
 
 
 @pytest.mark.gpu
