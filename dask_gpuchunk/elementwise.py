@@ -44,6 +44,8 @@ from .backend import device_call, input_kind, is_cupy, run_elementwise
 from .budget import check_fits
 from .config import listed_graphs, map_blocks_prefix
 from .devices import check_device, check_device_for_graph, check_device_name, gpu_available
+from .io import npy_reader_of
+from .resident import row_bounds
 
 __all__ = ["ElementwiseOp", "elementwise", "multiply"]
 
@@ -792,7 +794,12 @@ def _listed_graph(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], .
     """One ``_block`` task per result block, in a plain dict.
 
     Block ``idx`` of the result reads block ``idx`` of each Dask operand, trailing dimensions
-    aligned, block 0 along dimensions an operand broadcasts; constants go to every task.
+    aligned, block 0 along dimensions an operand broadcasts; constants go to every task. A
+    :func:`~dask_gpuchunk.io.from_npy` operand as it was made is read by the block's task
+    itself, its region of the file (:func:`_read_region`), and where every Dask operand is, the
+    tasks are marked data producers, which distributed hands out as root tasks: read by tasks
+    of their own, the two operands of a block were read on different workers of two GPUs and
+    one of them sent to the other (0.8 GB a worker for two 4 GB files).
 
     This is what ``da.blockwise`` gives for an elementwise function, listed now. A
     ``Blockwise`` layer costs each persist of a small graph 0.1-0.4 ms more, to build it and
@@ -800,25 +807,46 @@ def _listed_graph(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], .
     H200 (docs/perf-notes.md, step 11); a loop of device-resident steps pays it every step.
     """
     ndim = len(chunks)
-    # Per operand: a constant, or (name, where its dimensions start, which dimensions follow
-    # the result's block index rather than staying at block 0).
+    graph: dict[Any, Any] = {}
+    # Per operand: a constant (None), or (where its dimensions start, which dimensions follow
+    # the result's block index rather than staying at block 0, and what names its block: the
+    # operand's own name, or (the reader's key, each dimension's bounds) to read it).
     plans: list[Any] = []
+    dask_ops: list[da.Array] = []
     for r in arrays:
-        if isinstance(r, da.Array):
-            plans.append((r.name, ndim - r.ndim, tuple(n != 1 for n in r.numblocks)))
-        else:
+        if not isinstance(r, da.Array):
             plans.append(None)
-    graph: dict[Any, Task] = {}
+            continue
+        reader = npy_reader_of(r, whole_rows=False)
+        if reader is None:
+            source: Any = r.name
+            dask_ops.append(r)
+        else:
+            source = (f"npy-reader-{tokenize(reader)}", [row_bounds(c) for c in r.chunks])
+            graph[source[0]] = reader  # where to_npy finds the inputs it checks at the end
+        plans.append((ndim - r.ndim, tuple(n != 1 for n in r.numblocks), source))
+    producer = any(plan is not None for plan in plans) and not dask_ops
     for idx in product(*(range(len(c)) for c in chunks)):
-        args = [
-            r if plan is None else TaskRef((plan[0], *(idx[plan[1] + k] if follows else 0
-                                                       for k, follows in enumerate(plan[2]))))
-            for r, plan in zip(arrays, plans)
-        ]
+        args = []
+        for r, plan in zip(arrays, plans):
+            if plan is None:
+                args.append(r)
+                continue
+            start, follows, source = plan
+            block = tuple(idx[start + k] if f else 0 for k, f in enumerate(follows))
+            if isinstance(source, str):
+                args.append(TaskRef((source, *block)))
+            else:
+                region = tuple(slice(*bounds[b]) for bounds, b in zip(source[1], block))
+                args.append(Task(None, _read_region, TaskRef(source[0]), region))
         key = (name, *idx)
-        graph[key] = Task(key, _block, *args, **task_kwargs)
-    dask_ops = [r for r in arrays if isinstance(r, da.Array)]
+        graph[key] = Task(key, _block, *args, _data_producer=producer, **task_kwargs)
     return HighLevelGraph.from_collections(name, graph, dependencies=dask_ops)
+
+
+def _read_region(reader: Any, region: tuple[slice, ...]) -> Any:
+    """Region ``region`` of a ``.npy`` (:class:`~dask_gpuchunk.io.NpyReader`), read now."""
+    return reader[region]
 
 
 def elementwise(func: Callable | None = None, *, dtype: Any = None,

@@ -493,11 +493,12 @@ def from_npy(path: str | os.PathLike, chunks: Any = "auto", *, pinned: bool | No
                          meta=np.empty((0,) * len(chunks), dtype), **kwargs)
 
 
-def npy_reader_of(x: Any) -> NpyReader | None:
+def npy_reader_of(x: Any, whole_rows: bool = True) -> NpyReader | None:
     """The reader of ``x`` where ``x`` is a :func:`from_npy` array as it was made (no operation
-    since, whole rows in each chunk; outside dask's array query planning), else ``None``: an
-    operator may then read its chunks itself (:class:`dask_gpuchunk.resident.ResidentSource`)
-    instead of through ``x``'s tasks.
+    since; ``whole_rows``: 2-D, whole rows in each chunk; outside dask's array query planning),
+    else ``None``: an operator may then read its chunks itself
+    (:class:`dask_gpuchunk.resident.ResidentSource`, or a region a task) instead of through
+    ``x``'s tasks.
 
     Examples
     --------
@@ -510,9 +511,9 @@ def npy_reader_of(x: Any) -> NpyReader | None:
     >>> npy_reader_of(from_npy(path, chunks=(2, -1)) + 1) is None
     True
     """
-    if not isinstance(x, da.Array) or da.array_expr_enabled() or x.ndim != 2:
+    if not isinstance(x, da.Array) or da.array_expr_enabled():
         return None
-    if len(x.chunks[1]) != 1:
+    if whole_rows and (x.ndim != 2 or len(x.chunks[1]) != 1):
         return None
     layers = getattr(x.__dask_graph__(), "layers", None)
     original = "original-" + x.name

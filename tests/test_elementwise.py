@@ -845,3 +845,39 @@ def test_fma_on_the_gpu_within_a_rounding_of_numpy_eager_and_dask_alike(rng):
         assert np.abs(cupy.asnumpy(a) - w).max() <= 1e-6 * scale
     np.testing.assert_allclose(complex(eager[2]), complex(want[0].astype(np.complex128).sum()),
                                rtol=1e-5)
+
+
+@pytest.mark.skipif(not dg.config.listed_graphs(), reason="only listed graphs read regions")
+def test_npy_operands_are_read_by_the_block_that_uses_them(rng, tmp_path):
+    # Read by tasks of their own, the two operands of a block were read on different workers
+    # of two GPUs and one sent to the other (0.8 GB a worker for two 4 GB files). Now each
+    # block's task reads its regions of the files, and distributed hands the tasks out as
+    # root tasks; a row broadcast along the rows reads its one block each time.
+    from dask.utils import key_split
+    from distributed import Client, LocalCluster, get_task_stream
+
+    from dask_gpuchunk.jobs import sent_by_workers
+
+    a = rng.standard_normal((230, 70)).astype(np.float32)
+    b = rng.standard_normal((230, 70)).astype(np.float32)
+    row = rng.standard_normal((1, 70)).astype(np.float32)
+    for label, value in (("a", a), ("b", b), ("row", row)):
+        np.save(tmp_path / f"{label}.npy", value)
+    x = dg.from_npy(tmp_path / "a.npy", chunks=(40, 30))
+    y = dg.from_npy(tmp_path / "b.npy", chunks=(40, 30))
+    r = dg.from_npy(tmp_path / "row.npy", chunks=(1, 30))
+    product = dg.multiply(x, y)
+    keys = {key_split(k) for k in dict(product.__dask_graph__())}
+    assert not any(k.startswith("from-npy") for k in keys), keys
+    np.testing.assert_array_equal(product.compute(), a * b)
+    np.testing.assert_array_equal(dg.multiply(x, r).compute(), a * row)
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        before = sent_by_workers(client)
+        with get_task_stream(client) as stream:
+            got = client.compute(product.sum(dtype=np.float64), sync=True)
+        sent = sent_by_workers(client, before)
+    np.testing.assert_allclose(got, (a * b).sum(dtype=np.float64), rtol=1e-6)
+    workers = {t["worker"] for t in stream.data if key_split(t["key"]).startswith("multiply")}
+    assert len(workers) == 2
+    assert sum(sent.values()) < 40 * 30 * 4, sent  # partial sums only: not one block
