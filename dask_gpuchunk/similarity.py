@@ -362,16 +362,9 @@ def _state_of(previous: tuple, slot: int) -> Any:
     return previous[slot]
 
 
-def _merged_state(state: Any, keys: Any, k: int) -> Any:
-    """A row chunk's state with a block's best keys merged in (``state`` ``None``: the block's
-    begin it)."""
-    if state is None:
-        return kernels.smallest_keys(keys, k)
-    if is_cupy(state) != is_cupy(keys):  # one of them from a host path
-        import cupy
-
-        state, keys = cupy.asarray(state), cupy.asarray(keys)
-    return kernels.smallest_keys(kernels._xp(state).concatenate([state, keys], axis=1), k)
+def _merged_state(state: Any, keys: Any) -> Any:
+    xp = kernels._xp(state)
+    return kernels.smallest_keys(xp.concatenate([state, keys], axis=1), state.shape[1])
 
 
 def _first_state(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
@@ -389,22 +382,20 @@ def _first_state(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: 
 
 
 def _next_states(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
-                 previous_a: tuple | None, slot_a: int, previous_b: tuple | None, slot_b: int,
-                 both: bool, selection: _Selection, method: str, device: str) -> tuple:
-    """The states of ``a``'s rows (and, with ``both``, of ``b``'s rows: all pairs, a block
-    above the diagonal) after their block: ``(state_a, state_b)``; a ``previous`` of ``None``:
-    this chain has no state of those rows yet. On the 1-bit tensor cores, selected in the
-    kernel's epilogue against the states so far
+                 previous_a: tuple, slot_a: int, previous_b: tuple | None, slot_b: int,
+                 selection: _Selection, method: str, device: str) -> tuple:
+    """The states of ``a``'s rows (and, with ``previous_b``, of ``b``'s rows: all pairs, a
+    block above the diagonal) after their block: ``(state_a, state_b)``. On the 1-bit tensor
+    cores, selected in the kernel's epilogue against the states so far
     (:func:`dask_gpuchunk._kernels.bmma_select.top_k_candidates`); where that cannot be used
-    (another method, larger k, host chunks, a state not begun), the block's own best keys merged
-    in."""
-    state_a = None if previous_a is None else previous_a[slot_a]
+    (another method, larger k, host chunks), the block's own best keys merged in."""
+    state_a = previous_a[slot_a]
     state_b = None if previous_b is None else previous_b[slot_b]
+    both = state_b is not None
     exclude = selection.exclude_self and not both and _ids_meet(
         range(first_a, first_a + len(a)), range(first_b, first_b + len(b)))
     on_device = is_cupy(a) and is_cupy(b) and device != "cpu"
-    begun = state_a is not None and (state_b is not None or not both)
-    if (on_device and begun and selection.k <= kernels.CUDA_TOP_K_MAX
+    if (on_device and selection.k <= kernels.CUDA_TOP_K_MAX
             and _selecting_method(method) == "bmma"):
         words64 = -(-a.shape[1] * a.dtype.itemsize // 8)
         return run_reserved(
@@ -420,8 +411,7 @@ def _next_states(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: 
         cols = np.arange(first_b, first_b + len(b))
         mine, theirs = _scored_block(a, b, pop_a, pop_b, rows, cols, selection, both, exclude,
                                      method, device)
-    return (_merged_state(state_a, mine, selection.k),
-            _merged_state(state_b, theirs, selection.k) if both else None)
+    return (_merged_state(state_a, mine), _merged_state(state_b, theirs) if both else None)
 
 
 #: Blocks of one round that one task of the top-k chain computes, one after the other, at
@@ -431,7 +421,7 @@ def _next_states(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: 
 BLOCKS_PER_TASK = 8
 
 #: Arguments of one block in a task of :func:`_next_states_of_blocks`.
-_BLOCK_ARGS = 11
+_BLOCK_ARGS = 10
 
 
 def _next_states_of_blocks(*args: Any, selection: _Selection, method: str, device: str
@@ -445,30 +435,32 @@ def _next_states_of_blocks(*args: Any, selection: _Selection, method: str, devic
     return tuple(states)
 
 
-def _first_states(*args: Any, selection: _Selection, method: str, device: str) -> tuple:
-    """:func:`_first_state` of several blocks (7 arguments each), one after the other: the
-    states they begin, flattened."""
-    return tuple(_first_state(*args[start:start + 7], selection=selection, method=method,
-                              device=device)[0] for start in range(0, len(args), 7))
+def _gathered(*states: tuple) -> tuple:
+    """Every row chunk's first state (each a task's ``(state,)``), in one tuple: a chain's
+    beginning."""
+    return tuple(state[0] for state in states)
 
 
 def _merged_chain_states(k: int, *refs: Any) -> Any:
     """One row chunk's states from several chains (``(previous, slot)`` pairs, flattened)
-    merged: its ``k`` best keys over every block."""
+    merged: its ``k`` best keys over every block. Each chain began from the same first block,
+    so its keys are in every state: a key twice is kept once."""
     states = [refs[i][refs[i + 1]] for i in range(0, len(refs), 2)]
     if any(is_cupy(s) for s in states):
         import cupy
 
         states = [cupy.asarray(s) for s in states]
-    return kernels.smallest_keys(kernels._xp(states[0]).concatenate(states, axis=1), k)
+    xp = kernels._xp(states[0])
+    keys = xp.sort(xp.concatenate(states, axis=1), axis=1)
+    keys[:, 1:][keys[:, 1:] == keys[:, :-1]] = kernels.NO_PAIR
+    return kernels.smallest_keys(keys, k)
 
 
 def _chains_for(workers: int, rounds: int) -> int:
     """Chains of the top-k over ``rounds`` rounds of blocks on a cluster of ``workers``: one
-    per worker (each keeps its own states of the row chunks its blocks meet, on its own
-    device, merged once at the end), one on a single worker or process. One chain over two
-    GPUs moved every state between them between rounds (1.2 GB a worker over TLS for 10**6
-    rows) and took twice as long as on one.
+    per worker (each keeps its own states on its own device, merged once at the end), one on
+    a single worker or process. One chain over two GPUs moved every state between them
+    between rounds (1.2 GB a worker over TLS for 10**6 rows) and took twice as long as on one.
 
     Examples
     --------
@@ -520,16 +512,18 @@ def _chunk_refs(words: da.Array, pops: da.Array, device: str, dsk: dict, tag: st
 def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
                  all_pairs: bool, selection: _Selection, method: str, device: str,
                  meta: Any) -> da.Array:
-    """The best keys ``(n, k)`` of each row, listed by hand as chains of states per row chunk:
-    each row chunk's first block (all pairs: its diagonal block) by the plain path, then the
-    further blocks, each updating the states of its row chunk and (all pairs) its column chunk
-    (:func:`_next_states`), in rounds of disjoint chunk pairs, up to :data:`BLOCKS_PER_TASK` of
-    a round in one task; what a block keeps never leaves the device that computed it, and only
-    the states (``8 k`` bytes a row) move between tasks. On a cluster of several workers, a
-    chain per worker (:func:`_chains_for`): chain ``c`` takes the first blocks of the row chunks
-    ``i`` with ``i % chains == c``, in one task that distributed hands to a worker of its own,
-    and the rounds ``r`` with ``r % chains == c``, which follow it there; a chunk's states of
-    the chains are merged at the end."""
+    """The best keys ``(n, k)`` of each row, listed by hand as a chain of states per row
+    chunk: each row chunk's first block (all pairs: its diagonal block) by the plain path,
+    then the further blocks, each updating the states of its row chunk and (all pairs) its
+    column chunk (:func:`_next_states`), in rounds of disjoint chunk pairs, up to
+    :data:`BLOCKS_PER_TASK` of a round in one task; what a block keeps never leaves the device
+    that computed it, and only the states (``8 k`` bytes a row) move between tasks.
+
+    On a cluster of several workers, a chain per worker (:func:`_chains_for`): chain ``c``
+    begins from every first state, gathered by a task that distributed hands to a worker of
+    its own (a data producer: a root task, which goes where a thread is free, not where its
+    dependencies are), and takes the rounds ``r`` with ``r % chains == c``, which follow it
+    there; a chunk's states of the chains merge at the end (:func:`_merged_chain_states`)."""
     k = selection.k
     chunks_x, chunks_y = len(wx.chunks[0]), len(wy.chunks[0])
     if all_pairs:  # rounds of disjoint chunk pairs
@@ -540,8 +534,8 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
         rounds = [[(i, j) for i in range(chunks_x)] for j in range(1, chunks_y)]
     chains = _chains_for(cluster_workers(), len(rounds))
     token = tokenize(wx, wy, selection, method, device, chains)
-    name, first, step = (f"similarity-top-k-{token}", f"similarity-first-{token}",
-                         f"similarity-step-{token}")
+    name, first, begin, step = (f"similarity-top-k-{token}", f"similarity-first-{token}",
+                                f"similarity-begin-{token}", f"similarity-step-{token}")
     starts_x = np.concatenate([[0], np.cumsum(wx.chunks[0])]).tolist()
     starts_y = np.concatenate([[0], np.cumsum(wy.chunks[0])]).tolist()
     opts = {"selection": selection, "method": method, "device": device}
@@ -552,55 +546,47 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     else:
         words_y, pops_y, needs_y = _chunk_refs(wy, pop_y, device, dsk, f"y-{token}")
         needs = needs + needs_y
-    # Read from a .npy, a task whose only dependency is the words' source is a root task:
-    # distributed hands each to a worker with a free thread, not to where the source was made.
-    producer = not needs
+    # Read from a .npy, a first block's only dependency is the words' source: marked a data
+    # producer, it goes to a worker with a free thread, not where the source was made.
+    first_task = functools.partial(_first_state, **opts)
+    for i in range(chunks_x):
+        j = i if all_pairs else 0
+        dsk[(first, i)] = Task((first, i), first_task, words_x[i], words_y[j], pops_x[i],
+                               pops_y[j], starts_x[i], starts_y[j], all_pairs,
+                               _data_producer=not needs)
     # latest[c][i]: the task and slot holding chain c's state of row chunk i so far.
-    latest: list[dict[int, tuple[Any, int]]] = [{} for _ in range(chains)]
-    for c in range(chains):
-        args: list[Any] = []
-        for i in range(c, chunks_x, chains):
-            j = i if all_pairs else 0
-            args += [words_x[i], words_y[j], pops_x[i], pops_y[j], starts_x[i], starts_y[j],
-                     all_pairs]
-        if chains == 1:  # a task a chunk: one worker's threads run them at once
-            for n, i in enumerate(range(chunks_x)):
-                key = (first, i)
-                dsk[key] = Task(key, functools.partial(_first_state, **opts),
-                                *args[7 * n:7 * n + 7])
-                latest[c][i] = (key, 0)
-        elif args:
-            key = (first, c)
-            dsk[key] = Task(key, functools.partial(_first_states, **opts), *args,
-                            _data_producer=producer)
-            for n, i in enumerate(range(c, chunks_x, chains)):
-                latest[c][i] = (key, n)
+    if chains == 1:
+        latest = [{i: ((first, i), 0) for i in range(chunks_x)}]
+    else:
+        latest = []
+        for c in range(chains):
+            dsk[(begin, c)] = Task((begin, c), _gathered,
+                                   *(TaskRef((first, i)) for i in range(chunks_x)),
+                                   _data_producer=True)
+            latest.append({i: ((begin, c), i) for i in range(chunks_x)})
+    next_task = functools.partial(_next_states_of_blocks, **opts)
     for r, blocks in enumerate(rounds):
-        c = r % chains
+        held = latest[r % chains]
         tasks = -(-len(blocks) // BLOCKS_PER_TASK)
         for t in range(tasks):
             key = (step, r, t)
-            args = []
+            args: list[Any] = []
             mine = blocks[t * len(blocks) // tasks:(t + 1) * len(blocks) // tasks]
             for i, j in mine:
                 args += [words_x[i], words_y[j], pops_x[i], pops_y[j], starts_x[i],
-                         starts_y[j], *_ref(latest[c].get(i)),
-                         *_ref(latest[c].get(j) if all_pairs else None), all_pairs]
-            begun = any(isinstance(arg, TaskRef) for arg in args) or not producer
-            dsk[key] = Task(key, functools.partial(_next_states_of_blocks, **opts), *args,
-                            _data_producer=not begun)
+                         starts_y[j], *_ref(held[i]), *_ref(held[j] if all_pairs else None)]
+            dsk[key] = Task(key, next_task, *args)
             for b, (i, j) in enumerate(mine):
-                latest[c][i] = (key, 2 * b)
+                held[i] = (key, 2 * b)
                 if all_pairs:
-                    latest[c][j] = (key, 2 * b + 1)
+                    held[j] = (key, 2 * b + 1)
     for i in range(chunks_x):
-        held = [latest[c][i] for c in range(chains) if i in latest[c]]
         key = (name, i, 0)
-        if len(held) == 1:
-            dsk[key] = Task(key, _state_of, *_ref(held[0]))
+        if chains == 1:
+            dsk[key] = Task(key, _state_of, *_ref(latest[0][i]))
         else:
             dsk[key] = Task(key, _merged_chain_states, k,
-                            *(part for ref in held for part in _ref(ref)))
+                            *(part for held in latest for part in _ref(held[i])))
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=needs)
     return da.Array(graph, name, (wx.chunks[0], (k,)), dtype=np.uint64, meta=meta)
 

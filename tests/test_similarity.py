@@ -437,9 +437,8 @@ def test_top_k_of_a_npy_sends_no_words_between_workers(rng, tmp_path):
 @pytest.mark.parametrize("workers", [2, 3, 7])
 @pytest.mark.parametrize("metric", ["tanimoto", "hamming"])
 def test_top_k_chains_of_several_workers_match_numpy(xp, rng, monkeypatch, workers, metric):
-    # A chain per worker: each begins the states of its own row chunks, takes every
-    # workers-th round, and begins by the plain path the states its rounds meet first; the
-    # chains' states are merged at the end.
+    # A chain per worker: each begins from every row chunk's first state, takes every
+    # workers-th round, and the chains' states merge at the end, each key once.
     similarity_module = importlib.import_module("dask_gpuchunk.similarity")
     monkeypatch.setattr(similarity_module, "cluster_workers", lambda: workers)
     x = fingerprints(rng, 230, 90)  # 23 chunks of 10 rows
@@ -448,9 +447,9 @@ def test_top_k_chains_of_several_workers_match_numpy(xp, rng, monkeypatch, worke
     host = (lambda a: a) if xp is np else (lambda a: a.get())
     indices, scores = dg.similarity(dg.asarray(xp.asarray(x), chunks=(10, -1)), metric=metric,
                                     top_k=4)
-    firsts = {key for key in dict(indices.__dask_graph__()) if isinstance(key, tuple)
-              and key[0].startswith("similarity-first")}
-    assert len(firsts) == workers
+    begins = {key for key in dict(indices.__dask_graph__()) if isinstance(key, tuple)
+              and key[0].startswith("similarity-begin")}
+    assert len(begins) == workers
     want_i, want_s = brute_top_k(reference(x, x, metric), 4, lower, True)
     got_i, got_s = map(host, dask.compute(indices, scores))
     np.testing.assert_array_equal(got_i, want_i)
@@ -471,7 +470,8 @@ def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path):
     # One chain over two GPUs sent every state between them between rounds (1.2 GB a worker
     # for 10**6 rows) and took twice as long as on one. Now each worker's chain begins in a
     # task that distributed hands to a worker of its own, its rounds follow it there, and only
-    # the chains' last states meet. Work stealing off: where the scheduler put them.
+    # the first and the chains' last states move. Work stealing off: where the scheduler put
+    # them.
     from dask.utils import key_split
     from distributed import Client, LocalCluster, get_task_stream
 
@@ -488,9 +488,9 @@ def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path):
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1].astype(np.float32))
     where = {t["key"]: t["worker"] for t in stream.data}
-    firsts = {key: w for key, w in where.items() if key_split(key) == "similarity-first"}
-    assert len(firsts) == 4 and len(set(firsts.values())) == 4, firsts  # a worker each
-    chain_of = {key[1]: w for key, w in firsts.items()}
+    begins = {key: w for key, w in where.items() if key_split(key) == "similarity-begin"}
+    assert len(begins) == 4 and len(set(begins.values())) == 4, begins  # a worker each
+    chain_of = {key[1]: w for key, w in begins.items()}
     steps = {key: w for key, w in where.items() if key_split(key) == "similarity-step"}
     assert len(steps) == 17  # 17 rounds of 8 blocks, a task each
     assert all(w == chain_of[key[1] % 4] for key, w in steps.items()), (chain_of, steps)
