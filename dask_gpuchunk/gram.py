@@ -26,10 +26,10 @@ from typing import Any
 
 import dask.array as da
 import numpy as np
-from dask.task_spec import Task, TaskRef
 from dask.array.utils import meta_from_array
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
+from dask.task_spec import Task, TaskRef
 
 from . import backend, config
 from ._kernels import bitpack as bits

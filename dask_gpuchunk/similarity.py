@@ -30,11 +30,11 @@ from typing import Any, NamedTuple
 
 import dask.array as da
 import numpy as np
-from dask.task_spec import Task, TaskRef
 from dask.array.core import PerformanceWarning
 from dask.array.utils import meta_from_array
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
+from dask.task_spec import Task, TaskRef
 
 from ._kernels import bitpack as bits
 from ._kernels import similarity as kernels
