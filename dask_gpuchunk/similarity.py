@@ -17,7 +17,8 @@ query planning, one task per block keeps its best keys, merged per row chunk on 
 
 Threshold: one task per block on or above the diagonal keeps its pairs (for all pairs also
 those of the transposed block), selected in the epilogue on the tensor cores, else from the
-block's counts; a task per row chunk merges them on the host.
+block's counts; a task per row chunk merges them on the host. Where graphs are listed, the
+blocks of words from a ``.npy`` read their own chunks where they run, as the top-k chain's do.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dask.array.core import PerformanceWarning
 from dask.array.utils import meta_from_array
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
-from dask.task_spec import Task, TaskRef
+from dask.task_spec import List, Task, TaskRef
 
 from ._kernels import bitpack as bits
 from ._kernels import similarity as kernels
@@ -591,6 +592,46 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     return da.Array(graph, name, (wx.chunks[0], (k,)), dtype=np.uint64, meta=meta)
 
 
+def _threshold_pairs(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
+                     all_pairs: bool, selection: _Selection, method: str, device: str,
+                     meta: Any) -> da.Array:
+    """The pairs meeting ``selection``'s threshold of each row chunk ``(nan, 2)``, listed by
+    hand: a task per block (all pairs: on or above the diagonal only) keeps its pairs
+    (:func:`_upper_block`, :func:`_cross_block`), a task per row chunk merges them
+    (:func:`_merged_pairs`). Words straight from a ``.npy`` are read by each block's own task
+    where it runs (:func:`_chunk_refs`), each block then marked a data producer: through
+    ``blockwise``, a task read each chunk and sent it to the blocks on other workers, which
+    staged it to their GPU again for every block."""
+    chunks_x, chunks_y = len(wx.chunks[0]), len(wy.chunks[0])
+    token = tokenize(wx, wy, selection, method, device, "pairs")
+    name, kept = f"similarity-pairs-{token}", f"similarity-kept-{token}"
+    dsk: dict[Any, Any] = {}
+    words_x, pops_x, needs = _chunk_refs(wx, pop_x, device, dsk, f"x-{token}")
+    if wy is wx:
+        words_y, pops_y = words_x, pops_x
+    else:
+        words_y, pops_y, needs_y = _chunk_refs(wy, pop_y, device, dsk, f"y-{token}")
+        needs = needs + needs_y
+    ids_x = [range(a, b) for a, b in row_bounds(wx.chunks[0])]
+    ids_y = [range(a, b) for a, b in row_bounds(wy.chunks[0])]
+    block = functools.partial(_upper_block if all_pairs else _cross_block,
+                              selection=selection, method=method, device=device)
+    for i in range(chunks_x):
+        for j in range(i if all_pairs else 0, chunks_y):
+            dsk[(kept, i, j)] = Task((kept, i, j), block, words_x[i], words_y[j], pops_x[i],
+                                     pops_y[j], ids_x[i], ids_y[j], _data_producer=not needs)
+    for i in range(chunks_x):
+        if all_pairs:  # the blocks right of the diagonal, and the transposed halves above it
+            row_blocks = List(*(TaskRef((kept, i, j)) for j in range(i, chunks_x)))
+            column_blocks: Any = List(*(TaskRef((kept, j, i)) for j in range(i)))
+        else:
+            row_blocks = List(*(TaskRef((kept, i, j)) for j in range(chunks_y)))
+            column_blocks = None
+        dsk[(name, i, 0)] = Task((name, i, 0), _merged_pairs, row_blocks, column_blocks)
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=needs)
+    return da.Array(graph, name, ((np.nan,) * chunks_x, (2,)), dtype=np.uint64, meta=meta)
+
+
 def _ref(held: tuple[Any, int] | None) -> tuple[Any, int]:
     """A state's ``(previous, slot)`` arguments: the task that holds it, or ``None``."""
     return (None, 0) if held is None else (TaskRef(held[0]), held[1])
@@ -770,6 +811,9 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     if k is not None and listed_graphs():
         keys = _top_k_chain(wx, wy, pop_x, pop_y, y is None, selection, method, device, meta2)
         return _decoded(keys, on_device, metric, dtype)
+    if k is None and listed_graphs():
+        return _pairs_parts(_threshold_pairs(wx, wy, pop_x, pop_y, y is None, selection,
+                                             method, device, meta2), on_device, metric, dtype)
     rows = da.arange(n, chunks=(wx.chunks[0],), dtype=np.int64)
     cols = rows if y is None else da.arange(m, chunks=(wy.chunks[0],), dtype=np.int64)
     block = _upper_block if y is None else _cross_block
@@ -790,11 +834,18 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     merged = da.blockwise(_merged_pairs, "ip", kept, "ij", *mirrored, new_axes={"p": 2},
                           adjust_chunks={"i": lambda _: np.nan}, concatenate=False,
                           dtype=np.uint64, meta=meta2)
+    return _pairs_parts(merged, on_device, metric, dtype)
+
+
+def _pairs_parts(merged: da.Array, on_device: bool, metric: str, dtype: np.dtype
+                 ) -> tuple[da.Array, da.Array, da.Array]:
+    """``(rows, cols, scores)`` of the merged pairs ``(nan, 2)`` of each row chunk."""
     out = []
     for part, part_dtype in enumerate((np.int64, np.int64, dtype)):
         out.append(merged.map_blocks(_placed, _pair_part, on_device, part, metric,
                                      drop_axis=1, dtype=part_dtype,
-                                     meta=meta_from_array(meta2, ndim=1, dtype=part_dtype)))
+                                     meta=meta_from_array(merged._meta, ndim=1,
+                                                          dtype=part_dtype)))
     return tuple(out)
 
 

@@ -496,6 +496,70 @@ def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path):
     assert all(w == chain_of[key[1] % 4] for key, w in steps.items()), (chain_of, steps)
 
 
+@pytest.mark.skipif(QUERY_PLANNING, reason="threshold= is refused under array query planning")
+@pytest.mark.parametrize("listed", [True, False])
+@pytest.mark.parametrize("queries", [False, True])
+def test_threshold_of_a_npy_reads_its_chunks_where_the_blocks_run(rng, tmp_path, listed,
+                                                                   queries):
+    from dask.utils import key_split
+
+    x = fingerprints(rng, 230, 300)
+    np.save(tmp_path / "x.npy", np.packbits(x, axis=1))
+    wx = dg.from_npy(tmp_path / "x.npy", chunks=((60, 1, 90, 79), -1))
+    wy, y = None, x
+    if queries:
+        y = x[::-3]
+        np.save(tmp_path / "y.npy", np.packbits(y, axis=1))
+        wy = dg.from_npy(tmp_path / "y.npy", chunks=(25, -1))
+    with dask.config.set({"gpuchunk.listed-graphs": listed}):
+        rows, cols, scores = dg.similarity(wx, wy, packed=True, metric="dice", threshold=0.3,
+                                           device="cpu")
+        graph = dict(rows.__dask_graph__())
+        # listed: no task reads a chunk for the blocks of others; else blockwise's from-npy
+        assert any(str(key).startswith("resident-words") for key in graph) == listed
+        assert any(key_split(key) == "from-npy" for key in graph) != listed
+        rows, cols, scores = dask.compute(rows, cols, scores)
+    s = reference(x, y, "dice")
+    keep = s >= np.float32(0.3)
+    if not queries:
+        np.fill_diagonal(keep, False)
+    want_r, want_c = np.nonzero(keep)
+    assert 0 < len(want_r) < keep.size // 4
+    np.testing.assert_array_equal(rows, want_r)
+    np.testing.assert_array_equal(cols, want_c)
+    np.testing.assert_array_equal(scores, s[want_r, want_c])
+
+
+@pytest.mark.skipif(not listed_graphs(),
+                    reason="the threshold reads a .npy's chunks itself only in listed graphs")
+def test_threshold_of_a_npy_sends_no_words_between_workers(rng, tmp_path):
+    # Through blockwise, a task read each chunk of words and sent it to the blocks on other
+    # workers; now each block reads its own two chunks where it runs, and only the pairs move.
+    from distributed import Client, LocalCluster
+
+    from dask_gpuchunk.jobs import sent_by_workers
+
+    x = random_bits(rng, (600, 32768), 0.1)
+    x[300:310] = x[0]  # ten rows equal to row 0 (tanimoto 1), beside random pairs (~0.05)
+    words = np.packbits(x, axis=1)
+    np.save(tmp_path / "x.npy", words)
+    wx = dg.from_npy(tmp_path / "x.npy", chunks=(100, -1))
+    pairs = dg.similarity(wx, packed=True, threshold=0.5, device="cpu")
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        before = sent_by_workers(client)
+        rows, cols, scores = client.compute(list(pairs), sync=True)
+        sent = sent_by_workers(client, before)
+    keep = reference(x, x, "tanimoto") >= np.float32(0.5)
+    np.fill_diagonal(keep, False)
+    want_r, want_c = np.nonzero(keep)
+    assert len(want_r) == 11 * 10
+    np.testing.assert_array_equal(rows, want_r)
+    np.testing.assert_array_equal(cols, want_c)
+    np.testing.assert_array_equal(scores, np.ones(len(want_r), np.float32))
+    assert sum(sent.values()) < words.nbytes // 10
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not listed_graphs(),
                     reason="the top-k chain reads a .npy's chunks itself only in listed graphs")

@@ -13,6 +13,8 @@ Inputs are written once: ``--rows`` fingerprints of ``--bits`` bits at ``--densi
   top_k=K)``, both results computed to the client, as a user writes it; four sampled rows
   checked against a brute force in NumPy (the documented float32 Tanimoto, best first, equal
   scores by the smaller index, the row itself left out);
+* ``threshold``: ``dg.similarity(..., threshold=T)`` of the same fingerprints, the three
+  results computed to the client, the four sampled rows' pairs checked against the brute force;
 * ``multiply``: ``dg.multiply(dg.from_npy(A), dg.from_npy(B)).sum()``, checked against the
   float64 sum of the same product within float32's rounding.
 
@@ -50,9 +52,9 @@ def write_fingerprints(path: Path, rows: int, bits: int, density: float, seed: i
     return np.load(path, mmap_mode="r")
 
 
-def top_k_reference(fps: np.ndarray, row: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Row ``row``'s ``k`` best columns by float32 Tanimoto, the row itself left out, equal
-    scores by the smaller index: what ``dg.similarity(..., top_k=k)`` documents."""
+def tanimoto_of_row(fps: np.ndarray, row: int) -> np.ndarray:
+    """Row ``row``'s float32 Tanimoto against every row (``-inf`` against itself), as
+    ``dg.similarity`` documents it."""
     pops = np.zeros(len(fps), np.int64)
     shared = np.zeros(len(fps), np.int64)
     for start in range(0, len(fps), 65536):
@@ -63,8 +65,24 @@ def top_k_reference(fps: np.ndarray, row: int, k: int) -> tuple[np.ndarray, np.n
     scores = np.where(union > 0, np.float32(1) * shared.astype(np.float32)
                       / np.maximum(union, 1).astype(np.float32), np.float32(0))
     scores[row] = -np.inf
+    return scores
+
+
+def top_k_reference(fps: np.ndarray, row: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row ``row``'s ``k`` best columns by float32 Tanimoto, the row itself left out, equal
+    scores by the smaller index: what ``dg.similarity(..., top_k=k)`` documents."""
+    scores = tanimoto_of_row(fps, row)
     order = np.lexsort((np.arange(len(fps)), -scores))[:k]
     return order, scores[order]
+
+
+def threshold_reference(fps: np.ndarray, row: int, threshold: float
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Row ``row``'s columns scoring at least ``threshold`` (the row itself left out), in
+    order, and their scores."""
+    scores = tanimoto_of_row(fps, row)
+    cols = np.flatnonzero(scores >= np.float32(threshold))
+    return cols, scores[cols]
 
 
 def _top_k(client: Any, path: Path, args: argparse.Namespace, sample: np.ndarray,
@@ -78,6 +96,23 @@ def _top_k(client: Any, path: Path, args: argparse.Namespace, sample: np.ndarray
         run["sampled_rows_exact"] = all(
             np.array_equal(got_idx[r], want_idx) and np.array_equal(got_scores[r], want_scores)
             for r, (want_idx, want_scores) in zip(sample, expected))
+        runs.append(run)
+    return _summary(runs)
+
+
+def _threshold(client: Any, path: Path, args: argparse.Namespace, sample: np.ndarray,
+               expected: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+    runs = []
+    for _ in range(args.repeats):
+        x = dg.from_npy(path, chunks=(args.chunk_rows, -1))
+        pairs = dg.similarity(x, packed=True, threshold=args.threshold)
+        run = _timed(client, lambda: client.compute(list(pairs), sync=True))
+        rows, cols, scores = run.pop("value")
+        run["pairs"] = len(rows)
+        run["sampled_rows_exact"] = all(
+            np.array_equal(cols[rows == r], want_cols)
+            and np.array_equal(scores[rows == r], want_scores)
+            for r, (want_cols, want_scores) in zip(sample, expected))
         runs.append(run)
     return _summary(runs)
 
@@ -110,6 +145,7 @@ def main() -> None:
     parser.add_argument("--density", type=float, default=0.075)
     parser.add_argument("--chunk-rows", type=int, default=32768)
     parser.add_argument("--top-k", type=int, default=10)
+    parser.add_argument("--threshold", type=float, default=0.1)
     parser.add_argument("--multiply-gb", type=float, default=4.0,
                         help="GB of each float32 operand of the product (0: no product)")
     parser.add_argument("--ops", default="top-k,multiply")
@@ -125,12 +161,14 @@ def main() -> None:
     fps_path, a_path, b_path = (args.workdir / n for n in ("fps.npy", "a.npy", "b.npy"))
     rng = np.random.default_rng(7)
     result: dict[str, Any] = {"rows": args.rows, "bits": args.bits, "chunk_rows": args.chunk_rows,
-                              "top_k": args.top_k, "multiply_gb": args.multiply_gb, "runs": {}}
-    if "top-k" in ops:
+                              "top_k": args.top_k, "threshold": args.threshold,
+                              "multiply_gb": args.multiply_gb, "runs": {}}
+    if "top-k" in ops or "threshold" in ops:
         t0 = time.perf_counter()
         fps = write_fingerprints(fps_path, args.rows, args.bits, args.density, seed=11)
         sample = np.sort(rng.choice(args.rows, 4, replace=False))
         expected = [top_k_reference(fps, int(r), args.top_k) for r in sample]
+        expected_pairs = [threshold_reference(fps, int(r), args.threshold) for r in sample]
         result["inputs_seconds"] = time.perf_counter() - t0
     if "multiply" in ops:
         n = int(args.multiply_gb * 1e9 // 4)
@@ -159,6 +197,8 @@ def main() -> None:
             runs: dict[str, Any] = {"workers": len(client.scheduler_info()["workers"])}
             if "top-k" in ops:
                 runs["top-k"] = _top_k(client, fps_path, args, sample, expected)
+            if "threshold" in ops:
+                runs["threshold"] = _threshold(client, fps_path, args, sample, expected_pairs)
             if "multiply" in ops:
                 runs["multiply"] = _multiply(client, a_path, b_path, args, total)
             for op in ops:
