@@ -27,6 +27,7 @@ from dask.base import tokenize
 from dask.utils import format_bytes, parse_bytes
 
 from . import config, process_memory
+from .config import listed_graphs
 from ._kernels.bitpack import BitValueError, check_bits_dtype, check_words_dtype
 from ._kernels.elementwise import check_dtype
 from ._kernels.gram import GPU_METHODS
@@ -475,15 +476,17 @@ def _warm_gram(words_dtype: str, method: str, device: str, layout: str) -> None:
         scheduler="sync")
 
 
-def _similarity_words(x: Any, packed: bool, device: str, on_gpu: bool, top_k: bool) -> Any:
+def _similarity_words(x: Any, packed: bool, device: str, on_gpu: bool, selection: bool
+                      ) -> Any:
     """A similarity job's input rows as the job computes on them: packed (unless ``packed``)
-    into whole-row chunks, on the GPUs where ``on_gpu``; for ``top_k`` of a ``.npy``'s words
-    left as they are, since the top-k chain reads those itself where its blocks run, once per
-    worker (:mod:`dask_gpuchunk.resident`): none are sent between workers."""
+    into whole-row chunks, on the GPUs where ``on_gpu``; for a ``selection`` (top-k or
+    threshold) of a ``.npy``'s words left as they are where graphs are listed, since its blocks
+    then read those themselves where they run, once per worker (:mod:`dask_gpuchunk.resident`):
+    none are sent between workers."""
     if not packed:
         x = bitpack(x, device="cpu" if device == "cpu" else "auto")
     x = x.rechunk({1: -1})
-    if not on_gpu or (top_k and npy_reader_of(x) is not None):
+    if not on_gpu or (selection and listed_graphs() and npy_reader_of(x) is not None):
         return x
     return x.map_blocks(_on_device, dtype=x.dtype, meta=x._meta)
 
@@ -537,7 +540,7 @@ def _warm_similarity(dtype: str, width: int, packed: bool, queries: bool, on_gpu
             else:
                 x = asarray(v, chunks=(rows, -1))
             return _similarity_words(x, packed, options.get("device", "auto"), on_gpu,
-                                     top_k is not None)
+                                     top_k is not None or options.get("threshold") is not None)
 
         result = similarity(words_of(values, "x"),
                             words_of(values[:2 * rows], "y") if queries else None,
@@ -926,7 +929,7 @@ def similarity_job(
 
     def words_of(path: str | os.PathLike, rows: int, on_gpu: bool) -> Any:
         return _similarity_words(_read(path, chunks=(rows, -1)), packed, device, on_gpu,
-                                 top_k is not None)
+                                 top_k is not None or threshold is not None)
 
     def run(progress: Progress) -> dict[str, Any]:
         _check_gpus_where_it_runs(method, device)

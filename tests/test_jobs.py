@@ -296,6 +296,27 @@ def test_host_words_of_a_gram_are_counted_as_staged():
     assert moved["d2h_bytes"] >= 6 * 100 * 100 * 4
 
 
+@pytest.mark.parametrize("listed", [True, False])
+def test_similarity_job_leaves_a_npy_to_the_selection_s_blocks(rng, tmp_path, listed):
+    # Where graphs are listed, the blocks of a top-k or threshold read a .npy's words where
+    # they run, kept on their worker's GPU: moved to the GPUs first, by a task each, they were
+    # sent between workers. Dense scores, and every selection under blockwise, take them moved.
+    import dask
+
+    from dask_gpuchunk.config import listed_graphs
+    from dask_gpuchunk.io import npy_reader_of
+    from dask_gpuchunk.jobs import _read, _similarity_words
+
+    np.save(tmp_path / "fps.npy", np.packbits(random_bits(rng, (300, 2048), 0.075), axis=1))
+    with dask.config.set({"gpuchunk.listed-graphs": listed}):
+        x = _read(tmp_path / "fps.npy", chunks=(100, -1))
+        for selection in (True, False):
+            words = _similarity_words(x, True, "auto", True, selection)
+            assert (npy_reader_of(words) is not None) == (selection and listed_graphs())
+        on_host = _similarity_words(x, True, "auto", False, False)  # no GPU: as it is
+        assert (npy_reader_of(on_host) is not None) == (npy_reader_of(x) is not None)
+
+
 @pytest.mark.parametrize("options, rows", [
     ({"top_k": 10}, 32768),  # the selections need well under 1 GiB a block
     pytest.param({"threshold": 0.5}, 32768, marks=pytest.mark.skipif(
