@@ -102,6 +102,20 @@ class _Selection(NamedTuple):
         return kernels.smallest_keys(keys, self.k)
 
 
+def _moved_to_gpu(device: str, *arrays: Any) -> tuple[Any, ...]:
+    """A selection block's inputs (words, popcounts, states; ``None`` kept) moved to this
+    process's GPU where the block runs on one (``device`` not ``"cpu"``, a GPU here), else as
+    they are. Host words then cross the bus (8 bytes a row per 64 bits) and what the block
+    keeps comes back, a few bytes a row; staged the plain way, a block's counts came back
+    instead, 4 bytes a pair (4 GiB for 32,768 x 32,768 rows), for the CPU to select from."""
+    if (device == "cpu" or all(x is None or is_cupy(x) for x in arrays)
+            or not gpu_available()):
+        return arrays
+    import cupy
+
+    return tuple(None if x is None else cupy.asarray(x) for x in arrays)
+
+
 def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
                   selection: _Selection, both: bool, diagonal: bool, method: str, device: str,
                   symmetric: bool = False) -> tuple[Any, Any]:
@@ -113,6 +127,7 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
     # Rows and columns are consecutive ids (blocks of aranges): their first ones name them all,
     # and nothing is copied to the device for them.
     first_row, first_col = (int(ids[0]) if len(ids) else 0 for ids in (rows, cols))
+    a, b, pop_a, pop_b = _moved_to_gpu(device, a, b, pop_a, pop_b)
     if not (is_cupy(a) and is_cupy(b)) or device == "cpu":
         # Host chunks: counts on the CPU or staged through a GPU, back on the host, where the
         # CPU twin selects from them in one pass (no scores, no keys of the whole block).
@@ -375,6 +390,7 @@ def _first_state(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: 
     exclude = selection.exclude_self and (symmetric or _ids_meet(
         range(first_a, first_a + len(a)), range(first_b, first_b + len(b))))
     rows, cols = np.arange(first_a, first_a + len(a)), np.arange(first_b, first_b + len(b))
+    a, b, pop_a, pop_b = _moved_to_gpu(device, a, b, pop_a, pop_b)
     if not (is_cupy(a) and is_cupy(b)) or device == "cpu":
         return (_scored_block(a, b, pop_a, pop_b, rows, cols, selection, False, exclude, method,
                               device)[0],)
@@ -392,6 +408,8 @@ def _next_states(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: 
     (another method, larger k, host chunks), the block's own best keys merged in."""
     state_a = previous_a[slot_a]
     state_b = None if previous_b is None else previous_b[slot_b]
+    a, b, pop_a, pop_b, state_a, state_b = _moved_to_gpu(device, a, b, pop_a, pop_b, state_a,
+                                                         state_b)
     both = state_b is not None
     exclude = selection.exclude_self and not both and _ids_meet(
         range(first_a, first_a + len(a)), range(first_b, first_b + len(b)))

@@ -581,6 +581,35 @@ def test_top_k_of_a_npy_keeps_its_chunks_on_the_gpu(rng, tmp_path, device_cap, m
     assert stats["reads"] - reads == 4 and stats["nbytes"] == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(QUERY_PLANNING, reason="threshold= is refused under array query planning")
+@pytest.mark.parametrize("method", ["auto", "popcount"])
+def test_selections_of_host_words_on_a_gpu_bring_back_no_counts(rng, method):
+    # Host words go to the GPU and what a block keeps comes back; staged the plain way, each
+    # block's counts (4 bytes a pair) came back for the CPU to select from.
+    from dask_gpuchunk.backend import staging_totals
+
+    x = fingerprints(rng, 700, 1000)
+    w = da.from_array(np.packbits(x, axis=1), chunks=((300, 1, 399), -1))
+    s = reference(x, x, "tanimoto")
+    before = staging_totals.snapshot()["d2h_bytes"]
+    indices, scores = dask.compute(*dg.similarity(w, packed=True, top_k=5, method=method))
+    rows, cols, got = dask.compute(*dg.similarity(w, packed=True, threshold=0.1,
+                                                  method=method))
+    assert staging_totals.snapshot()["d2h_bytes"] == before
+    assert all(isinstance(a, np.ndarray) for a in (indices, scores, rows, cols, got))
+    want_i, want_s = brute_top_k(s, 5, False, True)
+    np.testing.assert_array_equal(indices, want_i)
+    np.testing.assert_array_equal(scores, want_s.astype(np.float32))
+    keep = s >= np.float32(0.1)
+    np.fill_diagonal(keep, False)
+    want_r, want_c = np.nonzero(keep)
+    assert 0 < len(want_r) < keep.size // 4
+    np.testing.assert_array_equal(rows, want_r)
+    np.testing.assert_array_equal(cols, want_c)
+    np.testing.assert_array_equal(got, s[want_r, want_c])
+
+
 def test_no_kernel_is_compiled_ahead_where_no_fused_kernel_will_run(monkeypatch):
     similarity = importlib.import_module("dask_gpuchunk.similarity")
 
