@@ -528,6 +528,17 @@ def _chunk_refs(words: da.Array, pops: da.Array, device: str, dsk: dict, tag: st
             [Task(None, _resident_popcounts, source, a, b, device) for a, b in bounds], [])
 
 
+def _chunk_refs_of_both(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
+                        device: str, dsk: dict, token: str) -> tuple[list, list, list, list, list]:
+    """:func:`_chunk_refs` of ``x`` and of ``y`` (the same where ``wy`` is ``wx``): words and
+    popcounts of each, then the collections they need."""
+    words_x, pops_x, needs = _chunk_refs(wx, pop_x, device, dsk, f"x-{token}")
+    if wy is wx:
+        return words_x, pops_x, words_x, pops_x, needs
+    words_y, pops_y, needs_y = _chunk_refs(wy, pop_y, device, dsk, f"y-{token}")
+    return words_x, pops_x, words_y, pops_y, needs + needs_y
+
+
 def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
                  all_pairs: bool, selection: _Selection, method: str, device: str,
                  meta: Any) -> da.Array:
@@ -559,12 +570,8 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     starts_y = np.concatenate([[0], np.cumsum(wy.chunks[0])]).tolist()
     opts = {"selection": selection, "method": method, "device": device}
     dsk: dict[Any, Any] = {}
-    words_x, pops_x, needs = _chunk_refs(wx, pop_x, device, dsk, f"x-{token}")
-    if wy is wx:
-        words_y, pops_y = words_x, pops_x
-    else:
-        words_y, pops_y, needs_y = _chunk_refs(wy, pop_y, device, dsk, f"y-{token}")
-        needs = needs + needs_y
+    words_x, pops_x, words_y, pops_y, needs = _chunk_refs_of_both(wx, wy, pop_x, pop_y, device,
+                                                                 dsk, token)
     # Read from a .npy, a first block's only dependency is the words' source: marked a data
     # producer, it goes to a worker with a free thread, not where the source was made.
     first_task = functools.partial(_first_state, **opts)
@@ -624,12 +631,8 @@ def _threshold_pairs(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Arra
     token = tokenize(wx, wy, selection, method, device, "pairs")
     name, kept = f"similarity-pairs-{token}", f"similarity-kept-{token}"
     dsk: dict[Any, Any] = {}
-    words_x, pops_x, needs = _chunk_refs(wx, pop_x, device, dsk, f"x-{token}")
-    if wy is wx:
-        words_y, pops_y = words_x, pops_x
-    else:
-        words_y, pops_y, needs_y = _chunk_refs(wy, pop_y, device, dsk, f"y-{token}")
-        needs = needs + needs_y
+    words_x, pops_x, words_y, pops_y, needs = _chunk_refs_of_both(wx, wy, pop_x, pop_y, device,
+                                                                 dsk, token)
     ids_x = [range(a, b) for a, b in row_bounds(wx.chunks[0])]
     ids_y = [range(a, b) for a, b in row_bounds(wy.chunks[0])]
     block = functools.partial(_upper_block if all_pairs else _cross_block,

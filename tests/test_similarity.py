@@ -58,6 +58,22 @@ def fingerprints(rng, n: int, bits: int) -> np.ndarray:
     return x
 
 
+def assert_pairs(rows, cols, scores, s: np.ndarray, threshold: float, *, lower: bool = False,
+                 exclude_self: bool = True) -> int:
+    """The pairs of ``s`` scoring at least ``float32(threshold)`` (at most ``threshold``,
+    ``lower``), in row-then-column order, the diagonal left out with ``exclude_self``, equal to
+    ``rows``, ``cols`` and ``scores`` (NumPy or CuPy); returns how many there are."""
+    keep = s <= threshold if lower else s >= np.float32(threshold)
+    if exclude_self:
+        np.fill_diagonal(keep, False)
+    want_r, want_c = np.nonzero(keep)
+    got = [a if isinstance(a, np.ndarray) else a.get() for a in (rows, cols, scores)]
+    np.testing.assert_array_equal(got[0], want_r)
+    np.testing.assert_array_equal(got[1], want_c)
+    np.testing.assert_array_equal(got[2], s[want_r, want_c])
+    return len(want_r)
+
+
 @pytest.mark.parametrize("metric", METRICS)
 def test_dense_scores_are_the_formula_to_the_last_bit(rng, metric):
     x = fingerprints(rng, 83, 150)
@@ -117,14 +133,9 @@ def test_threshold_pairs_in_row_then_column_order(rng, metric, threshold, exclud
                                        threshold=threshold, exclude_self=exclude_self)
     rows, cols, scores = dask.compute(rows, cols, scores)
     s = reference(x, x, metric)
-    keep = s <= threshold if metric == "hamming" else s >= np.float32(threshold)
-    if exclude_self is not False:
-        np.fill_diagonal(keep, False)
-    want_r, want_c = np.nonzero(keep)
-    assert 0 < len(want_r) < keep.size
-    np.testing.assert_array_equal(rows, want_r)
-    np.testing.assert_array_equal(cols, want_c)
-    np.testing.assert_array_equal(scores, s[want_r, want_c])
+    found = assert_pairs(rows, cols, scores, s, threshold, lower=metric == "hamming",
+                         exclude_self=exclude_self is not False)
+    assert 0 < found < s.size
 
 
 def test_threshold_under_query_planning_is_refused_clearly():
@@ -221,13 +232,7 @@ def test_top_k_and_threshold_beyond_the_kernels_first_room(xp, rng, monkeypatch)
     if xp is not np:
         assert bmma_select.redone["targets"] > before
     rows, cols, got = dask.compute(*dg.similarity(w, packed=True, metric="dice", threshold=0.2))
-    s = reference(x, x, "dice")
-    keep = s >= np.float32(0.2)
-    np.fill_diagonal(keep, False)
-    want_r, want_c = np.nonzero(keep)
-    np.testing.assert_array_equal(host(rows), want_r)
-    np.testing.assert_array_equal(host(cols), want_c)
-    np.testing.assert_array_equal(host(got), s[want_r, want_c])
+    assert_pairs(rows, cols, got, reference(x, x, "dice"), 0.2)
 
 
 #: Substituents of the molecules the RDKit test fingerprints: para-disubstituted benzenes,
@@ -360,13 +365,7 @@ def test_plain_path_takes_a_blocks_counts_in_slices(rng, monkeypatch, method):
         return
     rows, cols, got = dask.compute(*dg.similarity(w, packed=True, metric="cosine",
                                                   threshold=0.2, method=method))
-    keep = s >= np.float32(0.2)
-    np.fill_diagonal(keep, False)
-    want_r, want_c = np.nonzero(keep)
-    assert len(want_r) > 50
-    np.testing.assert_array_equal(rows.get(), want_r)
-    np.testing.assert_array_equal(cols.get(), want_c)
-    np.testing.assert_array_equal(got.get(), s[want_r, want_c])
+    assert assert_pairs(rows, cols, got, s, 0.2) > 50
 
 
 @pytest.mark.gpu
@@ -520,14 +519,7 @@ def test_threshold_of_a_npy_reads_its_chunks_where_the_blocks_run(rng, tmp_path,
         assert any(key_split(key) == "from-npy" for key in graph) != listed
         rows, cols, scores = dask.compute(rows, cols, scores)
     s = reference(x, y, "dice")
-    keep = s >= np.float32(0.3)
-    if not queries:
-        np.fill_diagonal(keep, False)
-    want_r, want_c = np.nonzero(keep)
-    assert 0 < len(want_r) < keep.size // 4
-    np.testing.assert_array_equal(rows, want_r)
-    np.testing.assert_array_equal(cols, want_c)
-    np.testing.assert_array_equal(scores, s[want_r, want_c])
+    assert 0 < assert_pairs(rows, cols, scores, s, 0.3, exclude_self=not queries) < s.size // 4
 
 
 @pytest.mark.skipif(not listed_graphs(),
@@ -550,13 +542,8 @@ def test_threshold_of_a_npy_sends_no_words_between_workers(rng, tmp_path):
         before = sent_by_workers(client)
         rows, cols, scores = client.compute(list(pairs), sync=True)
         sent = sent_by_workers(client, before)
-    keep = reference(x, x, "tanimoto") >= np.float32(0.5)
-    np.fill_diagonal(keep, False)
-    want_r, want_c = np.nonzero(keep)
-    assert len(want_r) == 11 * 10
-    np.testing.assert_array_equal(rows, want_r)
-    np.testing.assert_array_equal(cols, want_c)
-    np.testing.assert_array_equal(scores, np.ones(len(want_r), np.float32))
+    assert assert_pairs(rows, cols, scores, reference(x, x, "tanimoto"), 0.5) == 11 * 10
+    assert (scores == 1).all()
     assert sum(sent.values()) < words.nbytes // 10
 
 
@@ -601,13 +588,7 @@ def test_selections_of_host_words_on_a_gpu_bring_back_no_counts(rng, method):
     want_i, want_s = brute_top_k(s, 5, False, True)
     np.testing.assert_array_equal(indices, want_i)
     np.testing.assert_array_equal(scores, want_s.astype(np.float32))
-    keep = s >= np.float32(0.1)
-    np.fill_diagonal(keep, False)
-    want_r, want_c = np.nonzero(keep)
-    assert 0 < len(want_r) < keep.size // 4
-    np.testing.assert_array_equal(rows, want_r)
-    np.testing.assert_array_equal(cols, want_c)
-    np.testing.assert_array_equal(got, s[want_r, want_c])
+    assert 0 < assert_pairs(rows, cols, got, s, 0.1) < s.size // 4
 
 
 def test_no_kernel_is_compiled_ahead_where_no_fused_kernel_will_run(monkeypatch):
