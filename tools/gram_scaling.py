@@ -91,6 +91,22 @@ def _task_seconds(stream: list[dict]) -> dict[str, dict[str, float]]:
             for worker, by in seconds.items()}
 
 
+def _by_quarter(stream: list[dict], start: float, end: float) -> dict[str, list[Any]]:
+    """Mean milliseconds of each task kind's computes by the quarter of the run they started
+    in, over every worker, with their counts: whether the same tasks run slower early on
+    (while the workers still read their words) than late."""
+    from dask.utils import key_split
+
+    spans: dict[str, list[list[float]]] = defaultdict(lambda: [[], [], [], []])
+    for task in stream:
+        for part in task.get("startstops", ()):
+            if part["action"] == "compute":
+                quarter = min(3, max(0, int(4 * (part["start"] - start) / (end - start))))
+                spans[key_split(task["key"])][quarter].append(part["stop"] - part["start"])
+    return {name: [[round(1e3 * sum(q) / len(q), 2) if q else None, len(q)] for q in quarters]
+            for name, quarters in sorted(spans.items())}
+
+
 def _timeline(stream: list[dict], start: float, end: float) -> dict[str, Any]:
     """When each worker's tasks ran within the compute (``start``, ``end``: wall clock): the
     first task's start and the last one's end after ``start``, the time before ``end`` after
@@ -143,6 +159,7 @@ def _timed(client: Any, compute: Any) -> dict[str, Any]:
         seconds = time.perf_counter() - t0
     return {"seconds": seconds, "value": value, "wall": (wall0, wall0 + seconds),
             "timeline": _timeline(stream.data, wall0, wall0 + seconds),
+            "by_quarter": _by_quarter(stream.data, wall0, wall0 + seconds),
             "tasks_by_worker": _task_seconds(stream.data),
             "sent_by_workers": sent_by_workers(client, sent),
             "staged_by_workers": staged_by_workers(client, staged)}
