@@ -27,13 +27,13 @@ from dask.base import tokenize
 from dask.utils import format_bytes, parse_bytes
 
 from . import config, process_memory
-from .config import listed_graphs
 from ._kernels.bitpack import BitValueError, check_bits_dtype, check_words_dtype
 from ._kernels.elementwise import check_dtype
 from ._kernels.gram import GPU_METHODS
 from .arrays import asarray
 from .backend import staging_totals
 from .budget import DeviceBudgetError, budget_report
+from .config import listed_graphs
 from .devices import (
     DEVICES,
     GPUNotAvailableError,
