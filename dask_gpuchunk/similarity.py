@@ -129,12 +129,10 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
     first_row, first_col = (int(ids[0]) if len(ids) else 0 for ids in (rows, cols))
     a, b, pop_a, pop_b = _moved_to_gpu(device, a, b, pop_a, pop_b)
     if not (is_cupy(a) and is_cupy(b)) or device == "cpu":
-        # Host chunks: counts on the CPU or staged through a GPU, back on the host, where the
-        # CPU twin selects from them in one pass (no scores, no keys of the whole block).
+        # Host chunks where no GPU takes them (host words go to a GPU where there is one,
+        # above): counts on the CPU, where its twin selects from them in one pass (no
+        # scores, no keys of the whole block).
         counts = block_counts(a, b, method, device)
-        if not isinstance(counts, np.ndarray):  # left on a device: scored there
-            return _kept_from_scores(counts, pop_a, pop_b, first_row, first_col, selection,
-                                     both, diagonal)
         exclude = selection.exclude_self and diagonal
         if selection.k is None:
             mine = pairs_at_least_cpu(counts, pop_a, pop_b, first_row, first_col,
