@@ -564,8 +564,8 @@ def _top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     token = tokenize(wx, wy, selection, method, device, chains)
     name, first, begin, step = (f"similarity-top-k-{token}", f"similarity-first-{token}",
                                 f"similarity-begin-{token}", f"similarity-step-{token}")
-    starts_x = np.concatenate([[0], np.cumsum(wx.chunks[0])]).tolist()
-    starts_y = np.concatenate([[0], np.cumsum(wy.chunks[0])]).tolist()
+    starts_x = [start for start, _ in row_bounds(wx.chunks[0])]
+    starts_y = [start for start, _ in row_bounds(wy.chunks[0])]
     opts = {"selection": selection, "method": method, "device": device}
     dsk: dict[Any, Any] = {}
     words_x, pops_x, words_y, pops_y, needs = _chunk_refs_of_both(wx, wy, pop_x, pop_y, device,
