@@ -55,6 +55,11 @@ its workers.
     processes at once took 0.26 s against 0.33 s, and the 4-GPU Gram ran as fast either way
     (1.04 / 1.08 s, within the run-to-run spread); a cold file is not measured. A device that
     refuses such registrations reads as with ``False``.
+``gpuchunk.share-reads`` (default ``True``)
+    Where several processes of a node keep the same ``.npy``'s words on their GPUs (the
+    workers of ``dg.local_cluster``, each on its GPU), each chunk is read from the host by one
+    of them and copied to the others' GPUs through CUDA IPC (:mod:`dask_gpuchunk.peer_chunks`),
+    instead of every process reading every chunk. ``False``: each process reads its own.
 ``gpuchunk.no-workers-timeout`` (default ``300``)
     Seconds a job waits for a cluster without workers to get one again before giving up (the
     CLI's ``--worker-timeout``).
@@ -90,6 +95,7 @@ DEFAULTS: dict[str, Any] = {
     "gram-mirror": "transpose",
     "read-ahead": True,
     "register-reads": False,
+    "share-reads": True,
     "no-workers-timeout": 300,
     "cache-dir": None,
 }
@@ -164,6 +170,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "gram-mirror": (lambda v: v in ("transpose", "recompute"), "'transpose' or 'recompute'"),
     "read-ahead": (_flag, "True or False"),
     "register-reads": (_flag, "True or False"),
+    "share-reads": (_flag, "True or False"),
 }
 
 

@@ -43,6 +43,7 @@ from . import config
 from .backend import staging_totals
 from .budget import out_of_memory_hooks, run_reserved, working_budget
 from .devices import gpu_available
+from .peer_chunks import CudaIpc, read_once_per_node, sharing_on, unpublish
 
 __all__ = ["DEVICE_FRACTION", "HOST_BYTES", "ResidentChunks", "ResidentSource", "on_gpu_here",
            "resident_stats", "row_bounds", "rows_where_it_runs", "source_tasks"]
@@ -280,6 +281,10 @@ class ResidentSource:
         self._caches: dict[Any, ResidentChunks] = {}
         self._reading_ahead: dict[Any, threading.Thread] = {}
         self._lock = threading.Lock()
+        # The chunks this process read for the node's other processes: their tickets go with
+        # this source (what it keeps is freed then, and the memory may be reused).
+        self._published: set[str] = set()
+        weakref.finalize(self, unpublish, self._published)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"reader": self.reader, "token": self.token, "read_ahead": self.read_ahead}
@@ -320,7 +325,14 @@ class ResidentSource:
         def read() -> Any:
             return reader[slice(start, stop), :]
 
-        return read if device is None else (lambda: _rows_to_device(reader, start, stop))
+        if device is None:
+            return read
+        if not sharing_on():
+            return lambda: _rows_to_device(reader, start, stop)
+        # The name of the rows on the node: the same in every process that reads this content.
+        name, published = tokenize(self.token, start, stop), self._published
+        return lambda: read_once_per_node(name, lambda: _rows_to_device(reader, start, stop),
+                                          CudaIpc(), published)
 
     def _start_read_ahead(self, place: Any, cache: ResidentChunks, device: int | None,
                           row_bytes: int, first: tuple[int, int]) -> None:

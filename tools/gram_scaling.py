@@ -27,8 +27,10 @@ untimed compute. Timed ``--repeats`` times (the first compiles), the best kept. 
 reports, per worker: its tasks' seconds and counts by kind (dask's task stream: ``compute`` by
 task prefix, ``transfer`` between workers), the CPUs the worker may run on, the bytes it sent
 (:func:`dask_gpuchunk.jobs.sent_by_workers`) and what its host-fed chunks staged
-(:func:`dask_gpuchunk.jobs.staged_by_workers`: H2D and D2H bytes, host copies, waits for the
-device, time on it).
+(:func:`dask_gpuchunk.jobs.staged_by_workers`: H2D, D2H and peer bytes, host copies, waits for
+the device, time on it), and what its chunks read for the node's other workers or took from
+them (:func:`dask_gpuchunk.peer_chunks.peer_stats`; ``DASK_GPUCHUNK__SHARE_READS=false`` in
+the environment turns that sharing off, for the figure without it).
 
 The ``if __name__ == "__main__"`` guard matters: a local cluster's workers are spawned
 processes that import this file again.
@@ -50,6 +52,7 @@ import numpy as np
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.jobs import sent_by_workers, staged_by_workers
+from dask_gpuchunk.peer_chunks import peer_stats
 
 
 def write_random_bits(path: Path, rows: int, bits: int, seed: int
@@ -153,6 +156,7 @@ def _timed(client: Any, compute: Any) -> dict[str, Any]:
     from distributed import get_task_stream
 
     sent, staged = sent_by_workers(client), staged_by_workers(client)
+    peers = client.run(peer_stats)
     with get_task_stream(client) as stream:
         t0, wall0 = time.perf_counter(), time.time()
         value = compute()
@@ -162,7 +166,10 @@ def _timed(client: Any, compute: Any) -> dict[str, Any]:
             "by_quarter": _by_quarter(stream.data, wall0, wall0 + seconds),
             "tasks_by_worker": _task_seconds(stream.data),
             "sent_by_workers": sent_by_workers(client, sent),
-            "staged_by_workers": staged_by_workers(client, staged)}
+            "staged_by_workers": staged_by_workers(client, staged),
+            "peers_by_workers": {w: {k: round(v - peers.get(w, {}).get(k, 0), 4)
+                                     for k, v in now.items()}
+                                 for w, now in client.run(peer_stats).items()}}
 
 
 def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant: str,

@@ -1,0 +1,351 @@
+"""Chunks read from the host once per node: the GPU processes of a node hand each other what
+one of them read, through CUDA IPC.
+
+Every worker of a multi-GPU Gram reads all the words, since its blocks touch every row chunk:
+on 4 x H200, 65,536 x 262,144 bits, each of the four workers moved all 2.1 GB from the page
+cache to its GPU, 8.4 GB through the host in the first quarter-second of a one-second run,
+while its blocks waited (docs/perf-notes.md). Here a chunk that a process wants on its GPU is
+read from the host by the first process of the node that asks for it; the others copy it from
+that GPU to theirs over NVLink (``tools/peer_copy_probe.py``, 4 x H200, all four at once:
+128 MiB chunks at ~250 GB/s each once open; opening a handle and closing it ~5 ms a chunk,
+against ~3 ms to move it from pinned host memory and more to read it from the page cache).
+
+The processes meet in a directory of the node (:func:`node_directory`: ``/dev/shm``, one per
+user and boot), each chunk by its name (the source's content token and its rows):
+
+- ``NAME.claim``, made exclusively (``O_EXCL``) by the process that reads the chunk, holding its
+  pid: the others wait for its ticket instead of reading it too (and read it themselves if
+  that process is gone, or after :data:`WAIT_SECONDS`);
+- ``NAME.ticket``, published (written whole, then renamed) once read: the IPC handle of the
+  allocation that holds it, the chunk's offset in it, its shape and dtype, and a checksum
+  (:func:`chunk_checksum`).
+
+A process that takes a ticket copies the chunk to its own GPU and checks the checksum: a ticket
+whose chunk the owner has dropped since (its memory freed, or reused for something else) fails
+the check or the opening, is removed, and the chunk is claimed and read again. So a ticket is a
+hint, never trusted: a result can be slower for it, not wrong. Opening and copying take
+milliseconds, while the owner keeps what it read as long as its source lives
+(:class:`~dask_gpuchunk.resident.ResidentSource`: until the compute's last block is done).
+
+Host memory, a process that refuses IPC (a device or build without it, another process's memory
+it cannot map) and ``gpuchunk.share-reads`` off read as before: each process for itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import pickle
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import config
+from .backend import staging_totals
+from .budget import run_reserved
+
+__all__ = ["WAIT_SECONDS", "CudaIpc", "Transport", "chunk_checksum", "node_directory",
+           "peer_stats", "read_once_per_node", "sharing_on", "unpublish"]
+
+#: Seconds a process waits for the process that claimed a chunk to publish it before it reads
+#: the chunk itself (a claimer that died is noticed at once: its pid is gone).
+WAIT_SECONDS = 60.0
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+_STATS_LOCK = threading.Lock()
+_STATS = {"read": 0, "published": 0, "received": 0, "received_bytes": 0, "stale": 0,
+          "waited_seconds": 0.0, "unshared": 0}
+
+
+def peer_stats() -> dict[str, float]:
+    """What this process's chunks did (:func:`read_once_per_node`): ``read`` from the host,
+    ``published`` for the node, ``received`` (and ``received_bytes``) from another process,
+    ``stale`` tickets found, ``waited_seconds`` for another's read, ``unshared`` reads (no
+    sharing, or a wait given up).
+
+    Examples
+    --------
+    >>> sorted(peer_stats())[:3]
+    ['published', 'read', 'received']
+    """
+    with _STATS_LOCK:
+        return dict(_STATS)
+
+
+def _count(**amounts: float) -> None:
+    with _STATS_LOCK:
+        for name, amount in amounts.items():
+            _STATS[name] += amount
+
+
+def chunk_checksum(chunk: Any) -> int:
+    """A checksum of ``chunk``'s bytes (a NumPy or CuPy array, computed where it lies): the
+    sum of its 64-bit words, and of its last bytes, modulo 2**64. It tells a chunk from what
+    its memory held before or after, not from a chunk made to collide.
+
+    Examples
+    --------
+    >>> chunk_checksum(np.arange(3, dtype=np.uint64))
+    3
+    >>> chunk_checksum(np.ones(9, np.uint8)) == 0x0101010101010101 + 1
+    True
+    """
+    xp = _array_module(chunk)
+    flat = xp.ascontiguousarray(chunk).reshape(-1).view(xp.uint8)
+    whole = flat.size // 8 * 8
+    total = (flat[:whole].view(xp.uint64).sum(dtype=xp.uint64)
+             + flat[whole:].sum(dtype=xp.uint64))
+    return int(total)
+
+
+def _array_module(chunk: Any) -> Any:
+    if type(chunk).__module__.split(".", 1)[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+@functools.cache
+def node_directory() -> Path:
+    """The directory where this node's processes meet (``/dev/shm`` where it can be written,
+    else the temporary directory), one per user and boot of the node.
+
+    Examples
+    --------
+    >>> node_directory().is_dir()
+    True
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "node"
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    directory = base / f"dask-gpuchunk-peers-{os.getuid()}-{boot}"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    return directory
+
+
+class Transport(Protocol):
+    """How a chunk goes from the process that read it to another: ``export`` gives what the
+    ticket carries (``None``: this process cannot share it), ``fetch`` a copy here from a
+    ticket (``None``: the ticket is stale or cannot be opened here)."""
+
+    def export(self, chunk: Any) -> dict[str, Any] | None: ...
+
+    def fetch(self, ticket: dict[str, Any]) -> Any | None: ...
+
+
+class CudaIpc:
+    """A :class:`Transport` of CuPy chunks through CUDA IPC: the allocation that holds the chunk
+    exported (``cudaIpcGetMemHandle``), opened by the other process, copied into a chunk of its
+    own on its current device (admitted by the budget), closed, and the copy checked."""
+
+    def export(self, chunk: Any) -> dict[str, Any] | None:
+        import cupy
+
+        runtime = cupy.cuda.runtime
+        chunk = cupy.ascontiguousarray(chunk)
+        try:
+            base = _allocation_base(chunk.data.ptr)
+            handle = runtime.ipcGetMemHandle(base)
+        except (OSError, RuntimeError, runtime.CUDARuntimeError):
+            return None
+        return {"handle": handle, "offset": chunk.data.ptr - base, "shape": chunk.shape,
+                "dtype": chunk.dtype.str, "checksum": chunk_checksum(chunk)}
+
+    def fetch(self, ticket: dict[str, Any]) -> Any | None:
+        import cupy
+
+        runtime = cupy.cuda.runtime
+        nbytes = int(np.prod(ticket["shape"], dtype=np.int64)) * np.dtype(ticket["dtype"]).itemsize
+
+        def copied() -> Any:
+            out = cupy.empty(ticket["shape"], ticket["dtype"])
+            if not nbytes:
+                return out
+            pointer = runtime.ipcOpenMemHandle(ticket["handle"])
+            try:
+                stream = cupy.cuda.get_current_stream()
+                runtime.memcpyAsync(out.data.ptr, pointer + ticket["offset"], nbytes,
+                                    _MEMCPY_DEFAULT, stream.ptr)
+                stream.synchronize()
+            finally:
+                runtime.ipcCloseMemHandle(pointer)
+            return out
+
+        t0 = time.perf_counter()
+        try:
+            out = run_reserved(copied, nbytes, "a chunk of words kept on the GPU")
+        except runtime.CUDARuntimeError:
+            return None  # freed since, or memory this process cannot map
+        if chunk_checksum(out) != ticket["checksum"]:
+            return None
+        staging_totals.add(peer_bytes=nbytes, device_seconds=time.perf_counter() - t0)
+        return out
+
+
+@functools.cache
+def _get_address_range() -> Any:
+    lib = ctypes.CDLL("libcuda.so.1")
+    function = lib.cuMemGetAddressRange_v2
+    function.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                         ctypes.c_uint64]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _allocation_base(pointer: int) -> int:
+    """The start of the device allocation that holds ``pointer`` (CuPy's pool hands out pieces
+    of larger allocations; an IPC handle names a whole one)."""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    status = _get_address_range()(ctypes.byref(base), ctypes.byref(size), pointer)
+    if status:
+        raise RuntimeError(f"cuMemGetAddressRange failed ({status})")
+    return int(base.value)
+
+
+def read_once_per_node(name: str, read: Callable[[], Any], transport: Transport,
+                       published: set[str] | None = None, directory: Path | None = None,
+                       wait_seconds: float | None = None) -> Any:
+    """The chunk ``name`` (unique to its content on the node), read by ``read()`` in one
+    process of the node and handed to the others by ``transport``, or read here where it
+    cannot be (the module's docstring). ``published``: where the names this process publishes
+    are added (for :func:`unpublish`).
+
+    Examples
+    --------
+    >>> class Kept:  # a transport within one process, for the example
+    ...     def export(self, chunk): return {"chunk": chunk, "checksum": chunk_checksum(chunk)}
+    ...     def fetch(self, ticket): return ticket["chunk"]
+    >>> chunk = read_once_per_node("example-0-4", lambda: np.arange(4), Kept(), published := set())
+    >>> chunk, published
+    (array([0, 1, 2, 3]), {'example-0-4'})
+    >>> unpublish(published)
+    """
+    directory = directory or node_directory()
+    wait = WAIT_SECONDS if wait_seconds is None else wait_seconds
+    ticket_path, claim_path = directory / f"{name}.ticket", directory / f"{name}.claim"
+    waited_since: float | None = None
+    pause = 2e-4
+    while True:
+        ticket = _load(ticket_path)
+        if ticket is not None:
+            if ticket.get("pid") != os.getpid():
+                chunk = transport.fetch(ticket)
+                if chunk is not None:
+                    _count(received=1, received_bytes=int(chunk.nbytes),
+                           waited_seconds=_since(waited_since))
+                    return chunk
+                _count(stale=1)
+            # Stale, or this process's own that it no longer keeps: claimed and read again.
+            _remove_if(ticket_path, lambda: _load(ticket_path) == ticket)
+            _remove_if(claim_path, lambda: True)
+        if _claim(claim_path):
+            _count(waited_seconds=_since(waited_since))
+            return _read_and_publish(name, read, transport, ticket_path, claim_path, published)
+        claimer = _claimer(claim_path)
+        if claimer is not None and not _alive(claimer):
+            _remove_if(claim_path, lambda: _claimer(claim_path) == claimer)
+            continue
+        if waited_since is None:
+            waited_since = time.perf_counter()
+        elif time.perf_counter() - waited_since > wait:
+            _count(unshared=1, waited_seconds=_since(waited_since))
+            return read()
+        time.sleep(pause)
+        pause = min(2 * pause, 2e-3)
+
+
+def _since(t0: float | None) -> float:
+    return 0.0 if t0 is None else time.perf_counter() - t0
+
+
+def _read_and_publish(name: str, read: Callable[[], Any], transport: Transport,
+                      ticket_path: Path, claim_path: Path, published: set[str] | None) -> Any:
+    try:
+        chunk = read()
+        ticket = transport.export(chunk)
+    except BaseException:
+        _remove_if(claim_path, lambda: True)
+        raise
+    _count(read=1)
+    if ticket is None:  # this process cannot share it: the others read it themselves
+        _remove_if(claim_path, lambda: True)
+        return chunk
+    ticket["pid"] = os.getpid()
+    partial = ticket_path.with_name(f"{ticket_path.name}.{os.getpid()}.{threading.get_ident()}")
+    partial.write_bytes(pickle.dumps(ticket))
+    os.replace(partial, ticket_path)
+    _count(published=1)
+    if published is not None:
+        published.add(name)
+    return chunk
+
+
+def _claim(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, str(os.getpid()).encode())
+    finally:
+        os.close(fd)
+    return True
+
+
+def _claimer(path: Path) -> int | None:
+    """The pid in a claim; ``None`` where it is gone or still being written."""
+    try:
+        return int(path.read_text() or "x")
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    try:
+        return pickle.loads(path.read_bytes())
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
+
+
+def _remove_if(path: Path, still: Callable[[], bool]) -> None:
+    """Remove ``path`` if ``still()`` (what was found there is still what it holds)."""
+    with contextlib.suppress(OSError):
+        if still():
+            path.unlink()
+
+
+def unpublish(names: Iterable[str], directory: Path | None = None) -> None:
+    """Remove the tickets and claims of ``names`` that this process published (its chunks are
+    going: their memory may be reused)."""
+    directory = directory or node_directory()
+    pid = os.getpid()
+    for name in list(names):
+        ticket_path, claim_path = directory / f"{name}.ticket", directory / f"{name}.claim"
+        _remove_if(ticket_path, lambda p=ticket_path: (_load(p) or {}).get("pid") == pid)
+        _remove_if(claim_path, lambda p=claim_path: _claimer(p) == pid)
+
+
+def sharing_on() -> bool:
+    """Whether chunks read to a GPU are shared with the node's other processes
+    (``gpuchunk.share-reads``)."""
+    return config.flag("share-reads")
