@@ -51,7 +51,7 @@ from . import config
 from .backend import staging_totals
 from .budget import run_reserved
 
-__all__ = ["WAIT_SECONDS", "CudaIpc", "Transport", "chunk_checksum", "node_directory",
+__all__ = ["WAIT_SECONDS", "ClaimedElsewhere", "CudaIpc", "Transport", "chunk_checksum", "node_directory",
            "peer_stats", "read_once_per_node", "sharing_on", "unpublish"]
 
 #: Seconds a process waits for the process that claimed a chunk to publish it before it reads
@@ -61,6 +61,11 @@ _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unifi
 _STATS_LOCK = threading.Lock()
 _STATS = {"read": 0, "published": 0, "received": 0, "received_bytes": 0, "stale": 0,
           "waited_seconds": 0.0, "unshared": 0}
+
+
+class ClaimedElsewhere(Exception):
+    """The chunk is being read by another process of the node (:func:`read_once_per_node`
+    asked not to wait for it)."""
 
 
 def peer_stats() -> dict[str, float]:
@@ -214,11 +219,13 @@ def _allocation_base(pointer: int) -> int:
 
 def read_once_per_node(name: str, read: Callable[[], Any], transport: Transport,
                        published: set[str] | None = None, directory: Path | None = None,
-                       wait_seconds: float | None = None) -> Any:
+                       wait_seconds: float | None = None, wait: bool = True) -> Any:
     """The chunk ``name`` (unique to its content on the node), read by ``read()`` in one
     process of the node and handed to the others by ``transport``, or read here where it
     cannot be (the module's docstring). ``published``: where the names this process publishes
-    are added (for :func:`unpublish`).
+    are added (for :func:`unpublish`). A chunk that another live process is reading is waited
+    for, up to ``wait_seconds`` (:data:`WAIT_SECONDS`), then read here; with ``wait`` false,
+    :class:`ClaimedElsewhere` is raised instead (a read-ahead takes another chunk meanwhile).
 
     Examples
     --------
@@ -231,7 +238,7 @@ def read_once_per_node(name: str, read: Callable[[], Any], transport: Transport,
     >>> unpublish(published)
     """
     directory = directory or node_directory()
-    wait = WAIT_SECONDS if wait_seconds is None else wait_seconds
+    patience = WAIT_SECONDS if wait_seconds is None else wait_seconds
     ticket_path, claim_path = directory / f"{name}.ticket", directory / f"{name}.claim"
     waited_since: float | None = None
     pause = 2e-4
@@ -255,9 +262,11 @@ def read_once_per_node(name: str, read: Callable[[], Any], transport: Transport,
         if claimer is not None and not _alive(claimer):
             _remove_if(claim_path, lambda: _claimer(claim_path) == claimer)
             continue
+        if not wait:
+            raise ClaimedElsewhere(name)
         if waited_since is None:
             waited_since = time.perf_counter()
-        elif time.perf_counter() - waited_since > wait:
+        elif time.perf_counter() - waited_since > patience:
             _count(unshared=1, waited_seconds=_since(waited_since))
             return read()
         time.sleep(pause)

@@ -43,7 +43,7 @@ from . import config
 from .backend import staging_totals
 from .budget import out_of_memory_hooks, run_reserved, working_budget
 from .devices import gpu_available
-from .peer_chunks import CudaIpc, read_once_per_node, sharing_on, unpublish
+from .peer_chunks import ClaimedElsewhere, CudaIpc, read_once_per_node, sharing_on, unpublish
 
 __all__ = ["DEVICE_FRACTION", "HOST_BYTES", "ResidentChunks", "ResidentSource", "on_gpu_here",
            "resident_stats", "row_bounds", "rows_where_it_runs", "source_tasks"]
@@ -210,12 +210,16 @@ def _to_device(chunk: Any) -> Any:
     return on_device
 
 
-def _read_ahead(cache_ref: weakref.ref, chunks: list[tuple[Hashable, int, Callable[[], Any]]],
+def _read_ahead(cache_ref: weakref.ref,
+                chunks: list[tuple[Hashable, int, Callable[[bool], Any]]],
                 device: int | None) -> None:
     """Read ``chunks`` (key, bytes, read) into the cache ``cache_ref`` names, in order, while
     each fits with nothing dropped; stop at the first that does not, when the cache is
     cleared (a device that ran out of memory) or gone, or at a failed read (the block that
-    needs the chunk reads it again itself and raises)."""
+    needs the chunk reads it again itself and raises). ``read(wait)``: a chunk that another
+    process of the node is reading (:class:`~dask_gpuchunk.peer_chunks.ClaimedElsewhere`
+    where ``wait`` is false) is passed over and taken after the others, so that the node's
+    processes read different chunks at once instead of waiting on the one that read first."""
     if device is not None:
         import cupy
 
@@ -223,19 +227,23 @@ def _read_ahead(cache_ref: weakref.ref, chunks: list[tuple[Hashable, int, Callab
     cache = cache_ref()
     clears = cache.clears if cache is not None else 0
     del cache
-    for key, nbytes, read in chunks:
-        cache = cache_ref()
-        if cache is None or cache.clears != clears:
-            return
-        room = cache.room_for(key, nbytes)
-        if room == "full":
-            return
-        if room == "fits":
-            try:
-                cache.get(key, read, ahead=True)
-            except Exception:  # noqa: BLE001 - the block that needs it reads it and raises
+    passed_over = []
+    for wait, queue in ((False, chunks), (True, passed_over)):
+        for key, nbytes, read in queue:
+            cache = cache_ref()
+            if cache is None or cache.clears != clears:
                 return
-        del cache
+            room = cache.room_for(key, nbytes)
+            if room == "full":
+                return
+            if room == "fits":
+                try:
+                    cache.get(key, lambda read=read: read(wait), ahead=True)
+                except ClaimedElsewhere:
+                    passed_over.append((key, nbytes, read))
+                except Exception:  # noqa: BLE001 - the block that needs it reads it and raises
+                    return
+            del cache
 
 
 def _rows_to_device(reader: Any, start: int, stop: int) -> Any:
@@ -311,28 +319,36 @@ class ResidentSource:
             device = cupy.cuda.runtime.getDevice()
         place = "host" if device is None else device
         cache = self._cache(place)
-        chunk = cache.get((start, stop), self._reading(start, stop, device))
-        if self.read_ahead and place not in self._reading_ahead and stop > start:
+        ahead = self.read_ahead and place not in self._reading_ahead and stop > start
+        # A reader that knows its rows' size starts the read-ahead first: the first chunk may
+        # wait on another process of the node that reads it (peer_chunks).
+        row_bytes = getattr(self.reader, "row_nbytes", None)
+        if ahead and row_bytes is not None:
+            self._start_read_ahead(place, cache, device, int(row_bytes), (start, stop))
+        read = self._reading(start, stop, device)
+        chunk = cache.get((start, stop), lambda: read(True))
+        if ahead and row_bytes is None:
             self._start_read_ahead(place, cache, device, chunk.nbytes // (stop - start),
                                    (start, stop))
         return chunk
 
-    def _reading(self, start: int, stop: int, device: int | None) -> Callable[[], Any]:
-        """What reads rows ``start:stop`` for ``device`` (``None``: host memory); it holds the
-        reader, not this source (a read-ahead must not keep the source alive)."""
+    def _reading(self, start: int, stop: int, device: int | None) -> Callable[[bool], Any]:
+        """What reads rows ``start:stop`` for ``device`` (``None``: host memory), given whether
+        to wait for another process of the node that reads them (:func:`read_once_per_node`);
+        it holds the reader, not this source (a read-ahead must not keep the source alive)."""
         reader = self.reader
 
-        def read() -> Any:
+        def read(wait: bool) -> Any:
             return reader[slice(start, stop), :]
 
         if device is None:
             return read
         if not sharing_on():
-            return lambda: _rows_to_device(reader, start, stop)
+            return lambda wait: _rows_to_device(reader, start, stop)
         # The name of the rows on the node: the same in every process that reads this content.
         name, published = tokenize(self.token, start, stop), self._published
-        return lambda: read_once_per_node(name, lambda: _rows_to_device(reader, start, stop),
-                                          CudaIpc(), published)
+        return lambda wait: read_once_per_node(
+            name, lambda: _rows_to_device(reader, start, stop), CudaIpc(), published, wait=wait)
 
     def _start_read_ahead(self, place: Any, cache: ResidentChunks, device: int | None,
                           row_bytes: int, first: tuple[int, int]) -> None:

@@ -194,6 +194,17 @@ def test_a_claim_that_is_never_published_is_waited_for_a_while_then_read_here(no
     assert not (directory / "slow.ticket").exists()
 
 
+def test_a_reader_that_will_not_wait_is_told_the_chunk_is_claimed(node):
+    directory, transport = node
+    (directory / "taken.claim").write_text(str(os.getppid()))  # alive, reading it
+    t0 = time.perf_counter()
+    with pytest.raises(peer_chunks.ClaimedElsewhere):
+        read_once_per_node("taken", lambda: pytest.fail("read here"), transport,
+                           directory=directory, wait=False)
+    assert time.perf_counter() - t0 < 1
+    assert (directory / "taken.claim").read_text() == str(os.getppid())
+
+
 def test_a_failed_read_gives_up_its_claim_and_raises(node):
     directory, transport = node
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -234,3 +235,45 @@ def test_source_tasks_read_ahead_only_where_the_setting_is_on():
     with dask.config.set({"gpuchunk.read-ahead": "sometimes"}), \
             pytest.raises(ValueError, match="read-ahead"):
         resident.source_tasks("a reader", "t", read_ahead=[(0, 2)])
+
+
+def test_a_read_ahead_passes_over_chunks_another_process_reads_and_takes_them_last():
+    from dask_gpuchunk.peer_chunks import ClaimedElsewhere
+
+    cache = ResidentChunks(lambda cache: 1 << 20)
+    reads = []
+
+    def reading(key, claimed_elsewhere):
+        def read(wait):
+            if claimed_elsewhere and not wait:
+                raise ClaimedElsewhere(key)
+            reads.append((key, wait))
+            return np.full(4, key, np.uint8)
+        return read
+
+    chunks = [(k, 4, reading(k, claimed_elsewhere=k in (1, 2))) for k in range(4)]
+    resident._read_ahead(weakref.ref(cache), chunks, None)
+    assert reads == [(0, False), (3, False), (1, True), (2, True)]
+    assert sorted(cache.keys()) == [0, 1, 2, 3]
+    np.testing.assert_array_equal(cache.get(2, lambda: None), np.full(4, 2, np.uint8))
+
+
+def test_a_reader_that_knows_its_row_size_starts_the_read_ahead_before_its_first_read():
+    started = threading.Event()
+
+    class SizedReader(CountingReader):
+        row_nbytes = 5 * 8
+
+        def __getitem__(self, region):
+            if region[0].start == 0:  # the block's own chunk waits for the read-ahead's
+                assert started.wait(10), "the read-ahead did not start first"
+            else:
+                started.set()
+            return super().__getitem__(region)
+
+    rows = np.arange(200, dtype=np.uint64).reshape(40, 5)
+    source = ResidentSource(SizedReader(rows), "sized", read_ahead=[(0, 10), (10, 20), (20, 30)])
+    np.testing.assert_array_equal(source.rows(0, 10, on_gpu=False), rows[:10])
+    _join_read_ahead(source)
+    assert sorted(source.reader.reads, key=lambda s: s.start) == [
+        slice(0, 10), slice(10, 20), slice(20, 30)]
