@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+from dask.utils import parse_bytes
 
 from . import config
 from .backend import staging_totals
@@ -354,7 +355,16 @@ def unpublish(names: Iterable[str], directory: Path | None = None) -> None:
         _remove_if(claim_path, lambda p=claim_path: _claimer(p) == pid)
 
 
-def sharing_on() -> bool:
-    """Whether chunks read to a GPU are shared with the node's other processes
-    (``gpuchunk.share-reads``)."""
-    return config.flag("share-reads")
+def sharing_on(nbytes: int | None) -> bool:
+    """Whether a chunk of ``nbytes`` (``None``: not known before it is read) read to a GPU is
+    shared with the node's other processes: ``gpuchunk.share-reads`` on, and the chunk at least
+    ``gpuchunk.share-min-bytes`` (smaller ones cost more to open from another process than to
+    read from the host).
+
+    Examples
+    --------
+    >>> sharing_on(128 << 20), sharing_on(8 << 20), sharing_on(None)
+    (True, False, False)
+    """
+    return (nbytes is not None and config.flag("share-reads")
+            and nbytes >= parse_bytes(config.checked("share-min-bytes")))

@@ -343,7 +343,8 @@ class ResidentSource:
 
         if device is None:
             return read
-        if not sharing_on():
+        row_bytes = getattr(reader, "row_nbytes", None)
+        if not sharing_on(None if row_bytes is None else int(row_bytes) * (stop - start)):
             return lambda wait: _rows_to_device(reader, start, stop)
         # The name of the rows on the node: the same in every process that reads this content.
         name, published = tokenize(self.token, start, stop), self._published

@@ -252,12 +252,18 @@ def test_a_source_s_tickets_go_with_it_and_are_not_pickled():
     assert not (directory / f"{name}.claim").exists()
 
 
-def test_the_setting_turns_sharing_off():
+def test_large_chunks_are_shared_unless_the_setting_is_off():
     import dask
 
-    assert peer_chunks.sharing_on()
+    assert peer_chunks.sharing_on(64 << 20)
+    assert not peer_chunks.sharing_on((64 << 20) - 1)  # read here: cheaper than a handle
+    assert not peer_chunks.sharing_on(None)
+    with dask.config.set({"gpuchunk.share-min-bytes": "1 kB"}):
+        assert peer_chunks.sharing_on(1000) and not peer_chunks.sharing_on(999)
     with dask.config.set({"gpuchunk.share-reads": False}):
-        assert not peer_chunks.sharing_on()
+        assert not peer_chunks.sharing_on(1 << 30)
+    with dask.config.set({"gpuchunk.share-min-bytes": "lots"}), pytest.raises(ValueError):
+        peer_chunks.sharing_on(1 << 30)
 
 
 # ---- on a GPU --------------------------------------------------------------------------------
@@ -267,6 +273,7 @@ _READER_PROCESS = textwrap.dedent("""
     devices, rank, path, done = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str((rank + i) % devices)
                                                   for i in range(devices))
+    os.environ["DASK_GPUCHUNK__SHARE_MIN_BYTES"] = "0"  # the test's chunks are small
     import numpy as np
     import cupy
     from dask.base import tokenize
@@ -324,6 +331,8 @@ def _npy(tmp_path) -> Path:
 
 @pytest.mark.gpu
 def test_a_gram_on_every_gpu_of_the_node_reads_its_words_from_the_host_once(tmp_path):
+    import dask
+
     from dask_gpuchunk.jobs import staged_by_workers
 
     path = tmp_path / "bits.npy"
@@ -335,7 +344,9 @@ def test_a_gram_on_every_gpu_of_the_node_reads_its_words_from_the_host_once(tmp_
         pytest.skip("dask's array query planning is on: the Gram's words go through dask")
     ones = np.unpackbits(bits, axis=1).astype(np.float64)
     expected = (ones @ ones.T).astype(np.int64)
-    with dg.local_cluster(dashboard_address=None) as client:
+    # The test's chunks are small: shared all the same (the workers take this process's config).
+    with dask.config.set({"gpuchunk.share-min-bytes": 0}), \
+            dg.local_cluster(dashboard_address=None) as client:
         before = staged_by_workers(client)
         got = dg.gram(x, packed=True).compute()
         staged = staged_by_workers(client, before)
