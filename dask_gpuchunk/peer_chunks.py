@@ -238,7 +238,12 @@ def read_once_per_node(name: str, read: Callable[[], Any], transport: Transport,
     (array([0, 1, 2, 3]), {'example-0-4'})
     >>> unpublish(published)
     """
-    directory = directory or node_directory()
+    if directory is None:
+        try:
+            directory = node_directory()
+        except OSError:  # no directory to meet in: each process reads its own
+            _count(unshared=1)
+            return read()
     patience = WAIT_SECONDS if wait_seconds is None else wait_seconds
     ticket_path, claim_path = directory / f"{name}.ticket", directory / f"{name}.claim"
     waited_since: float | None = None
@@ -256,7 +261,11 @@ def read_once_per_node(name: str, read: Callable[[], Any], transport: Transport,
             # Stale, or this process's own that it no longer keeps: claimed and read again.
             _remove_if(ticket_path, lambda: _load(ticket_path) == ticket)
             _remove_if(claim_path, lambda: True)
-        if _claim(claim_path):
+        claimed = _claim(claim_path)
+        if claimed is None:  # the directory cannot be written: each process reads its own
+            _count(unshared=1, waited_seconds=_since(waited_since))
+            return read()
+        if claimed:
             _count(waited_seconds=_since(waited_since))
             return _read_and_publish(name, read, transport, ticket_path, claim_path, published)
         claimer = _claimer(claim_path)
@@ -292,19 +301,35 @@ def _read_and_publish(name: str, read: Callable[[], Any], transport: Transport,
         return chunk
     ticket["pid"] = os.getpid()
     partial = ticket_path.with_name(f"{ticket_path.name}.{os.getpid()}.{threading.get_ident()}")
-    partial.write_bytes(pickle.dumps(ticket))
-    os.replace(partial, ticket_path)
+    try:
+        partial.write_bytes(pickle.dumps(ticket))
+        os.replace(partial, ticket_path)
+    except OSError:  # /dev/shm full, the directory gone: the others read it themselves
+        _remove_if(partial, lambda: True)
+        _remove_if(claim_path, lambda: True)
+        return chunk
     _count(published=1)
     if published is not None:
         published.add(name)
     return chunk
 
 
-def _claim(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    except FileExistsError:
-        return False
+def _claim(path: Path) -> bool | None:
+    """Whether this process claimed ``path`` (``False``: another did); ``None`` where no claim
+    can be made (the directory gone and not made again, or not writable)."""
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            break
+        except FileExistsError:
+            return False
+        except FileNotFoundError:  # the directory was removed (a tmp cleaner): made again
+            with contextlib.suppress(OSError):
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            return None
+    else:
+        return None
     try:
         os.write(fd, str(os.getpid()).encode())
     finally:
@@ -347,9 +372,16 @@ def _remove_if(path: Path, still: Callable[[], bool]) -> None:
 def unpublish(names: Iterable[str], directory: Path | None = None) -> None:
     """Remove the tickets and claims of ``names`` that this process published (its chunks are
     going: their memory may be reused)."""
-    directory = directory or node_directory()
+    names = list(names)
+    if not names:
+        return
+    if directory is None:
+        try:
+            directory = node_directory()
+        except OSError:
+            return
     pid = os.getpid()
-    for name in list(names):
+    for name in names:
         ticket_path, claim_path = directory / f"{name}.ticket", directory / f"{name}.claim"
         _remove_if(ticket_path, lambda p=ticket_path: (_load(p) or {}).get("pid") == pid)
         _remove_if(claim_path, lambda p=claim_path: _claimer(p) == pid)

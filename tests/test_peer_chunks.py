@@ -227,6 +227,53 @@ def test_a_process_that_cannot_share_publishes_nothing(node):
     assert list(directory.iterdir()) == []
 
 
+def test_a_directory_removed_meanwhile_is_made_again(node):
+    directory, transport = node
+    directory.rmdir()
+    chunk = read_once_per_node("again", lambda: chunk_of("again"), transport,
+                               directory=directory)
+    np.testing.assert_array_equal(chunk, chunk_of("again"))
+    assert (directory / "again.ticket").exists()
+
+
+def test_a_directory_that_cannot_be_written_leaves_each_process_to_read_its_own(node,
+                                                                               monkeypatch):
+    directory, transport = node
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(peer_chunks.os, "open", refused)
+    before = peer_stats()
+    chunk = read_once_per_node("locked", lambda: chunk_of("locked"), transport,
+                               directory=directory)
+    np.testing.assert_array_equal(chunk, chunk_of("locked"))
+    assert peer_stats()["unshared"] - before["unshared"] == 1
+    assert list(directory.iterdir()) == []
+
+
+def test_no_directory_to_meet_in_leaves_each_process_to_read_its_own(monkeypatch):
+    def refused():
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(peer_chunks, "node_directory", refused)
+    chunk = read_once_per_node("nowhere", lambda: chunk_of("nowhere"), Refusing())
+    np.testing.assert_array_equal(chunk, chunk_of("nowhere"))
+
+
+def test_a_ticket_that_cannot_be_written_gives_up_the_claim(node, monkeypatch):
+    directory, transport = node
+
+    def full(self, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    chunk = read_once_per_node("full", lambda: chunk_of("full"), transport,
+                               directory=directory)
+    np.testing.assert_array_equal(chunk, chunk_of("full"))
+    assert list(directory.iterdir()) == []
+
+
 def test_unpublish_removes_this_process_s_tickets_and_claims_only(node):
     directory, transport = node
     published = set()
