@@ -16,9 +16,12 @@ user and boot), each chunk by its name (the source's content token and its rows)
 - ``NAME.claim``, made exclusively (``O_EXCL``) by the process that reads the chunk, holding its
   pid: the others wait for its ticket instead of reading it too (and read it themselves if
   that process is gone, or after :data:`WAIT_SECONDS`);
-- ``NAME.ticket``, published (written whole, then renamed) once read: the IPC handle of the
-  allocation that holds it, the chunk's offset in it, its shape and dtype, and a checksum
-  (:func:`chunk_checksum`).
+- ``NAME.ticket``, published (written whole, then renamed) once read: JSON naming the IPC
+  handle of the allocation that holds it, the chunk's offset in it, its shape and dtype, and a
+  checksum (:func:`chunk_checksum`).
+
+The directory is this user's alone (:func:`private_directory`): one that another user made
+first, or that others may write in, is not used, and each process then reads its own chunks.
 
 A process that takes a ticket copies the chunk to its own GPU and checks the checksum: a ticket
 whose chunk the owner has dropped since (its memory freed, or reused for something else) fails
@@ -37,7 +40,8 @@ import contextlib
 import ctypes
 import functools
 import os
-import pickle
+import json
+import stat
 import tempfile
 import threading
 import time
@@ -52,8 +56,9 @@ from . import config
 from .backend import staging_totals
 from .budget import run_reserved
 
-__all__ = ["WAIT_SECONDS", "ClaimedElsewhere", "CudaIpc", "Transport", "chunk_checksum", "node_directory",
-           "peer_stats", "read_once_per_node", "sharing_on", "unpublish"]
+__all__ = ["WAIT_SECONDS", "ClaimedElsewhere", "CudaIpc", "Transport", "chunk_checksum",
+           "node_directory", "peer_stats", "private_directory", "read_once_per_node",
+           "sharing_on", "unpublish"]
 
 #: Seconds a process waits for the process that claimed a chunk to publish it before it reads
 #: the chunk itself (a claimer that died is noticed at once: its pid is gone).
@@ -118,24 +123,65 @@ def _array_module(chunk: Any) -> Any:
     return np
 
 
-@functools.cache
 def node_directory() -> Path:
     """The directory where this node's processes meet (``/dev/shm`` where it can be written,
-    else the temporary directory), one per user and boot of the node.
+    else the temporary directory), one per user and boot of the node, made private to this
+    user (:func:`private_directory`).
+
+    Raises
+    ------
+    PermissionError
+        Where that directory exists but another user owns it or others may write in it: its
+        tickets could then be anyone's, and nothing is shared.
 
     Examples
     --------
     >>> node_directory().is_dir()
     True
     """
+    return private_directory(_node_directory_path())
+
+
+@functools.cache
+def _node_directory_path() -> Path:
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
     except OSError:
         boot = "node"
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    directory = base / f"dask-gpuchunk-peers-{os.getuid()}-{boot}"
-    directory.mkdir(mode=0o700, exist_ok=True)
+    return base / f"dask-gpuchunk-peers-{os.getuid()}-{boot}"
+
+
+def private_directory(directory: Path) -> Path:
+    """``directory``, made (mode 0700) where it is missing, after checking that it is a
+    directory (not a link) that this user owns and no one else may write in; else
+    ``PermissionError``. ``/dev/shm`` is writable by every user: another could make the
+    directory first and leave tickets in it.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp()) / "peers"
+    >>> private_directory(d) == d, oct(d.stat().st_mode & 0o777)
+    (True, '0o700')
+    >>> d.chmod(0o777)
+    >>> private_directory(d)
+    Traceback (most recent call last):
+    ...
+    PermissionError: ... others may write in it: nothing is shared through it
+    """
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700, parents=True)
+    status = os.lstat(directory)
+    if not stat.S_ISDIR(status.st_mode):
+        raise PermissionError(f"{directory} is not a directory: nothing is shared through it")
+    if status.st_uid != os.getuid():
+        raise PermissionError(f"{directory} belongs to user {status.st_uid}, not this one: "
+                              "nothing is shared through it")
+    if status.st_mode & 0o022:
+        raise PermissionError(f"{directory} is mode {oct(status.st_mode & 0o777)}: others may "
+                              "write in it: nothing is shared through it")
     return directory
 
 
@@ -164,23 +210,29 @@ class CudaIpc:
             handle = runtime.ipcGetMemHandle(base)
         except (OSError, RuntimeError, runtime.CUDARuntimeError):
             return None
-        return {"handle": handle, "offset": chunk.data.ptr - base, "shape": chunk.shape,
-                "dtype": chunk.dtype.str, "checksum": chunk_checksum(chunk)}
+        return {"handle": handle.hex(), "offset": chunk.data.ptr - base,
+                "shape": list(chunk.shape), "dtype": chunk.dtype.str,
+                "checksum": chunk_checksum(chunk)}
 
     def fetch(self, ticket: dict[str, Any]) -> Any | None:
         import cupy
 
         runtime = cupy.cuda.runtime
-        nbytes = int(np.prod(ticket["shape"], dtype=np.int64)) * np.dtype(ticket["dtype"]).itemsize
+        try:
+            shape, dtype = tuple(int(n) for n in ticket["shape"]), np.dtype(ticket["dtype"])
+            handle, offset = bytes.fromhex(ticket["handle"]), int(ticket["offset"])
+        except (KeyError, TypeError, ValueError):
+            return None  # not a ticket this transport wrote
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
         def copied() -> Any:
-            out = cupy.empty(ticket["shape"], ticket["dtype"])
+            out = cupy.empty(shape, dtype)
             if not nbytes:
                 return out
-            pointer = runtime.ipcOpenMemHandle(ticket["handle"])
+            pointer = runtime.ipcOpenMemHandle(handle)
             try:
                 stream = cupy.cuda.get_current_stream()
-                runtime.memcpyAsync(out.data.ptr, pointer + ticket["offset"], nbytes,
+                runtime.memcpyAsync(out.data.ptr, pointer + offset, nbytes,
                                     _MEMCPY_DEFAULT, stream.ptr)
                 stream.synchronize()
             finally:
@@ -230,9 +282,10 @@ def read_once_per_node(name: str, read: Callable[[], Any], transport: Transport,
 
     Examples
     --------
+    >>> kept = {}
     >>> class Kept:  # a transport within one process, for the example
-    ...     def export(self, chunk): return {"chunk": chunk, "checksum": chunk_checksum(chunk)}
-    ...     def fetch(self, ticket): return ticket["chunk"]
+    ...     def export(self, chunk): kept[id(chunk)] = chunk; return {"id": id(chunk)}
+    ...     def fetch(self, ticket): return kept.get(ticket["id"])
     >>> chunk = read_once_per_node("example-0-4", lambda: np.arange(4), Kept(), published := set())
     >>> chunk, published
     (array([0, 1, 2, 3]), {'example-0-4'})
@@ -302,9 +355,9 @@ def _read_and_publish(name: str, read: Callable[[], Any], transport: Transport,
     ticket["pid"] = os.getpid()
     partial = ticket_path.with_name(f"{ticket_path.name}.{os.getpid()}.{threading.get_ident()}")
     try:
-        partial.write_bytes(pickle.dumps(ticket))
+        partial.write_text(json.dumps(ticket))
         os.replace(partial, ticket_path)
-    except OSError:  # /dev/shm full, the directory gone: the others read it themselves
+    except (OSError, TypeError, ValueError):  # /dev/shm full, or not JSON: read by each
         _remove_if(partial, lambda: True)
         _remove_if(claim_path, lambda: True)
         return chunk
@@ -357,9 +410,10 @@ def _alive(pid: int) -> bool:
 
 def _load(path: Path) -> dict[str, Any] | None:
     try:
-        return pickle.loads(path.read_bytes())
-    except (OSError, EOFError, pickle.UnpicklingError):
+        ticket = json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
+    return ticket if isinstance(ticket, dict) else None
 
 
 def _remove_if(path: Path, still: Callable[[], bool]) -> None:

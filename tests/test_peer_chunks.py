@@ -126,7 +126,7 @@ def test_processes_of_a_node_read_each_chunk_once_and_hand_it_to_the_others(node
 
 
 def _write_ticket(directory, name, ticket):
-    (directory / f"{name}.ticket").write_bytes(pickle.dumps(ticket))
+    (directory / f"{name}.ticket").write_text(json.dumps(ticket))
 
 
 def test_a_stale_ticket_is_replaced_by_a_new_read(node):
@@ -145,7 +145,7 @@ def test_a_stale_ticket_is_replaced_by_a_new_read(node):
         chunk = read_once_per_node(name, lambda name=name: reads.append(name) or chunk_of(name),
                                    transport, directory=directory)
         np.testing.assert_array_equal(chunk, chunk_of(name))
-        assert pickle.loads((directory / f"{name}.ticket").read_bytes())["pid"] == os.getpid()
+        assert json.loads((directory / f"{name}.ticket").read_text())["pid"] == os.getpid()
     assert reads == ["stale", "changed"]
     assert peer_stats()["stale"] - before["stale"] == 2
 
@@ -267,11 +267,38 @@ def test_a_ticket_that_cannot_be_written_gives_up_the_claim(node, monkeypatch):
     def full(self, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(Path, "write_bytes", full)
+    monkeypatch.setattr(Path, "write_text", full)
     chunk = read_once_per_node("full", lambda: chunk_of("full"), transport,
                                directory=directory)
     np.testing.assert_array_equal(chunk, chunk_of("full"))
     assert list(directory.iterdir()) == []
+
+
+def test_only_a_directory_of_this_user_that_no_one_else_may_write_is_met_in(tmp_path):
+    private = peer_chunks.private_directory(tmp_path / "made")
+    assert private.is_dir() and private.stat().st_mode & 0o777 == 0o700
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir(mode=0o777)
+    open_to_all.chmod(0o777)
+    with pytest.raises(PermissionError, match="others may write"):
+        peer_chunks.private_directory(open_to_all)
+    (tmp_path / "link").symlink_to(private)
+    with pytest.raises(PermissionError, match="not a directory"):
+        peer_chunks.private_directory(tmp_path / "link")
+    if os.getuid() == 0:  # root can make a directory another user owns
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 12345, 12345)
+        with pytest.raises(PermissionError, match="belongs to user 12345"):
+            peer_chunks.private_directory(theirs)
+
+
+def test_a_ticket_that_is_not_json_is_not_taken(node):
+    directory, transport = node
+    (directory / "garbled.ticket").write_bytes(b"\x80\x04not json")
+    chunk = read_once_per_node("garbled", lambda: chunk_of("garbled"), transport,
+                               directory=directory)
+    np.testing.assert_array_equal(chunk, chunk_of("garbled"))
 
 
 def test_unpublish_removes_this_process_s_tickets_and_claims_only(node):
