@@ -204,7 +204,8 @@ class CudaIpc:
         import cupy
 
         runtime = cupy.cuda.runtime
-        chunk = cupy.ascontiguousarray(chunk)
+        if not chunk.flags.c_contiguous:  # a copy made here would be freed once exported
+            return None
         try:
             base = _allocation_base(chunk.data.ptr)
             handle = runtime.ipcGetMemHandle(base)
