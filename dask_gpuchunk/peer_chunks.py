@@ -53,7 +53,7 @@ import numpy as np
 from dask.utils import parse_bytes
 
 from . import config
-from .backend import staging_totals
+from .backend import is_cupy, staging_totals
 from .budget import run_reserved
 
 __all__ = ["WAIT_SECONDS", "ClaimedElsewhere", "CudaIpc", "Transport", "chunk_checksum",
@@ -107,20 +107,15 @@ def chunk_checksum(chunk: Any) -> int:
     >>> chunk_checksum(np.ones(9, np.uint8)) == 0x0101010101010101 + 1
     True
     """
-    xp = _array_module(chunk)
+    if is_cupy(chunk):
+        import cupy as xp
+    else:
+        xp = np
     flat = xp.ascontiguousarray(chunk).reshape(-1).view(xp.uint8)
     whole = flat.size // 8 * 8
     total = (flat[:whole].view(xp.uint64).sum(dtype=xp.uint64)
              + flat[whole:].sum(dtype=xp.uint64))
     return int(total)
-
-
-def _array_module(chunk: Any) -> Any:
-    if type(chunk).__module__.split(".", 1)[0] == "cupy":
-        import cupy
-
-        return cupy
-    return np
 
 
 def node_directory() -> Path:
