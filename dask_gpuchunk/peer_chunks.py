@@ -36,6 +36,7 @@ it cannot map) and ``gpuchunk.share-reads`` off read as before: each process for
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import functools
@@ -57,8 +58,8 @@ from .backend import is_cupy, staging_totals
 from .budget import run_reserved
 
 __all__ = ["WAIT_SECONDS", "ClaimedElsewhere", "CudaIpc", "Transport", "chunk_checksum",
-           "node_directory", "peer_stats", "private_directory", "read_once_per_node",
-           "sharing_on", "unpublish"]
+           "node_directory", "note_step", "peer_events", "peer_stats", "private_directory",
+           "read_once_per_node", "sharing_on", "unpublish"]
 
 #: Seconds a process waits for the process that claimed a chunk to publish it before it reads
 #: the chunk itself (a claimer that died is noticed at once: its pid is gone).
@@ -66,7 +67,33 @@ WAIT_SECONDS = 60.0
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 _STATS_LOCK = threading.Lock()
 _STATS = {"read": 0, "published": 0, "received": 0, "received_bytes": 0, "stale": 0,
-          "waited_seconds": 0.0, "unshared": 0}
+          "waited_seconds": 0.0, "unshared": 0, "read_seconds": 0.0, "fetch_seconds": 0.0,
+          "open_seconds": 0.0}
+
+
+# The last steps of chunks on their way to this process's GPU (note_step), for peer_events().
+_EVENTS: collections.deque = collections.deque(maxlen=4096)
+
+
+def note_step(kind: str, name: str, started: float, **seconds: float) -> None:
+    """Log one step of a chunk's way to this process's GPU: its ``kind``, the chunk's
+    ``name``, when it ``started`` (``time.time()``) and how long it and its parts took
+    (``seconds``), for :func:`peer_events`. The last 4,096 are kept."""
+    _EVENTS.append({"kind": kind, "name": name, "at": started,
+                    **{part: round(value, 6) for part, value in seconds.items()}})
+
+
+def peer_events(since: float = 0.0) -> list[dict[str, Any]]:
+    """The steps :func:`note_step` logged from ``since`` (``time.time()``) on, oldest first:
+    where the time of a node's words went, chunk by chunk (``tools/gram_scaling.py``).
+
+    Examples
+    --------
+    >>> note_step("example", "rows 0:4", time.time(), seconds=0.001)
+    >>> peer_events(time.time() - 60)[-1]["kind"]
+    'example'
+    """
+    return [event for event in list(_EVENTS) if event["at"] >= since]
 
 
 class ClaimedElsewhere(Exception):
@@ -78,12 +105,13 @@ def peer_stats() -> dict[str, float]:
     """What this process's chunks did (:func:`read_once_per_node`): ``read`` from the host,
     ``published`` for the node, ``received`` (and ``received_bytes``) from another process,
     ``stale`` tickets found, ``waited_seconds`` for another's read, ``unshared`` reads (no
-    sharing, or a wait given up).
+    sharing, or a wait given up); ``read_seconds`` spent reading chunks for the node,
+    ``fetch_seconds`` taking them from others (``open_seconds`` of it opening their handles).
 
     Examples
     --------
-    >>> sorted(peer_stats())[:3]
-    ['published', 'read', 'received']
+    >>> sorted(peer_stats())[:4]
+    ['fetch_seconds', 'open_seconds', 'published', 'read']
     """
     with _STATS_LOCK:
         return dict(_STATS)
@@ -221,28 +249,45 @@ class CudaIpc:
             return None  # not a ticket this transport wrote
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
+        parts: dict[str, float] = {}
+
         def copied() -> Any:
+            t = time.perf_counter()
             out = cupy.empty(shape, dtype)
+            parts["allocate"] = time.perf_counter() - t
             if not nbytes:
                 return out
+            t = time.perf_counter()
             pointer = runtime.ipcOpenMemHandle(handle)
+            parts["open"] = time.perf_counter() - t
             try:
+                t = time.perf_counter()
                 stream = cupy.cuda.get_current_stream()
                 runtime.memcpyAsync(out.data.ptr, pointer + offset, nbytes,
                                     _MEMCPY_DEFAULT, stream.ptr)
                 stream.synchronize()
+                parts["copy"] = time.perf_counter() - t
             finally:
+                t = time.perf_counter()
                 runtime.ipcCloseMemHandle(pointer)
+                parts["close"] = time.perf_counter() - t
             return out
 
-        t0 = time.perf_counter()
+        started, t0 = time.time(), time.perf_counter()
         try:
             out = run_reserved(copied, nbytes, "a chunk of words kept on the GPU")
         except runtime.CUDARuntimeError:
             return None  # freed since, or memory this process cannot map
-        if chunk_checksum(out) != ticket["checksum"]:
+        t = time.perf_counter()
+        matches = chunk_checksum(out) == ticket["checksum"]
+        parts["check"] = time.perf_counter() - t
+        seconds = time.perf_counter() - t0
+        _count(open_seconds=parts.get("open", 0.0))
+        note_step("fetch", f"from pid {ticket.get('pid')}", started, seconds=seconds, **parts)
+        if not matches:
             return None
-        staging_totals.add(peer_bytes=nbytes, device_seconds=time.perf_counter() - t0)
+        staging_totals.add(peer_bytes=nbytes, device_seconds=seconds)
+        _count(fetch_seconds=seconds)
         return out
 
 
@@ -305,6 +350,9 @@ def read_once_per_node(name: str, read: Callable[[], Any], transport: Transport,
                 if chunk is not None:
                     _count(received=1, received_bytes=int(chunk.nbytes),
                            waited_seconds=_since(waited_since))
+                    if waited_since is not None:
+                        note_step("waited", name, time.time() - _since(waited_since),
+                                  seconds=_since(waited_since))
                     return chunk
                 _count(stale=1)
             # Stale, or this process's own that it no longer keeps: claimed and read again.
@@ -338,13 +386,18 @@ def _since(t0: float | None) -> float:
 
 def _read_and_publish(name: str, read: Callable[[], Any], transport: Transport,
                       ticket_path: Path, claim_path: Path, published: set[str] | None) -> Any:
+    started, t0 = time.time(), time.perf_counter()
     try:
         chunk = read()
+        t_read = time.perf_counter() - t0
         ticket = transport.export(chunk)
     except BaseException:
         _remove_if(claim_path, lambda: True)
         raise
-    _count(read=1)
+    seconds = time.perf_counter() - t0
+    _count(read=1, read_seconds=seconds)
+    note_step("read for the node", name, started, seconds=seconds, read=t_read,
+              export=seconds - t_read)
     if ticket is None:  # this process cannot share it: the others read it themselves
         _remove_if(claim_path, lambda: True)
         return chunk

@@ -50,7 +50,8 @@ from . import config
 from .backend import staging_totals
 from .budget import out_of_memory_hooks, run_reserved, working_budget
 from .devices import gpu_available
-from .peer_chunks import ClaimedElsewhere, CudaIpc, read_once_per_node, sharing_on, unpublish
+from .peer_chunks import (ClaimedElsewhere, CudaIpc, note_step, read_once_per_node, sharing_on,
+                          unpublish)
 
 __all__ = ["DEVICE_FRACTION", "HOST_BYTES", "ResidentChunks", "ResidentSource", "on_gpu_here",
            "resident_stats", "row_bounds", "rows_where_it_runs", "source_tasks"]
@@ -202,18 +203,24 @@ out_of_memory_hooks.append(_drop_device_chunks)
 def _to_device(chunk: Any) -> Any:
     import cupy
 
+    parts: dict[str, float] = {}
+
     def sent() -> Any:
+        t = time.perf_counter()
         on_device = cupy.asarray(chunk)
         # From pinned memory the copy is asynchronous: done before other threads' streams read
         # the chunk, and before its pinned buffer goes back to the pool.
         cupy.cuda.get_current_stream().synchronize()
+        parts["copy"] = time.perf_counter() - t
         return on_device
 
-    t0 = time.perf_counter()
+    started, t0 = time.time(), time.perf_counter()
     # Admitted as a running chunk is (it waits for room, and runs alone where the device ran
     # out); once kept, the budget counts it as held outside the running chunks.
     on_device = run_reserved(sent, int(chunk.nbytes), "a chunk of words kept on the GPU")
-    staging_totals.add(h2d_bytes=int(chunk.nbytes), device_seconds=time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    staging_totals.add(h2d_bytes=int(chunk.nbytes), device_seconds=seconds)
+    note_step("to the GPU", f"{chunk.nbytes} bytes", started, seconds=seconds, **parts)
     return on_device
 
 
@@ -267,7 +274,10 @@ def _rows_to_device(reader: Any, start: int, stop: int) -> Any:
         if on_device is not None:
             staging_totals.add(h2d_bytes=nbytes, device_seconds=time.perf_counter() - t0)
             return on_device
-    return _to_device(reader[slice(start, stop), :])
+    started, t0 = time.time(), time.perf_counter()
+    rows = reader[slice(start, stop), :]
+    note_step("host read", f"rows {start}:{stop}", started, seconds=time.perf_counter() - t0)
+    return _to_device(rows)
 
 
 class ResidentSource:

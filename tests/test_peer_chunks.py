@@ -428,3 +428,15 @@ def test_a_gram_on_every_gpu_of_the_node_reads_its_words_from_the_host_once(tmp_
     assert sum(w["h2d_bytes"] for w in staged.values()) == bits.nbytes
     if len(staged) > 1:
         assert sum(w["peer_bytes"] for w in staged.values()) > 0
+
+
+def test_each_step_of_a_chunks_way_is_logged_with_its_parts(node):
+    directory, transport = node
+    since = time.time()
+    read_once_per_node("logged", lambda: chunk_of("logged"), transport, directory=directory)
+    steps = [s for s in peer_chunks.peer_events(since) if s["name"] == "logged"]
+    assert [s["kind"] for s in steps] == ["read for the node"]
+    step = steps[0]
+    assert step["at"] >= since and step["seconds"] >= step["read"] >= 0
+    assert step["export"] >= 0 and abs(step["read"] + step["export"] - step["seconds"]) < 1e-5
+    assert peer_chunks.peer_events(time.time() + 60) == []

@@ -30,7 +30,12 @@ task prefix, ``transfer`` between workers), the CPUs the worker may run on, the 
 (:func:`dask_gpuchunk.jobs.staged_by_workers`: H2D, D2H and peer bytes, host copies, waits for
 the device, time on it), and what its chunks read for the node's other workers or took from
 them (:func:`dask_gpuchunk.peer_chunks.peer_stats`; ``DASK_GPUCHUNK__SHARE_READS=false`` in
-the environment turns that sharing off, for the figure without it).
+the environment turns that sharing off, for the figure without it). ``--gil-probe``: how long a
+thread in each worker that wakes every millisecond waited to run again (the GIL's hand-over);
+``--switch-interval``: Python's switch interval in the workers. ``words_steps``: each worker's
+steps of its words' way to its GPU during the run (host reads, copies to the GPU, reads for the
+node, peers' chunks fetched, waits; :func:`dask_gpuchunk.peer_chunks.peer_events`), in
+milliseconds from the compute's start.
 
 The ``if __name__ == "__main__"`` guard matters: a local cluster's workers are spawned
 processes that import this file again.
@@ -52,7 +57,7 @@ import numpy as np
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.jobs import sent_by_workers, staged_by_workers
-from dask_gpuchunk.peer_chunks import peer_stats
+from dask_gpuchunk.peer_chunks import peer_events, peer_stats
 
 
 def write_random_bits(path: Path, rows: int, bits: int, seed: int
@@ -152,16 +157,52 @@ def _profile_summary(tree: dict[str, Any], top: int = 25) -> dict[str, Any]:
     return {"samples": tree["count"], "inclusive": pick(inclusive), "self": pick(own)}
 
 
-def _timed(client: Any, compute: Any) -> dict[str, Any]:
+def _gil_probe(dask_worker: Any, interval: float = 1e-3) -> None:
+    """In a worker: a thread that sleeps ``interval`` over and over and logs, on the worker
+    object (what this file defines is sent to the workers by value, so a list of its own would
+    be a new copy at each call), how much later than asked it runs again: the time it waited
+    for the GIL (and the OS), as a NumPy call returning to Python waits for it while another
+    thread runs Python code."""
+    import threading
+
+    if hasattr(dask_worker, "gil_waits"):
+        return
+    waits = dask_worker.gil_waits = []
+
+    def probe() -> None:
+        while True:
+            t0 = time.perf_counter()
+            time.sleep(interval)
+            waits.append(time.perf_counter() - t0 - interval)
+
+    threading.Thread(target=probe, name="gil-probe", daemon=True).start()
+
+
+def _gil_waits(dask_worker: Any, since: dict[str, int]) -> dict[str, float]:
+    waits = sorted(dask_worker.gil_waits[since.get(dask_worker.address, 0):])
+    if not waits:
+        return {"samples": 0}
+    return {"samples": len(waits), "mean_ms": round(1e3 * sum(waits) / len(waits), 3),
+            "p90_ms": round(1e3 * waits[int(0.9 * (len(waits) - 1))], 3),
+            "max_ms": round(1e3 * waits[-1], 3), "over_1ms": sum(w > 1e-3 for w in waits)}
+
+
+def _timed(client: Any, compute: Any, gil_probe: bool = False) -> dict[str, Any]:
     from distributed import get_task_stream
 
     sent, staged = sent_by_workers(client), staged_by_workers(client)
     peers = client.run(peer_stats)
+    gil_marks = client.run(lambda dask_worker: len(dask_worker.gil_waits)) if gil_probe else {}
     with get_task_stream(client) as stream:
         t0, wall0 = time.perf_counter(), time.time()
         value = compute()
         seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "value": value, "wall": (wall0, wall0 + seconds),
+    extra: dict[str, Any] = {"words_steps": {
+        worker: [{"at_ms": round(1e3 * (e.pop("at") - wall0), 2), **e} for e in events]
+        for worker, events in client.run(peer_events, wall0).items()}}
+    if gil_probe:
+        extra["gil_waits_by_workers"] = client.run(_gil_waits, since=gil_marks)
+    return {"seconds": seconds, "value": value, "wall": (wall0, wall0 + seconds), **extra,
             "timeline": _timeline(stream.data, wall0, wall0 + seconds),
             "by_quarter": _by_quarter(stream.data, wall0, wall0 + seconds),
             "tasks_by_worker": _task_seconds(stream.data),
@@ -196,7 +237,8 @@ def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant
         g = dg.gram(words, packed=True, method=method)
         # Timed: C.sum() alone, as a user's reduction of C; checked exactly by the column-count
         # identity. The sampled rows are a second, untimed compute.
-        run = _timed(client, lambda g=g: client.compute(g.sum(), sync=True))
+        run = _timed(client, lambda g=g: client.compute(g.sum(), sync=True),
+                     gil_probe=args.gil_probe)
         total = run.pop("value")
         sample_rows = g[sample]
         if variant == "device":
@@ -324,6 +366,11 @@ def main() -> None:
     parser.add_argument("--api", default="yes", choices=["yes", "no"],
                         help="no: only the --cli runs")
     parser.add_argument("--cli-timeout", type=float, default=300)
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval in each worker (Python's default: 0.005 s)")
+    parser.add_argument("--gil-probe", action="store_true",
+                        help="report how long a sleeping thread in each worker waits to run "
+                             "again (the GIL's hand-over) during each timed run")
     args = parser.parse_args()
     if args.threads_per_gpu is not None and args.threads_per_gpu.isdigit():
         args.threads_per_gpu = int(args.threads_per_gpu)
@@ -359,6 +406,10 @@ def main() -> None:
         t0 = time.perf_counter()
         with dg.local_cluster(dashboard_address=None, **options) as client:
             started = time.perf_counter() - t0
+            if args.switch_interval is not None:
+                client.run(sys.setswitchinterval, args.switch_interval)
+            if args.gil_probe:
+                client.run(_gil_probe)
             runs: dict[str, Any] = {"cluster_start": started,
                                     "workers": len(client.scheduler_info()["workers"]),
                                     "cpu_affinity": client.run(  # each worker's CPUs

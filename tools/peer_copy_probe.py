@@ -11,7 +11,9 @@ makes its share of ``--chunks`` chunks of ``--mb`` MiB on its GPU (chunk ``i`` o
 * ``peer``: copies every other process's chunks to its own GPU (open the handle, one copy,
   close), checked by a checksum taken where each chunk was made;
 * ``host``: copies every chunk from a pinned host buffer, as each worker stages all the words
-  itself today.
+  itself today;
+* ``opens_on_threads``: every other process's handle opened, then closed, on 1, 2 and 4
+  threads at once: whether the driver opens handles side by side.
 
 Also checked: a handle opened twice in one process (CUDA counts the opens), and a chunk
 whose memory went back to CuPy's pool and was written again before it was opened (its checksum
@@ -96,6 +98,23 @@ def _worker(rank: int, gpus: int, devices: int, chunks: int, mb: int, tickets: A
                       "gb_per_s": round(moved / seconds / 1e9, 1) if seconds else None,
                       "checksums_wrong": wrong,
                       **{k: round(v, 4) for k, v in parts.items()}}
+    # The handles opened and closed on several threads at once: whether the driver does
+    # opens side by side (a read-ahead could then open more than one peer's chunk at a time).
+    from concurrent.futures import ThreadPoolExecutor
+
+    others = [tickets[i][1] for i in range(chunks) if tickets[i][0] != rank]
+    report["opens_on_threads"] = {}
+    for threads in (1, 2, 4):
+        barrier.wait()
+        with ThreadPoolExecutor(threads) as pool:
+            t = time.perf_counter()
+            pointers = list(pool.map(runtime.ipcOpenMemHandle, others))
+            opened_s = time.perf_counter() - t
+            t = time.perf_counter()
+            list(pool.map(runtime.ipcCloseMemHandle, pointers))
+            closed_s = time.perf_counter() - t
+        report["opens_on_threads"][threads] = {
+            "handles": len(others), "open_s": round(opened_s, 4), "close_s": round(closed_s, 4)}
     barrier.wait()
     # Again with every handle opened first and peer access enabled by hand: the copies alone.
     for device in range(1, devices):
