@@ -282,12 +282,11 @@ class CudaIpc:
         matches = chunk_checksum(out) == ticket["checksum"]
         parts["check"] = time.perf_counter() - t
         seconds = time.perf_counter() - t0
-        _count(open_seconds=parts.get("open", 0.0))
         note_step("fetch", f"from pid {ticket.get('pid')}", started, seconds=seconds, **parts)
         if not matches:
             return None
         staging_totals.add(peer_bytes=nbytes, device_seconds=seconds)
-        _count(fetch_seconds=seconds)
+        _count(fetch_seconds=seconds, open_seconds=parts.get("open", 0.0))
         return out
 
 
@@ -348,11 +347,10 @@ def read_once_per_node(name: str, read: Callable[[], Any], transport: Transport,
             if ticket.get("pid") != os.getpid():
                 chunk = transport.fetch(ticket)
                 if chunk is not None:
-                    _count(received=1, received_bytes=int(chunk.nbytes),
-                           waited_seconds=_since(waited_since))
+                    waited = _since(waited_since)
+                    _count(received=1, received_bytes=int(chunk.nbytes), waited_seconds=waited)
                     if waited_since is not None:
-                        note_step("waited", name, time.time() - _since(waited_since),
-                                  seconds=_since(waited_since))
+                        note_step("waited", name, time.time() - waited, seconds=waited)
                     return chunk
                 _count(stale=1)
             # Stale, or this process's own that it no longer keeps: claimed and read again.

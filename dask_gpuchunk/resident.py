@@ -200,7 +200,8 @@ def _drop_device_chunks() -> None:
 out_of_memory_hooks.append(_drop_device_chunks)
 
 
-def _to_device(chunk: Any) -> Any:
+def _to_device(chunk: Any, name: str) -> Any:
+    """``chunk`` (host rows, logged as ``name``) copied to this process's current GPU."""
     import cupy
 
     parts: dict[str, float] = {}
@@ -220,7 +221,7 @@ def _to_device(chunk: Any) -> Any:
     on_device = run_reserved(sent, int(chunk.nbytes), "a chunk of words kept on the GPU")
     seconds = time.perf_counter() - t0
     staging_totals.add(h2d_bytes=int(chunk.nbytes), device_seconds=seconds)
-    note_step("to the GPU", f"{chunk.nbytes} bytes", started, seconds=seconds, **parts)
+    note_step("to the GPU", name, started, seconds=seconds, **parts)
     return on_device
 
 
@@ -274,10 +275,10 @@ def _rows_to_device(reader: Any, start: int, stop: int) -> Any:
         if on_device is not None:
             staging_totals.add(h2d_bytes=nbytes, device_seconds=time.perf_counter() - t0)
             return on_device
-    started, t0 = time.time(), time.perf_counter()
+    name, started, t0 = f"rows {start}:{stop}", time.time(), time.perf_counter()
     rows = reader[slice(start, stop), :]
-    note_step("host read", f"rows {start}:{stop}", started, seconds=time.perf_counter() - t0)
-    return _to_device(rows)
+    note_step("host read", name, started, seconds=time.perf_counter() - t0)
+    return _to_device(rows, name)
 
 
 class ResidentSource:
