@@ -30,6 +30,8 @@ from typing import Any
 from dask.utils import parse_bytes
 
 from . import placement
+from .alias_tasks import install as install_alias_resolution
+from .alias_tasks import resolving_aliases
 from .budget import pool_limit_from_env, spill_limit
 from .devices import GPUNotAvailableError, distributed_client_active, gpu_available, gpu_count
 from .staging import pinned_pool
@@ -288,7 +290,8 @@ def local_cluster(
         try:
             client.register_plugin(WorkerSetup())  # before any task of the caller's
             try:
-                yield client
+                with resolving_aliases():
+                    yield client
             finally:
                 with contextlib.suppress(Exception):  # a worker already gone frees nothing
                     client.run(release_memory)
@@ -372,6 +375,7 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
         client.register_plugin(WorkerSetup())
         if workers > 0:
             wait_for_workers(client, workers, worker_timeout, log)
+        install_alias_resolution()
     except BaseException:
         with collector_paused():
             client.close()

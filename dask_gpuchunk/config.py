@@ -65,6 +65,12 @@ its workers.
     costs a few milliseconds, as much as reading a small chunk from the host. On 4 x H200, 8 MB
     chunks took ~12 ms each from a peer against ~1 ms staged from the host (the threshold
     search of 10^6 fingerprints: 1.15 s shared, 0.90 s not); 128 MiB chunks ~5 ms.
+``gpuchunk.resolve-aliases`` (default ``True``)
+    Inside :func:`dask_gpuchunk.local_cluster` (and after :func:`dask_gpuchunk.connect`),
+    dask arrays' graphs go to the cluster without dask's ``Alias`` tasks, which distributed
+    runs as tasks of their own (:mod:`dask_gpuchunk.alias_tasks`): on 4 x H200 the Gram's
+    ``C.sum()`` ran 13-19 % faster on one GPU and 4-15 % on four. ``False``: dask's graphs as
+    dask makes them.
 ``gpuchunk.no-workers-timeout`` (default ``300``)
     Seconds a job waits for a cluster without workers to get one again before giving up (the
     CLI's ``--worker-timeout``).
@@ -102,6 +108,7 @@ DEFAULTS: dict[str, Any] = {
     "register-reads": False,
     "share-reads": True,
     "share-min-bytes": "64MiB",
+    "resolve-aliases": True,
     "no-workers-timeout": 300,
     "cache-dir": None,
 }
@@ -186,6 +193,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "read-ahead": (_flag, "True or False"),
     "register-reads": (_flag, "True or False"),
     "share-reads": (_flag, "True or False"),
+    "resolve-aliases": (_flag, "True or False"),
     "share-min-bytes": (_size, "a size (64MiB)"),
 }
 

@@ -32,7 +32,9 @@ the device, time on it), and what its chunks read for the node's other workers o
 them (:func:`dask_gpuchunk.peer_chunks.peer_stats`; ``DASK_GPUCHUNK__SHARE_READS=false`` in
 the environment turns that sharing off, for the figure without it). ``--gil-probe``: how long a
 thread in each worker that wakes every millisecond waited to run again (the GIL's hand-over);
-``--switch-interval``: Python's switch interval in the workers. ``words_steps``: each worker's
+``--switch-interval``: Python's switch interval in the workers. ``--keep-aliases``: the graphs
+sent as dask makes them, with the ``Alias`` tasks its fusion leaves (which
+``dg.local_cluster`` resolves: :mod:`dask_gpuchunk.alias_tasks`). ``words_steps``: each worker's
 steps of its words' way to its GPU during the run (host reads, copies to the GPU, reads for the
 node, peers' chunks fetched, waits; :func:`dask_gpuchunk.peer_chunks.peer_events`), in
 milliseconds from the compute's start.
@@ -368,6 +370,9 @@ def main() -> None:
     parser.add_argument("--cli-timeout", type=float, default=300)
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval in each worker (Python's default: 0.005 s)")
+    parser.add_argument("--keep-aliases", action="store_true",
+                        help="send dask's Alias tasks to the cluster as dask makes them "
+                             "(gpuchunk.resolve-aliases off; dask_gpuchunk.alias_tasks)")
     parser.add_argument("--gil-probe", action="store_true",
                         help="report how long a sleeping thread in each worker waits to run "
                              "again (the GIL's hand-over) during each timed run")
@@ -389,11 +394,16 @@ def main() -> None:
         import dask
 
         dask.config.set({"distributed.scheduler.worker-saturation": float(args.saturation)})
+    if args.keep_aliases:
+        import dask
+
+        dask.config.set({"gpuchunk.resolve-aliases": False})
     gpus_visible = dg.gpu_count()
     variants = args.variants.split(",") if gpus_visible else ["host"]
     result: dict = {"rows": args.rows, "bits": args.bits, "chunk_rows": args.chunk_rows,
                     "gpus_visible": gpus_visible, "saturation": args.saturation,
-                    "threads_per_gpu": args.threads_per_gpu, "runs": {}}
+                    "threads_per_gpu": args.threads_per_gpu,
+                    "aliases_resolved": not args.keep_aliases, "runs": {}}
     if args.gpus and gpus_visible:
         sizes = sorted({int(g) for g in args.gpus.split(",")} | {1})
         if sizes[-1] > gpus_visible:

@@ -1,0 +1,134 @@
+"""Dask's ``Alias`` tasks resolved before an array's graph goes to a cluster.
+
+Dask's linear fusion (``dask._task_spec.fuse_linear_task_spec``) gives each chain of tasks it
+fuses a new key, and keeps the chain's last key as an ``Alias`` of it so that the tasks after
+the chain still find it. Distributed runs each alias as a task of its own: a trip through the
+scheduler and a worker's thread for a lookup. ``C.sum()`` of a Gram of 16 x 16 blocks sent 719
+tasks to the scheduler, 256 of them aliases (each block fused with its sum under a new name,
+the old name kept for the tree of partial sums). :func:`optimize_arrays` is dask's own array
+optimisation followed by :func:`resolve_aliases`: the tasks after an alias point at the task
+it names, and the alias goes. The results are the same; only the number of tasks changes.
+
+Measured on 4 x H200 machines, 8 GiB cap a GPU, ``tools/gram_scaling.py`` (65,536 x 262,144
+bits in 4,096-row chunks, ``C.sum()``, best of 4-5): on one machine 2.74 -> 1.47 -> 0.931 s on
+1, 2 and 4 GPUs with the aliases, 2.39 -> 1.38 -> 0.815 s without; on another 3.16 -> 1.73 ->
+1.01 s with, 2.56 -> 1.37 -> 0.861 s without (``docs/perf-notes.md``, stop 48).
+
+:func:`dask_gpuchunk.local_cluster` resolves them while its client is open, and
+:func:`dask_gpuchunk.connect` from then on (``gpuchunk.resolve-aliases``; an
+``array_optimize`` of the caller's own in ``dask.config`` is left as it is). Under dask's
+array query planning, arrays are expressions whose graphs are made without these aliases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from typing import Any
+
+import dask
+
+from . import config
+
+__all__ = ["install", "optimize_arrays", "resolve_aliases", "resolving_aliases"]
+
+
+def resolve_aliases(graph: Mapping[Hashable, Any], keys: Iterable[Any]) -> dict:
+    """``graph`` (dask task specs) without the ``Alias`` tasks that are not among ``keys``:
+    each task that depended on one depends on the task it names instead (through chains of
+    aliases).
+
+    Examples
+    --------
+    >>> import operator
+    >>> from dask._task_spec import Alias, Task, TaskRef
+    >>> graph = {"a": Task("a", operator.add, 1, 2), "b": Alias("b", "a"),
+    ...          "c": Task("c", operator.neg, TaskRef("b"))}
+    >>> resolved = resolve_aliases(graph, ["c"])
+    >>> sorted(resolved), resolved["c"].dependencies
+    (['a', 'c'], frozenset({'a'}))
+    """
+    from dask._task_spec import Alias
+    from dask.core import flatten
+
+    requested = set(flatten(keys))
+    targets = {key: node.target for key, node in graph.items()
+               if isinstance(node, Alias) and key not in requested}
+    if not targets:
+        return dict(graph)
+
+    def named(key: Hashable) -> Hashable:
+        seen = set()
+        while key in targets and key not in seen:  # a cycle of aliases is left as it is
+            seen.add(key)
+            key = targets[key]
+        return key
+
+    resolved = {}
+    for key, node in graph.items():
+        if key in targets:
+            continue
+        aliased = node.dependencies & targets.keys()
+        resolved[key] = (node.substitute({name: named(name) for name in aliased}) if aliased
+                         else node)
+    return resolved
+
+
+def optimize_arrays(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+    """Dask's array optimisation (``dask.array.optimization.optimize``), then
+    :func:`resolve_aliases`: the ``array_optimize`` that :func:`resolving_aliases` sets.
+
+    Examples
+    --------
+    ``b`` and ``c`` are a chain; dask fuses them as ``b-c`` and keeps ``c`` as its alias:
+
+    >>> import operator
+    >>> from dask._task_spec import Task, TaskRef
+    >>> graph = {"a": Task("a", operator.add, 1, 2), "b": Task("b", operator.neg, TaskRef("a")),
+    ...          "c": Task("c", operator.mul, TaskRef("b"), 2),
+    ...          "d": Task("d", operator.sub, TaskRef("c"), TaskRef("a"))}
+    >>> optimized = optimize_arrays(graph, ["d"])
+    >>> sorted(optimized), optimized["d"].dependencies == {"a", "b-c"}
+    (['a', 'b-c', 'd'], True)
+    >>> from dask.local import get_sync
+    >>> get_sync(optimized, "d")
+    -9
+    """
+    from dask.array.optimization import optimize
+
+    graph = optimize(dsk, keys, **kwargs)
+    if not isinstance(graph, dict):  # low-level fusion turned off: no aliases were made
+        return graph
+    return resolve_aliases(graph, keys)
+
+
+def _wanted() -> bool:
+    return config.flag("resolve-aliases") and dask.config.get("array_optimize", None) is None
+
+
+@contextlib.contextmanager
+def resolving_aliases() -> Iterator[None]:
+    """Dask arrays computed inside resolve their aliases (:func:`optimize_arrays`), where
+    ``gpuchunk.resolve-aliases`` is on and ``dask.config`` has no ``array_optimize`` of its
+    own; as before afterwards.
+
+    Examples
+    --------
+    >>> with resolving_aliases():
+    ...     dask.config.get("array_optimize") is optimize_arrays
+    True
+    >>> dask.config.get("array_optimize", None) is None
+    True
+    """
+    if not _wanted():
+        yield
+        return
+    with dask.config.set(array_optimize=optimize_arrays):
+        yield
+
+
+def install() -> None:
+    """Dask arrays computed from now on in this process resolve their aliases, as
+    :func:`resolving_aliases` (for a client that lives as long as the process)."""
+    if _wanted():
+        dask.config.set(array_optimize=optimize_arrays)
