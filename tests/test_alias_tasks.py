@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 
 import dask
+import dask.array
 import numpy as np
 import pytest
 from dask._task_spec import Alias, Task, TaskRef
@@ -124,3 +125,19 @@ def test_install_sets_it_for_the_process():
     with dask.config.set(array_optimize=None):  # restored afterwards, whatever install sets
         install()
         assert dask.config.get("array_optimize") is optimize_arrays
+
+
+def test_connect_resolves_aliases_from_then_on():
+    from distributed import LocalCluster
+
+    with dask.config.set(array_optimize=None):  # whatever connect sets goes with this block
+        assert dask.config.get("array_optimize", None) is None
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                          dashboard_address=None) as cluster:
+            client = dg.connect(address=cluster.scheduler_address)
+            try:
+                assert dask.config.get("array_optimize") is optimize_arrays
+                assert int(client.compute(dask.array.ones(10, chunks=3).sum()).result()) == 10
+            finally:
+                client.close()
+        assert dask.config.get("array_optimize") is optimize_arrays  # not only while open
