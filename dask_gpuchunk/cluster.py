@@ -181,6 +181,9 @@ def local_cluster(
 ) -> Iterator[Any]:
     """A ``distributed.Client`` on a cluster of this machine, closed on exit.
 
+    While it is open, dask arrays reach the cluster without the ``Alias`` tasks that dask's
+    fusion leaves (:mod:`dask_gpuchunk.alias_tasks`, ``gpuchunk.resolve-aliases``).
+
     Parameters
     ----------
     gpus
@@ -343,7 +346,9 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
     ``address`` (``"tcp://host:8786"``). ``timeout``: seconds to wait for the scheduler.
     ``workers``: wait until at least this many workers have joined (a batch job's workers start
     beside its scheduler and join when they are up), at most ``worker_timeout`` seconds; ``log``
-    hears how many have joined while it waits.
+    hears how many have joined while it waits. From then on, dask arrays computed in this
+    process reach the cluster without the ``Alias`` tasks that dask's fusion leaves
+    (:mod:`dask_gpuchunk.alias_tasks`, ``gpuchunk.resolve-aliases``).
 
     Raises
     ------
