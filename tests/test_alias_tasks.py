@@ -16,14 +16,9 @@ import dask_gpuchunk as dg
 from dask_gpuchunk.alias_tasks import install, optimize_arrays, resolve_aliases, resolving_aliases
 
 
-def _query_planning() -> bool:
-    import dask.array as da
-
-    return type(da.ones(1)).__module__.startswith("dask.array._array_expr")
-
-
-classic_only = pytest.mark.skipif(_query_planning(), reason="array query planning makes "
-                                  "expressions, whose graphs dask makes without these aliases")
+classic_only = pytest.mark.skipif(dask.array.array_expr_enabled(), reason="array query "
+                                  "planning makes expressions, whose graphs dask makes without "
+                                  "these aliases")
 
 
 def _chain_graph() -> dict:
