@@ -36,9 +36,9 @@ from .budget import pool_limit_from_env, spill_limit
 from .devices import GPUNotAvailableError, distributed_client_active, gpu_available, gpu_count
 from .staging import pinned_pool
 
-__all__ = ["LOOPBACK", "PRELOAD", "THREADS_PER_GPU", "collector_paused", "connect", "dask_setup",
-           "local_cluster", "parse_memory_limit", "placement_decisions", "release_memory",
-           "temporary_security", "wait_for_workers"]
+__all__ = ["LOOPBACK", "PRELOAD", "SPARE_ROOT_TASKS", "THREADS_PER_GPU", "collector_paused",
+           "connect", "dask_setup", "local_cluster", "parse_memory_limit", "placement_decisions",
+           "release_memory", "root_task_saturation", "temporary_security", "wait_for_workers"]
 
 #: The module a worker imports when it starts (``preload=``; ``--preload`` of ``dask worker``).
 PRELOAD = "dask_gpuchunk.cluster"
@@ -48,6 +48,17 @@ PRELOAD = "dask_gpuchunk.cluster"
 #: the H200 machine) ran an 8 GiB card out of memory with 1 GiB chunks. Two keep one task's
 #: kernels running while the worker's event loop unspills the next task's inputs.
 THREADS_PER_GPU = 2
+#: Root tasks (tasks with no dependencies, as the Gram's blocks and a file's reads) that
+#: :func:`local_cluster`'s scheduler lets each worker hold beyond its threads. distributed
+#: queues root tasks on the scheduler and hands a worker one only while fewer than
+#: ``ceil(worker-saturation x threads)`` tasks are assigned to it, counting its other tasks (the
+#: Gram's sums of blocks) too: at its default of 1.1 a worker of 2 threads holds 3, so a block
+#: finished often waits for the next one's round trip through the scheduler. On 4 x H200 (the
+#: Gram's ``C.sum()``, settings alternated on one cluster, medians of 6) 4 of them took 10 % off
+#: one GPU's time and 6 % off four's (perf-notes, stop 49).
+SPARE_ROOT_TASKS = 2
+# distributed's own default worker-saturation: a value other than it was set by the caller.
+_DISTRIBUTED_SATURATION = 1.1
 
 
 #: Where :func:`local_cluster`'s scheduler, workers and dashboard listen.
@@ -75,6 +86,32 @@ def dask_setup(worker: Any) -> None:
     from .worker import set_up_worker  # distributed: 0.35 s more for every import of the package
 
     set_up_worker(worker)
+
+
+def root_task_saturation(threads: int) -> float:
+    """distributed's ``worker-saturation`` that lets a worker of ``threads`` threads hold
+    :data:`SPARE_ROOT_TASKS` root tasks beyond them, or distributed's default where that
+    already gives as many (workers of 20 threads or more); the caller's own value where
+    ``distributed.scheduler.worker-saturation`` is set to another than distributed's default.
+
+    Examples
+    --------
+    >>> root_task_saturation(2), root_task_saturation(8), root_task_saturation(64)
+    (2.0, 1.25, 1.1)
+    >>> import dask
+    >>> with dask.config.set({"distributed.scheduler.worker-saturation": "inf"}):
+    ...     root_task_saturation(2)
+    'inf'
+    """
+    import dask
+
+    configured = dask.config.get("distributed.scheduler.worker-saturation", None)
+    if configured is not None and configured != _DISTRIBUTED_SATURATION:
+        return configured
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads!r}")
+    # ceil(saturation x threads) is what distributed allows: threads + SPARE_ROOT_TASKS.
+    return max(_DISTRIBUTED_SATURATION, (threads + SPARE_ROOT_TASKS) / threads)
 
 
 def parse_memory_limit(value: Any, what: str) -> Any:
@@ -182,7 +219,10 @@ def local_cluster(
     """A ``distributed.Client`` on a cluster of this machine, closed on exit.
 
     While it is open, dask arrays reach the cluster without the ``Alias`` tasks that dask's
-    fusion leaves (:mod:`dask_gpuchunk.alias_tasks`, ``gpuchunk.resolve-aliases``).
+    fusion leaves (:mod:`dask_gpuchunk.alias_tasks`, ``gpuchunk.resolve-aliases``). Its
+    scheduler hands each worker :data:`SPARE_ROOT_TASKS` root tasks beyond its threads
+    (:func:`root_task_saturation`; a ``distributed.scheduler.worker-saturation`` of your own
+    is kept).
 
     Parameters
     ----------
@@ -272,7 +312,7 @@ def local_cluster(
         if limit != "default":
             kwargs["device_memory_limit"] = limit if limit else 0
         kwargs.update(cluster_kwargs)
-        with collector_paused():
+        with _root_tasks_spared(kwargs["threads_per_worker"]), collector_paused():
             cluster: Any = LocalCUDACluster(**kwargs)
     else:
         if gpus is not None:
@@ -285,7 +325,7 @@ def local_cluster(
         kwargs.update(n_workers=1, threads_per_worker=(
             threads_per_gpu if isinstance(threads_per_gpu, int) else cores))
         kwargs.update(cluster_kwargs)
-        with collector_paused():
+        with _root_tasks_spared(kwargs["threads_per_worker"]), collector_paused():
             cluster = LocalCluster(**kwargs)
     try:
         with collector_paused():
@@ -309,6 +349,21 @@ def local_cluster(
             # A worker still stopping after the nanny's few seconds is killed; every result
             # was already delivered, so this is not an error of the job.
             pass
+
+
+@contextlib.contextmanager
+def _root_tasks_spared(threads: Any) -> Iterator[None]:
+    """While a local cluster starts: its scheduler (created in this process, which reads
+    ``worker-saturation`` when it starts) lets each worker hold :data:`SPARE_ROOT_TASKS` root
+    tasks beyond its threads (:func:`root_task_saturation`)."""
+    import dask
+
+    if not isinstance(threads, int) or threads < 1:  # the cluster class says what is wrong
+        yield
+        return
+    with dask.config.set({"distributed.scheduler.worker-saturation":
+                          root_task_saturation(threads)}):
+        yield
 
 
 @contextlib.contextmanager

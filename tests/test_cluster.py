@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import threading
+import time
 
 import dask
 import dask.array as da
@@ -88,6 +90,56 @@ def test_local_cluster_threads():
         nthreads = list(client.nthreads().values())
     expected = os.cpu_count() if not dg.gpu_available() else dg.cluster.THREADS_PER_GPU
     assert nthreads == [expected] * len(nthreads)
+
+
+def _scheduler_saturation(dask_scheduler):
+    return dask_scheduler.WORKER_SATURATION
+
+
+def _assigned_and_queued(dask_scheduler):
+    return ([len(ws.processing) for ws in dask_scheduler.workers.values()],
+            len(dask_scheduler.queued))
+
+
+_released = threading.Event()
+
+
+def _wait_for_release(i):
+    _released.wait(30)
+    return i
+
+
+def test_local_cluster_hands_each_worker_two_root_tasks_beyond_its_threads():
+    _released.clear()
+    with dg.local_cluster(processes=False, dashboard_address=None, threads_per_gpu=2) as client:
+        assert client.run_on_scheduler(_scheduler_saturation) == 2.0
+        try:
+            futures = client.map(_wait_for_release, range(20), pure=False)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # every task known to the scheduler
+                assigned, queued = client.run_on_scheduler(_assigned_and_queued)
+                if sum(assigned) + queued == 20:
+                    break
+                time.sleep(0.02)
+            time.sleep(0.2)  # nothing more is handed out while both threads are held
+            assigned, queued = client.run_on_scheduler(_assigned_and_queued)
+            # distributed's default (1.1) would hand 3 to a 2-thread worker, queue 17.
+            assert assigned == [4] * len(assigned)
+            assert queued == 20 - 4 * len(assigned)
+        finally:
+            _released.set()
+        assert sorted(client.gather(futures)) == list(range(20))
+
+
+def test_local_cluster_keeps_a_worker_saturation_of_the_callers():
+    with dask.config.set({"distributed.scheduler.worker-saturation": 1.5}), dg.local_cluster(
+            processes=False, dashboard_address=None, threads_per_gpu=2) as client:
+        assert client.run_on_scheduler(_scheduler_saturation) == 1.5
+    with dg.local_cluster(processes=False, dashboard_address=None,
+                          threads_per_gpu=64) as client:
+        assert client.run_on_scheduler(_scheduler_saturation) == 1.1
+    # The setting lasts only while the cluster starts.
+    assert dask.config.get("distributed.scheduler.worker-saturation") == 1.1
 
 
 def test_local_cluster_bad_arguments():
