@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -115,6 +116,33 @@ def _by_quarter(stream: list[dict], start: float, end: float) -> dict[str, list[
                 spans[key_split(task["key"])][quarter].append(part["stop"] - part["start"])
     return {name: [[round(1e3 * sum(q) / len(q), 2) if q else None, len(q)] for q in quarters]
             for name, quarters in sorted(spans.items())}
+
+
+def set_saturation(client: Any, value: float) -> None:
+    """``worker-saturation`` on the running scheduler of ``client``
+    (``SchedulerState.WORKER_SATURATION``, read each time it hands out root tasks). A finite
+    value: ``inf`` changes how the scheduler queues, which a running scheduler does not switch."""
+    def put(dask_scheduler: Any, value: float = value) -> None:
+        dask_scheduler.WORKER_SATURATION = value
+
+    client.run_on_scheduler(put)
+
+
+def input_bits(workdir: Path, rows: int, bits: int, reuse: bool
+               ) -> tuple[Path, Path, np.ndarray, np.ndarray, int]:
+    """The input file ``workdir/bits.npy`` (:func:`write_random_bits`, seed 5) and what to check
+    a result against, kept beside it; the file of an earlier run where ``reuse`` and both are
+    there. Returns the file, the kept expectations' file, the sampled row indices, their rows of
+    the Gram and the sum of every count."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "bits.npy"
+    expected_path = workdir / f"bits-{rows}x{bits}.expected.npz"
+    if reuse and expected_path.exists() and path.exists():  # the same file as last time
+        kept = np.load(expected_path)
+        return path, expected_path, kept["sample"], kept["rows"], int(kept["total"])
+    sample, expected_rows, expected_sum = write_random_bits(path, rows, bits, seed=5)
+    np.savez(expected_path, sample=sample, rows=expected_rows, total=expected_sum)
+    return path, expected_path, sample, expected_rows, expected_sum
 
 
 def _timeline(stream: list[dict], start: float, end: float) -> dict[str, Any]:
@@ -354,7 +382,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs of each method (the first compiles); the best is kept")
     parser.add_argument("--saturation", default=None,
-                        help="distributed.scheduler.worker-saturation (default: distributed's)")
+                        help="distributed.scheduler.worker-saturation "
+                             "(default: dg.local_cluster's)")
     parser.add_argument("--profile", action="store_true",
                         help="add each worker's statistical profile of the best run (dask's "
                              "sampler; set DASK_DISTRIBUTED__WORKER__PROFILE__INTERVAL finer)")
@@ -379,17 +408,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads_per_gpu is not None and args.threads_per_gpu.isdigit():
         args.threads_per_gpu = int(args.threads_per_gpu)
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    path = args.workdir / "bits.npy"
-    expected_path = args.workdir / f"bits-{args.rows}x{args.bits}.expected.npz"
-    if args.keep and expected_path.exists() and path.exists():  # the same file as last time
-        kept = np.load(expected_path)
-        sample, expected_rows, expected_sum = (kept["sample"], kept["rows"],
-                                               int(kept["total"]))
-    else:
-        sample, expected_rows, expected_sum = write_random_bits(path, args.rows, args.bits,
-                                                                seed=5)
-        np.savez(expected_path, sample=sample, rows=expected_rows, total=expected_sum)
+    path, expected_path, sample, expected_rows, expected_sum = input_bits(
+        args.workdir, args.rows, args.bits, reuse=args.keep)
     if args.saturation is not None:
         import dask
 
@@ -416,6 +436,10 @@ def main() -> None:
         t0 = time.perf_counter()
         with dg.local_cluster(dashboard_address=None, **options) as client:
             started = time.perf_counter() - t0
+            if args.saturation is not None and math.isfinite(float(args.saturation)):
+                # dg.local_cluster keeps a configured value only where it differs from
+                # distributed's default (1.1): set on the running scheduler, any value holds.
+                set_saturation(client, float(args.saturation))
             if args.switch_interval is not None:
                 client.run(sys.setswitchinterval, args.switch_interval)
             if args.gil_probe:

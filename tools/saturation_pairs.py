@@ -28,19 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dask_gpuchunk as dg  # noqa: E402
-from gram_scaling import _timeline, write_random_bits  # noqa: E402
-
-
-def _set_saturation(client: Any, value: float) -> None:
-    def put(dask_scheduler: Any, value: float = value) -> None:
-        dask_scheduler.WORKER_SATURATION = value
-
-    client.run_on_scheduler(put)
+from gram_scaling import _timeline, input_bits, set_saturation  # noqa: E402
 
 
 def _one(client: Any, words: Any, method: str, threads: int) -> dict[str, Any]:
@@ -75,14 +67,7 @@ def main() -> None:
     if any(math.isinf(v) or v <= 0 for v in values):
         parser.error("--values: finite numbers above 0 (inf changes how the scheduler "
                      "queues, which a running scheduler does not switch)")
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    path = args.workdir / "bits.npy"
-    expected_path = args.workdir / f"bits-{args.rows}x{args.bits}.expected.npz"
-    if expected_path.exists() and path.exists():
-        expected_sum = int(np.load(expected_path)["total"])
-    else:
-        sample, rows, expected_sum = write_random_bits(path, args.rows, args.bits, seed=5)
-        np.savez(expected_path, sample=sample, rows=rows, total=expected_sum)
+    path, _, _, _, expected_sum = input_bits(args.workdir, args.rows, args.bits, reuse=True)
     gpus_visible = dg.gpu_count()
     sizes = (sorted({int(g) for g in args.gpus.split(",")} | {1}) if gpus_visible
              else [1, args.cpu_workers])
@@ -100,7 +85,7 @@ def main() -> None:
             runs: dict[float, list[dict[str, Any]]] = {v: [] for v in values}
             for r in range(args.rounds):
                 for v in values[r % len(values):] + values[:r % len(values)]:
-                    _set_saturation(client, v)
+                    set_saturation(client, v)
                     run = _one(client, words, args.method, threads)
                     run["round"] = r
                     runs[v].append(run)
