@@ -222,7 +222,7 @@ def local_cluster(
     fusion leaves (:mod:`dask_gpuchunk.alias_tasks`, ``gpuchunk.resolve-aliases``). Its
     scheduler hands each worker :data:`SPARE_ROOT_TASKS` root tasks beyond its threads
     (:func:`root_task_saturation`; a ``distributed.scheduler.worker-saturation`` of your own
-    is kept).
+    is kept, unless it is distributed's default of 1.1).
 
     Parameters
     ----------
