@@ -217,7 +217,77 @@ def _gil_waits(dask_worker: Any, since: dict[str, int]) -> dict[str, float]:
             "max_ms": round(1e3 * waits[-1], 3), "over_1ms": sum(w > 1e-3 for w in waits)}
 
 
-def _timed(client: Any, compute: Any, gil_probe: bool = False) -> dict[str, Any]:
+def _gc_probe(dask_worker: Any = None) -> dict[str, int]:
+    """In a worker (or, with no worker, this process): log each of Python's cycle
+    collections of 0.5 ms or more (when it started, its generation, how long it took) on the
+    worker object (or on this function), for :func:`_gc_pauses`. Returns the objects the
+    collector tracks and those frozen out of its reach (``gc.freeze``)."""
+    import gc
+
+    holder = dask_worker if dask_worker is not None else _gc_probe
+    if not hasattr(holder, "gc_pauses"):
+        pauses = holder.gc_pauses = []
+        started: dict[str, float] = {}
+
+        def log(phase: str, info: dict) -> None:
+            if phase == "start":
+                started["wall"], started["t"] = time.time(), time.perf_counter()
+            elif "t" in started:
+                seconds = time.perf_counter() - started.pop("t")
+                if seconds >= 5e-4:
+                    pauses.append((started["wall"], info["generation"], seconds))
+
+        gc.callbacks.append(log)
+    return {"tracked": len(gc.get_objects()), "frozen": gc.get_freeze_count()}
+
+
+def _gc_pauses(dask_worker: Any = None, since: float = 0.0) -> list[list[float]]:
+    """The collections :func:`_gc_probe` logged from ``since`` (``time.time()``) on:
+    [milliseconds after ``since``, generation, milliseconds]."""
+    holder = dask_worker if dask_worker is not None else _gc_probe
+    return [[round(1e3 * (wall - since), 1), generation, round(1e3 * seconds, 2)]
+            for wall, generation, seconds in getattr(holder, "gc_pauses", ()) if wall >= since]
+
+
+def _alloc_probe(dask_worker: Any) -> None:
+    """In a worker: log each allocation of 0.5 ms or more on the worker object (when it began,
+    its kind, bytes, milliseconds), for :func:`_slow_allocations`: page-locked host memory made
+    for the package's pinned pool (``cudaHostAlloc``), and device memory from CuPy's pool (its
+    ``malloc``: a new ``cudaMalloc``, or one after freeing cached blocks at the cap)."""
+    if hasattr(dask_worker, "slow_allocations"):
+        return
+    import cupy
+
+    from dask_gpuchunk import staging
+
+    log = dask_worker.slow_allocations = []
+
+    def timed(kind: str, allocate: Any) -> Any:
+        def allocated(size: int) -> Any:
+            wall, t0 = time.time(), time.perf_counter()
+            try:
+                return allocate(size)
+            finally:
+                seconds = time.perf_counter() - t0
+                if seconds >= 5e-4:
+                    log.append((wall, kind, int(size), seconds))
+        return allocated
+
+    pool = staging.pinned_pool
+    pool._allocate = timed("pinned", pool._allocate)
+    cupy.cuda.set_allocator(timed("device", cupy.get_default_memory_pool().malloc))
+
+
+def _slow_allocations(dask_worker: Any, since: float) -> list[list[Any]]:
+    """What :func:`_alloc_probe` logged from ``since`` on: [ms after ``since``, kind, MiB,
+    ms]."""
+    return [[round(1e3 * (wall - since), 1), kind, round(size / 2**20, 1), round(1e3 * s, 2)]
+            for wall, kind, size, s in getattr(dask_worker, "slow_allocations", ())
+            if wall >= since]
+
+
+def _timed(client: Any, compute: Any, gil_probe: bool = False,
+           gc_probe: bool = False, alloc_probe: bool = False) -> dict[str, Any]:
     from distributed import get_task_stream
 
     sent, staged = sent_by_workers(client), staged_by_workers(client)
@@ -232,6 +302,11 @@ def _timed(client: Any, compute: Any, gil_probe: bool = False) -> dict[str, Any]
         for worker, events in client.run(peer_events, wall0).items()}}
     if gil_probe:
         extra["gil_waits_by_workers"] = client.run(_gil_waits, since=gil_marks)
+    if alloc_probe:
+        extra["slow_allocations"] = client.run(_slow_allocations, since=wall0)
+    if gc_probe:
+        extra["gc_pauses"] = {"client": _gc_pauses(since=wall0),
+                              **client.run(_gc_pauses, since=wall0)}
     return {"seconds": seconds, "value": value, "wall": (wall0, wall0 + seconds), **extra,
             "timeline": _timeline(stream.data, wall0, wall0 + seconds),
             "by_quarter": _by_quarter(stream.data, wall0, wall0 + seconds),
@@ -268,7 +343,8 @@ def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant
         # Timed: C.sum() alone, as a user's reduction of C; checked exactly by the column-count
         # identity. The sampled rows are a second, untimed compute.
         run = _timed(client, lambda g=g: client.compute(g.sum(), sync=True),
-                     gil_probe=args.gil_probe)
+                     gil_probe=args.gil_probe, gc_probe=args.gc_probe,
+                     alloc_probe=args.alloc_probe)
         total = run.pop("value")
         sample_rows = g[sample]
         if variant == "device":
@@ -294,6 +370,12 @@ def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant
         best["profile"] = {w: _profile_summary(client.profile(start=start, stop=stop,
                                                                workers=[w]))
                            for w in workers}
+    if args.alloc_probe:  # every run's, the slow ones among them
+        entry["slow_allocations_by_run"] = [r.get("slow_allocations") for r in runs]
+        entry["slow_words_steps_by_run"] = [
+            {worker: [[e["at_ms"], e["kind"], round(1e3 * e["seconds"], 1)] for e in events
+                      if e.get("seconds", 0) > 0.02 and e["kind"] in ("host read", "to the GPU")]
+             for worker, events in r["words_steps"].items()} for r in runs]
     entry.update(seconds=[r["seconds"] for r in runs], best=best["seconds"],
                  sampled_rows_exact=all(r["sampled_rows_exact"] for r in runs),
                  bit_macs_per_s=float(args.rows) ** 2 * args.bits / best["seconds"],
@@ -405,6 +487,12 @@ def main() -> None:
     parser.add_argument("--gil-probe", action="store_true",
                         help="report how long a sleeping thread in each worker waits to run "
                              "again (the GIL's hand-over) during each timed run")
+    parser.add_argument("--gc-probe", action="store_true",
+                        help="report each worker's (and this process's) cycle collections of "
+                             "0.5 ms or more during each timed run, and the objects tracked")
+    parser.add_argument("--alloc-probe", action="store_true",
+                        help="report each worker's allocations of 0.5 ms or more (pinned host "
+                             "memory, CuPy's device pool) in every timed run")
     args = parser.parse_args()
     if args.threads_per_gpu is not None and args.threads_per_gpu.isdigit():
         args.threads_per_gpu = int(args.threads_per_gpu)
@@ -444,15 +532,21 @@ def main() -> None:
                 client.run(sys.setswitchinterval, args.switch_interval)
             if args.gil_probe:
                 client.run(_gil_probe)
+            if args.alloc_probe and gpus_visible:
+                client.run(_alloc_probe)
             runs: dict[str, Any] = {"cluster_start": started,
                                     "workers": len(client.scheduler_info()["workers"]),
                                     "cpu_affinity": client.run(  # each worker's CPUs
                                         lambda: sorted(os.sched_getaffinity(0)))}
+            if args.gc_probe:
+                runs["gc_objects_at_start"] = {"client": _gc_probe(), **client.run(_gc_probe)}
             for method in args.methods.split(","):
                 for variant in variants:
                     entry = _run(client, path, args, method, variant, sample, expected_rows,
                                  expected_sum)
                     runs[f"{method} {variant}"] = entry
+                    if args.gc_probe:
+                        entry["gc_objects_after"] = client.run(_gc_probe)
                     print(json.dumps({"gpus" if gpus_visible else "workers": size,
                                       "run": f"{method} {variant}", "best": entry["best"],
                                       "exact": entry["sampled_rows_exact"]}), flush=True)
