@@ -155,6 +155,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/similarity-scaling"))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--tls", default="yes", choices=["yes", "no"],
+                        help="no: dg.local_cluster(secure=False), plain TCP between the "
+                             "processes: what TLS costs the top-k's merges of the chains' states "
+                             "and the results' way to this process")
     args = parser.parse_args()
     ops = args.ops.split(",")
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -162,7 +166,7 @@ def main() -> None:
     rng = np.random.default_rng(7)
     result: dict[str, Any] = {"rows": args.rows, "bits": args.bits, "chunk_rows": args.chunk_rows,
                               "top_k": args.top_k, "threshold": args.threshold,
-                              "multiply_gb": args.multiply_gb, "runs": {}}
+                              "multiply_gb": args.multiply_gb, "tls": args.tls, "runs": {}}
     if "top-k" in ops or "threshold" in ops:
         t0 = time.perf_counter()
         fps = write_fingerprints(fps_path, args.rows, args.bits, args.density, seed=11)
@@ -193,7 +197,8 @@ def main() -> None:
     for size in sizes:
         options = ({"gpus": size} if gpus_visible
                    else {"n_workers": size, "threads_per_worker": 1})
-        with dg.local_cluster(dashboard_address=None, **options) as client:
+        with dg.local_cluster(dashboard_address=None, secure=args.tls == "yes",
+                              **options) as client:
             runs: dict[str, Any] = {"workers": len(client.scheduler_info()["workers"])}
             if "top-k" in ops:
                 runs["top-k"] = _top_k(client, fps_path, args, sample, expected)
