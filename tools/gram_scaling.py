@@ -37,7 +37,12 @@ sent as dask makes them, with the ``Alias`` tasks its fusion leaves (which
 ``dg.local_cluster`` resolves: :mod:`dask_gpuchunk.alias_tasks`). ``words_steps``: each worker's
 steps of its words' way to its GPU during the run (host reads, copies to the GPU, reads for the
 node, peers' chunks fetched, waits; :func:`dask_gpuchunk.peer_chunks.peer_events`), in
-milliseconds from the compute's start.
+milliseconds from the compute's start. ``--gc-probe``: each of Python's collections of 0.5 ms
+or more in each worker and in this process during the best run (``gc_pauses``), and the objects
+the collector tracks. ``--alloc-probe``: for every run, not only the best, each allocation of
+0.5 ms or more in each worker (page-locked host buffers for the pinned pool, CuPy's device
+pool; ``slow_allocations_by_run``) and the words' host reads and copies to the GPU of more
+than 20 ms (``slow_words_steps_by_run``).
 
 The ``if __name__ == "__main__"`` guard matters: a local cluster's workers are spawned
 processes that import this file again.
