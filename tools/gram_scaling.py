@@ -494,7 +494,7 @@ def main() -> None:
                              "again (the GIL's hand-over) during each timed run")
     parser.add_argument("--gc-probe", action="store_true",
                         help="report each worker's (and this process's) cycle collections of "
-                             "0.5 ms or more during each timed run, and the objects tracked")
+                             "0.5 ms or more during the best timed run, and the objects tracked")
     parser.add_argument("--alloc-probe", action="store_true",
                         help="report each worker's allocations of 0.5 ms or more (pinned host "
                              "memory, CuPy's device pool) in every timed run")

@@ -35,19 +35,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+# The C library's mmap and munmap, typed, as the package maps files with them.
+from dask_gpuchunk.io import _libc
+
 WAYS = ("host-alloc", "register", "register-unfilled")
 
 
 _HOST_TO_DEVICE, _DEVICE_TO_HOST = 1, 2
-
-
-def _libc() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
 
 
 def _make(way: str, nbytes: int) -> tuple[Any, int, dict[str, float]]:
