@@ -24,6 +24,13 @@ its workers.
     Most page-locked host memory the pinned pool keeps: bytes (``"8GiB"``) or a share of the
     machine's memory. Beyond it, idle buffers are freed first; then host chunks are staged
     from pageable memory (slower, never wrong).
+``gpuchunk.pinned-allocation`` (default ``"register"``)
+    How the pinned pool makes a page-locked buffer: anonymous memory that the kernel fills
+    (in huge pages where it gives them) before CUDA locks it (``"register"``,
+    :class:`dask_gpuchunk.staging.RegisteredMemory`), or ``cudaHostAlloc`` (``"host-alloc"``).
+    On 2 x H200, a 128 MiB buffer took 28-40 ms registered, during which the process's copies
+    to its GPU waited at most 6 ms, against 55-134 ms allocated, during which they all waited
+    (``tools/pinned_alloc_probe.py``). Where CUDA refuses a registration, the pool allocates.
 ``gpuchunk.file-reads`` (default ``0``)
     Region reads of ``.npy`` files at once per process (0: no limit). A disk that serves one
     sequential stream faster than many interleaved ones wants a small number.
@@ -100,6 +107,7 @@ DEFAULTS: dict[str, Any] = {
     "direct-launch": True,
     "pinned-results": True,
     "pinned-pool-limit": "25%",
+    "pinned-allocation": "register",
     "file-reads": 0,
     "file-read-threads": 8,
     "file-writes": 1,
@@ -185,6 +193,8 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "direct-launch": (_flag, "True or False"),
     "pinned-results": (_flag, "True or False"),
     "pinned-pool-limit": (_size_or_share, "a size (8GiB) or a share of memory (25%)"),
+    "pinned-allocation": (lambda v: v in ("host-alloc", "register"),
+                          "'host-alloc' or 'register'"),
     "file-reads": (_count, "a whole number, 0 or more"),
     "file-read-threads": (_positive, "a whole number, 1 or more"),
     "file-writes": (_count, "a whole number, 0 or more"),

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import ctypes
 import errno
-import functools
 import logging
 import math
 import mmap
@@ -49,6 +47,7 @@ from . import config
 from ._kernels.gram import c_ordered
 from .arrays import asarray
 from .backend import ChunkWork, run_chunk
+from .c_library import advise, map_memory, unmap
 from .config import map_blocks_prefix
 from .devices import distributed_client_active, gpu_available
 from .files import (
@@ -398,29 +397,15 @@ def _mapped_read_only(fd: int, offset: int, nbytes: int) -> Iterator[int]:
     """The address of bytes ``offset:offset + nbytes`` of ``fd`` mapped read-only (through the
     C library: a Python ``mmap`` refuses to close while another thread's sampled frame still
     holds an array over it, as distributed's profiler does), read ahead by the kernel."""
-    libc = _libc()
     base = offset - offset % mmap.ALLOCATIONGRANULARITY
     length = offset + nbytes - base
-    address = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, base)
-    if address in (None, ctypes.c_void_p(-1).value):
-        raise OSError(ctypes.get_errno(), f"mmap of {length} bytes failed")
+    address = map_memory(length, mmap.PROT_READ, mmap.MAP_SHARED, fd, base)
     try:
         # Read ahead by the kernel, not page by page as the registration faults them in.
-        libc.madvise(ctypes.c_void_p(address), length, mmap.MADV_WILLNEED)
+        advise(address, length, mmap.MADV_WILLNEED)
         yield address + offset - base
     finally:
-        libc.munmap(ctypes.c_void_p(address), length)
-
-
-@functools.cache
-def _libc() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
+        unmap(address, length)
 
 
 def _copy_registered(address: int, nbytes: int, out: Any, device: int) -> bool:

@@ -3,11 +3,13 @@
 Pageable host memory cannot be copied asynchronously: the driver stages it itself, at a third
 of the link's speed, and serialises the copy with the caller. So a NumPy chunk bound for the GPU
 is first copied into a pinned buffer borrowed from :class:`PinnedPool` and sent from there; a
-chunk already in pinned memory is sent directly. Pinned buffers are expensive to allocate
-(``cudaHostAlloc`` of 200 MB takes tens of milliseconds) and CuPy's own pinned pool rounds every
-request up to a power of two and never gives memory back, so the one pool here allocates each
-buffer once, in size classes at most 1/8 larger than the request, hands it out again (for a
-copy, or for as long as a chunk lives), and keeps at most ``gpuchunk.pinned-pool-limit``.
+chunk already in pinned memory is sent directly. Pinned buffers are expensive to make (tens of
+milliseconds for 128 MiB) and CuPy's own pinned pool rounds every request up to a power of two
+and never gives memory back, so the one pool here makes each buffer once, in size classes at
+most 1/8 larger than the request, hands it out again (for a copy, or for as long as a chunk
+lives), and keeps at most ``gpuchunk.pinned-pool-limit``. It makes them by registering memory
+the kernel has filled (:class:`RegisteredMemory`), which holds the process's CUDA calls for a
+few milliseconds, not by ``cudaHostAlloc``, which holds them for all of it.
 
 Host copies run in every Dask thread at once. The device side of a chunk runs while holding one
 of a few :func:`device_slot` s per device, each with its own non-blocking stream: the chunk's
@@ -20,9 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import os
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -30,6 +34,7 @@ import numpy as np
 from dask.utils import parse_bytes
 
 from . import config
+from .c_library import advise, map_memory, unmap
 from ._kernels.launch import numba_stream
 
 __all__ = [
@@ -43,6 +48,7 @@ __all__ = [
     "empty_pinned",
     "per_device",
     "pinned_pool_limit",
+    "RegisteredMemory",
 ]
 
 T = TypeVar("T")
@@ -78,6 +84,82 @@ def _cuda_pinned(size: int) -> tuple[Any, int]:
 
     mem = cupy.cuda.PinnedMemory(size)
     return mem, cupy.cuda.PinnedMemoryPointer(mem, 0).ptr
+
+
+#: ``madvise`` advice (Linux): back with transparent huge pages; fault every page in, writable
+#: (Linux 5.14 on).
+_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+
+class RegisteredMemory:
+    """Anonymous memory that the kernel fills and CUDA then page-locks (``cudaHostRegister``),
+    unlocked and unmapped when the last reference to it goes.
+
+    ``cudaHostAlloc`` fills and locks its pages while holding the process's CUDA calls: on
+    2 x H200, 55-134 ms for 128 MiB (up to 616 ms with two processes at it), during which no
+    copy of the process reached its GPU. Here the kernel fills the pages first, in huge pages
+    where it gives them (24-36 ms), with no CUDA call waiting, and the registration then holds
+    CUDA for 3.3-6.2 ms (``tools/pinned_alloc_probe.py``, ``register-huge``).
+    """
+
+    __slots__ = ("address", "size")
+
+    def __init__(self, size: int) -> None:
+        import cupy
+
+        protection = mmap.PROT_READ | mmap.PROT_WRITE
+        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        address = map_memory(size, protection, private)
+        try:
+            # Huge pages where the kernel gives them: a fifth of the time to fill and lock
+            # (refused where transparent huge pages are off; then small pages).
+            advise(address, size, _MADV_HUGEPAGE)
+            if advise(address, size, _MADV_POPULATE_WRITE) != 0:
+                # A kernel before 5.14: map again, filled by mmap itself.
+                unmap(address, size)
+                address = map_memory(size, protection, private | mmap.MAP_POPULATE)
+            cupy.cuda.runtime.hostRegister(address, size, _HOST_REGISTER_PORTABLE)
+        except BaseException:
+            unmap(address, size)
+            raise
+        self.address, self.size = address, size
+
+    def __del__(self) -> None:
+        if not hasattr(self, "address"):  # __init__ failed, and unmapped what it had mapped
+            return
+        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone first
+            import cupy
+
+            cupy.cuda.runtime.hostUnregister(self.address)
+        unmap(self.address, self.size)
+
+
+def _registered_pinned(size: int) -> tuple[Any, int]:
+    """``size`` bytes of :class:`RegisteredMemory`: the owner and its address."""
+    mem = RegisteredMemory(size)
+    return mem, mem.address
+
+
+#: Set once a registration was refused in this process: its buffers come from cudaHostAlloc.
+_registration_refused: list[str] = []
+
+
+def _page_locked(size: int) -> tuple[Any, int]:
+    """``size`` bytes of page-locked memory made as ``gpuchunk.pinned-allocation`` says;
+    ``cudaHostAlloc`` where CUDA refuses to register memory (a driver or host that does not
+    allow it), from then on in this process, with one warning."""
+    if config.get("pinned-allocation") == "register" and not _registration_refused:
+        import cupy
+
+        try:
+            return _registered_pinned(size)
+        except cupy.cuda.runtime.CUDARuntimeError as error:
+            _registration_refused.append(str(error))
+            warnings.warn(f"page-locking host memory with cudaHostRegister was refused "
+                          f"({error}); the pinned pool allocates with cudaHostAlloc instead",
+                          RuntimeWarning, stacklevel=2)
+    return _cuda_pinned(size)
 
 
 def _host_memory() -> int:
@@ -125,7 +207,8 @@ class PinnedPool:
 
     Examples
     --------
-    ``allocate(size)`` makes the memory (``cudaHostAlloc`` by default); here, plain bytes:
+    ``allocate(size)`` makes the memory (page-locked, as ``gpuchunk.pinned-allocation`` says,
+    by default); here, plain bytes:
 
     >>> import ctypes
     >>> def allocate(size):
@@ -137,7 +220,7 @@ class PinnedPool:
     ((100, 5), 65536)
     """
 
-    def __init__(self, allocate: Callable[[int], tuple[Any, int]] = _cuda_pinned,
+    def __init__(self, allocate: Callable[[int], tuple[Any, int]] = _page_locked,
                  limit: Callable[[], int] = pinned_pool_limit) -> None:
         self._allocate = allocate
         self._limit = limit

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -32,6 +34,81 @@ def test_pool_reuses_buffers_and_they_are_pinned():
     allocated = pool.allocated_bytes
     pool.clear()
     assert pool.allocated_bytes == 0 and allocated > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("allocation", ["host-alloc", "register"])
+def test_pool_buffers_of_each_allocation_are_pinned_and_copy_exactly(allocation):
+    import cupy
+    import dask
+
+    from dask_gpuchunk import staging
+
+    with dask.config.set({"gpuchunk.pinned-allocation": allocation}):
+        owner, _ = staging._page_locked(1 << 16)
+    made_by = staging.RegisteredMemory if allocation == "register" else cupy.cuda.PinnedMemory
+    assert isinstance(owner, made_by)
+    del owner
+    rng = np.random.default_rng(7)
+    expected = rng.integers(1, 2**31, size=(3001, 17), dtype=np.int64)
+    pool = staging.PinnedPool()
+    with dask.config.set({"gpuchunk.pinned-allocation": allocation}):
+        loaned = pool.lend(expected.shape, expected.dtype)
+    assert staging.is_pinned(loaned) and staging.is_pinned(loaned[1500:])
+    loaned[...] = expected
+    stream = cupy.cuda.Stream(non_blocking=True)
+    on_device = cupy.empty(expected.shape, expected.dtype)
+    staging.copy_to_device(on_device, loaned, stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(on_device), expected)
+    del loaned
+    pool.clear()
+    assert pool.allocated_bytes == 0
+
+
+@pytest.mark.gpu
+def test_registered_memory_is_zeroed_and_unlocked_when_dropped():
+    import ctypes
+
+    import cupy
+
+    from dask_gpuchunk.staging import RegisteredMemory
+
+    mem = RegisteredMemory(3 << 20)
+    address = mem.address
+    view = np.frombuffer((ctypes.c_ubyte * mem.size).from_address(address), np.uint8)
+    assert not view.any()  # anonymous memory: zeroed
+    assert cupy.cuda.pinned_memory.is_memory_pinned(address + (2 << 20))
+    del view, mem
+    assert not cupy.cuda.pinned_memory.is_memory_pinned(address + (2 << 20))
+
+
+@pytest.mark.gpu
+def test_a_refused_registration_falls_back_to_cuda_host_alloc_once(monkeypatch):
+    import cupy
+    import dask
+
+    from dask_gpuchunk import staging
+
+    asked = []
+
+    def refuse(*args):
+        asked.append(args)
+        raise cupy.cuda.runtime.CUDARuntimeError(801)  # cudaErrorNotSupported
+
+    monkeypatch.setattr(cupy.cuda.runtime, "hostRegister", refuse)
+    monkeypatch.setattr(staging, "_registration_refused", [])
+    pool = staging.PinnedPool()
+    with dask.config.set({"gpuchunk.pinned-allocation": "register"}):
+        with pytest.warns(RuntimeWarning, match="cudaHostAlloc instead"):
+            first = pool.lend((5000,), np.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no second warning, and no second try
+            second = pool.lend((5000,), np.float64)
+    assert len(asked) == 1
+    assert staging.is_pinned(first) and staging.is_pinned(second)
+    first[...] = np.arange(5000)
+    np.testing.assert_array_equal(first, np.arange(5000))
 
 
 @pytest.mark.gpu
