@@ -42,7 +42,10 @@ or more in each worker and in this process during the best run (``gc_pauses``), 
 the collector tracks. ``--alloc-probe``: for every run, not only the best, each allocation of
 0.5 ms or more in each worker (page-locked host buffers for the pinned pool, CuPy's device
 pool; ``slow_allocations_by_run``) and the words' host reads and copies to the GPU of more
-than 20 ms (``slow_words_steps_by_run``).
+than 20 ms (``slow_words_steps_by_run``). ``--pinned-alternate``: each repeat twice, the
+workers' pinned buffers made by registering (``gpuchunk.pinned-allocation = "register"``) and
+by ``cudaHostAlloc`` in turn (ABBA order), freed before every run so that each run makes its
+own (``seconds_by_pinned_allocation``).
 
 The ``if __name__ == "__main__"`` guard matters: a local cluster's workers are spawned
 processes that import this file again.
@@ -254,6 +257,21 @@ def _gc_pauses(dask_worker: Any = None, since: float = 0.0) -> list[list[float]]
             for wall, generation, seconds in getattr(holder, "gc_pauses", ()) if wall >= since]
 
 
+#: ``gpuchunk.pinned-allocation``'s ways, alternated by ``--pinned-alternate``.
+PINNED_WAYS = ("register", "host-alloc")
+
+
+def _pinned_allocation(way: str) -> None:
+    """In a worker: make its pinned pool's buffers ``way`` from now on, and free the idle
+    ones, so that the next run makes its buffers anew."""
+    import dask
+
+    from dask_gpuchunk import staging
+
+    dask.config.set({"gpuchunk.pinned-allocation": way})
+    staging.pinned_pool.clear()
+
+
 def _alloc_probe(dask_worker: Any) -> None:
     """In a worker: log each allocation of 0.5 ms or more on the worker object (when it began,
     its kind, bytes, milliseconds), for :func:`_slow_allocations`: page-locked host memory made
@@ -343,7 +361,10 @@ def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant
         moved.pop("wall")
         entry["to_device"] = moved
     runs = []
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats * (2 if args.pinned_alternate else 1)):
+        if args.pinned_alternate:  # each way in turn, every run's buffers made anew
+            way = PINNED_WAYS[(repeat + repeat // 2) % 2]
+            client.run(_pinned_allocation, way)
         g = dg.gram(words, packed=True, method=method)
         # Timed: C.sum() alone, as a user's reduction of C; checked exactly by the column-count
         # identity. The sampled rows are a second, untimed compute.
@@ -356,6 +377,8 @@ def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant
             sample_rows = sample_rows.map_blocks(lambda b: b.get(), dtype=np.int32,
                                                  meta=np.empty((0, 0), np.int32))
         rows = client.compute(sample_rows, sync=True)
+        if args.pinned_alternate:
+            run["pinned_allocation"] = way
         run["sum_exact"] = int(total) == expected_sum
         run["sampled_rows_exact"] = bool(run["sum_exact"] and np.array_equal(
             np.asarray(rows), expected_rows))
@@ -381,6 +404,10 @@ def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant
             {worker: [[e["at_ms"], e["kind"], round(1e3 * e["seconds"], 1)] for e in events
                       if e.get("seconds", 0) > 0.02 and e["kind"] in ("host read", "to the GPU")]
              for worker, events in r["words_steps"].items()} for r in runs]
+    if args.pinned_alternate:
+        entry["seconds_by_pinned_allocation"] = {
+            way: [r["seconds"] for r in runs if r["pinned_allocation"] == way]
+            for way in PINNED_WAYS}
     entry.update(seconds=[r["seconds"] for r in runs], best=best["seconds"],
                  sampled_rows_exact=all(r["sampled_rows_exact"] for r in runs),
                  bit_macs_per_s=float(args.rows) ** 2 * args.bits / best["seconds"],
@@ -498,6 +525,10 @@ def main() -> None:
     parser.add_argument("--alloc-probe", action="store_true",
                         help="report each worker's allocations of 0.5 ms or more (pinned host "
                              "memory, CuPy's device pool) in every timed run")
+    parser.add_argument("--pinned-alternate", action="store_true",
+                        help="run each repeat twice, with the workers' pinned buffers made "
+                             "each way of gpuchunk.pinned-allocation in turn and freed before "
+                             "every run (seconds_by_pinned_allocation)")
     args = parser.parse_args()
     if args.threads_per_gpu is not None and args.threads_per_gpu.isdigit():
         args.threads_per_gpu = int(args.threads_per_gpu)

@@ -15,10 +15,15 @@ processes at once (one per GPU, as dask-cuda's workers), for each way:
 * ``register``: ``mmap`` with ``MAP_POPULATE`` (timed apart: no CUDA call), then
   ``cudaHostRegister`` (portable);
 * ``register-unfilled``: ``mmap`` without populating, then ``cudaHostRegister``, which then
-  faults every page in itself.
+  faults every page in itself;
+* ``register-huge``: ``mmap`` without populating, ``madvise(MADV_HUGEPAGE)`` (transparent huge
+  pages), ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14; the fill, timed apart), then
+  ``cudaHostRegister``; each ``madvise``'s errno is reported (0: taken).
 
 Beside each, a thread copies 1 MiB from a pinned buffer to the GPU over and over and logs each
-copy's time: its longest is how long the allocation held the process's CUDA calls back. Each
+copy's time: its longest is how long the allocation held the process's CUDA calls back. Copies
+of 5 ms or more are listed with when they began, beside when each buffer's steps began and
+ended (ms after the first buffer was asked for), to tell which step held them. Each
 buffer is then checked: a copy of it to the GPU and back must match what was written into it.
 """
 
@@ -35,37 +40,38 @@ import time
 from pathlib import Path
 from typing import Any
 
-# The C library's mmap and munmap, typed, as the package maps files with them.
-from dask_gpuchunk.io import _libc
+from dask_gpuchunk.c_library import advise, map_memory, unmap
 
-WAYS = ("host-alloc", "register", "register-unfilled")
+WAYS = ("host-alloc", "register", "register-unfilled", "register-huge")
+_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
 
 
 _HOST_TO_DEVICE, _DEVICE_TO_HOST = 1, 2
 
 
-def _make(way: str, nbytes: int) -> tuple[Any, int, dict[str, float]]:
-    """A page-locked buffer made ``way``: its owner (``None``: an ``mmap``), address and the
-    seconds of each step."""
+def _make(way: str, nbytes: int) -> tuple[Any, int, dict[str, Any]]:
+    """A page-locked buffer made ``way``: its owner (``None``: an ``mmap``), address and each
+    step's [start, end] in ``time.perf_counter`` seconds (and ``madvise``'s errnos)."""
     import cupy
 
-    steps: dict[str, float] = {}
+    steps: dict[str, Any] = {}
     if way == "host-alloc":
         t0 = time.perf_counter()
         mem = cupy.cuda.PinnedMemory(nbytes)
-        steps["cuda"] = time.perf_counter() - t0
+        steps["cuda"] = [t0, time.perf_counter()]
         return mem, cupy.cuda.PinnedMemoryPointer(mem, 0).ptr, steps
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     if way == "register":
         flags |= mmap.MAP_POPULATE
     t0 = time.perf_counter()
-    address = _libc().mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
-    if address in (None, ctypes.c_void_p(-1).value):
-        raise OSError(ctypes.get_errno(), f"mmap of {nbytes} bytes failed")
-    steps["fill"] = time.perf_counter() - t0
+    address = map_memory(nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags)
+    if way == "register-huge":
+        steps["errno_hugepage"] = advise(address, nbytes, _MADV_HUGEPAGE)
+        steps["errno_populate"] = advise(address, nbytes, _MADV_POPULATE_WRITE)
+    steps["fill"] = [t0, time.perf_counter()]
     t0 = time.perf_counter()
     cupy.cuda.runtime.hostRegister(address, nbytes, 1)  # cudaHostRegisterPortable
-    steps["cuda"] = time.perf_counter() - t0
+    steps["cuda"] = [t0, time.perf_counter()]
     return None, address, steps
 
 
@@ -74,7 +80,7 @@ def _free(way: str, owner: Any, address: int, nbytes: int) -> None:
 
     if way != "host-alloc":
         cupy.cuda.runtime.hostUnregister(address)
-        _libc().munmap(ctypes.c_void_p(address), nbytes)
+        unmap(address, nbytes)
 
 
 def _checked(address: int, nbytes: int) -> bool:
@@ -127,7 +133,7 @@ def _process(rank: int, devices: int, mib: int, count: int, ways: list[str], bar
         for _ in range(count):
             t0 = time.perf_counter()
             owner, address, steps = _make(way, nbytes)
-            made.append((owner, address, {**steps, "total": time.perf_counter() - t0}))
+            made.append((owner, address, {**steps, "total": [t0, time.perf_counter()]}))
         ended = time.perf_counter()
         time.sleep(0.05)
         done.set()
@@ -135,11 +141,19 @@ def _process(rank: int, devices: int, mib: int, count: int, ways: list[str], bar
         during = [s for t, s in copies if started <= t <= ended]
         before = sorted(s for t, s in copies if t < started)
         checked = all(_checked(address, nbytes) for _, address, _ in made)
+        def ms(t: float) -> float:
+            return round(1e3 * (t - started), 2)
+
         out[way] = {
-            "ms_each": [{k: round(1e3 * v, 2) for k, v in steps.items()} for _, _, steps in made],
+            "ms_each": [{k: round(1e3 * (v[1] - v[0]), 2) if isinstance(v, list) else v
+                         for k, v in steps.items()} for _, _, steps in made],
+            "steps_at_ms": [{k: [ms(v[0]), ms(v[1])] for k, v in steps.items()
+                             if isinstance(v, list)} for _, _, steps in made],
             "ms_all": round(1e3 * (ended - started), 2),
             "copy_ms_before_median": round(1e3 * before[len(before) // 2], 3) if before else None,
             "copy_ms_during_max": round(1e3 * max(during), 2) if during else None,
+            "long_copies_at_ms": [[ms(t), round(1e3 * s, 2)] for t, s in copies
+                                  if s >= 0.005 and started - 0.05 <= t <= ended],
             "copies_during": len(during), "checked": checked}
         for owner, address, _ in made:
             _free(way, owner, address, nbytes)
