@@ -34,6 +34,7 @@ from .alias_tasks import install as install_alias_resolution
 from .alias_tasks import resolving_aliases
 from .budget import pool_limit_from_env, spill_limit
 from .devices import GPUNotAvailableError, distributed_client_active, gpu_available, gpu_count
+from .replicas import policies_keeping_sources
 from .staging import pinned_pool
 
 __all__ = ["LOOPBACK", "PRELOAD", "SPARE_ROOT_TASKS", "THREADS_PER_GPU", "collector_paused",
@@ -312,7 +313,8 @@ def local_cluster(
         if limit != "default":
             kwargs["device_memory_limit"] = limit if limit else 0
         kwargs.update(cluster_kwargs)
-        with _root_tasks_spared(kwargs["threads_per_worker"]), collector_paused():
+        with _root_tasks_spared(kwargs["threads_per_worker"]), _resident_sources_kept(), \
+                collector_paused():
             cluster: Any = LocalCUDACluster(**kwargs)
     else:
         if gpus is not None:
@@ -325,7 +327,8 @@ def local_cluster(
         kwargs.update(n_workers=1, threads_per_worker=(
             threads_per_gpu if isinstance(threads_per_gpu, int) else cores))
         kwargs.update(cluster_kwargs)
-        with _root_tasks_spared(kwargs["threads_per_worker"]), collector_paused():
+        with _root_tasks_spared(kwargs["threads_per_worker"]), _resident_sources_kept(), \
+                collector_paused():
             cluster = LocalCluster(**kwargs)
     try:
         with collector_paused():
@@ -363,6 +366,18 @@ def _root_tasks_spared(threads: Any) -> Iterator[None]:
         return
     with dask.config.set({"distributed.scheduler.worker-saturation":
                           root_task_saturation(threads)}):
+        yield
+
+
+@contextlib.contextmanager
+def _resident_sources_kept() -> Iterator[None]:
+    """While a local cluster starts: its scheduler's active memory manager keeps every replica
+    of a resident source (:mod:`dask_gpuchunk.replicas`), so that no worker reads a ``.npy``'s
+    words twice in one compute."""
+    import dask
+
+    key = "distributed.scheduler.active-memory-manager.policies"
+    with dask.config.set({key: policies_keeping_sources(dask.config.get(key, []))}):
         yield
 
 

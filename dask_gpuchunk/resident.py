@@ -53,8 +53,9 @@ from .devices import gpu_available
 from .peer_chunks import (ClaimedElsewhere, CudaIpc, note_step, read_once_per_node, sharing_on,
                           unpublish)
 
-__all__ = ["DEVICE_FRACTION", "HOST_BYTES", "ResidentChunks", "ResidentSource", "on_gpu_here",
-           "resident_stats", "row_bounds", "rows_where_it_runs", "source_tasks"]
+__all__ = ["DEVICE_FRACTION", "HOST_BYTES", "SOURCE_KEY_PREFIX", "ResidentChunks",
+           "ResidentSource", "on_gpu_here", "resident_stats", "row_bounds", "rows_where_it_runs",
+           "source_tasks"]
 
 #: Share of the working budget (:func:`dask_gpuchunk.budget.working_budget`) that a device's
 #: cache may keep: half, the other half for the blocks running beside it (a 4,096² block of
@@ -428,6 +429,10 @@ def row_bounds(row_chunks: tuple[int, ...]) -> list[tuple[int, int]]:
     return list(itertools.pairwise(itertools.accumulate(row_chunks, initial=0)))
 
 
+#: What the key of every source task of :func:`source_tasks` begins with.
+SOURCE_KEY_PREFIX = "resident-words-"
+
+
 def source_tasks(reader: Any, tag: str, read_ahead: Sequence[tuple[int, int]] = ()
                  ) -> tuple[dict[str, Any], str]:
     """The graph entries that make a :class:`ResidentSource` of ``reader`` at each compute, and
@@ -442,7 +447,7 @@ def source_tasks(reader: Any, tag: str, read_ahead: Sequence[tuple[int, int]] = 
     >>> key, sorted(entries)
     ('resident-words-t', ['npy-reader-t', 'resident-words-t'])
     """
-    reader_key, source_key = f"npy-reader-{tag}", f"resident-words-{tag}"
+    reader_key, source_key = f"npy-reader-{tag}", f"{SOURCE_KEY_PREFIX}{tag}"
     ahead = tuple(read_ahead) if config.flag("read-ahead") else ()
     source = (ResidentSource, reader_key, tokenize(reader)) + ((ahead,) if ahead else ())
     return {reader_key: reader, source_key: source}, source_key

@@ -406,9 +406,9 @@ def test_gram_of_a_npy_sends_no_words_between_workers(rng, tmp_path):
 @pytest.mark.parametrize("read_ahead", [True, False])
 def test_gram_of_a_npy_reads_ahead_on_each_worker_once_per_chunk(rng, tmp_path, read_ahead):
     # Each worker reads every row chunk its blocks need once; with gpuchunk.read-ahead (the
-    # default) all but the first on a thread of its own, before its blocks ask.
-    from distributed import Client, LocalCluster
-
+    # default) all but the first on a thread of its own, before its blocks ask. On
+    # dg.local_cluster, whose active memory manager keeps every worker's copy of the source
+    # (dask_gpuchunk.replicas): on a plain LocalCluster a worker read them twice in one CI run.
     from dask_gpuchunk.resident import resident_stats
 
     words = np.packbits(random_bits(rng, (900, 4096), 0.3), axis=1)
@@ -417,8 +417,8 @@ def test_gram_of_a_npy_reads_ahead_on_each_worker_once_per_chunk(rng, tmp_path, 
         g = dg.gram(dg.from_npy(tmp_path / "w.npy", chunks=(100, -1)), packed=True,
                     device="cpu")
     want = reference_gram(np.unpackbits(words, axis=1)).sum(dtype=np.int64)
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster, \
-            Client(cluster) as client:
+    with dg.local_cluster(n_workers=2, threads_per_gpu=1, dashboard_address=None,
+                          secure=False) as client:
         assert client.compute(g.sum(dtype=np.int64), sync=True) == want
         stats = [s["host"] for s in client.run(resident_stats).values()]
     assert all(s["reads"] <= 9 for s in stats), stats  # 9 row chunks: each once at most
