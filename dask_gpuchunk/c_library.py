@@ -15,8 +15,11 @@ import functools
 import os
 from typing import Any
 
-__all__ = ["advise", "map_memory", "unmap"]
+__all__ = ["MADV_POPULATE_WRITE", "advise", "map_memory", "unmap"]
 
+#: ``madvise`` advice (Linux 5.14 on): fault every page in, writable. Python's :mod:`mmap`
+#: names it only from 3.13.
+MADV_POPULATE_WRITE = 23
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 

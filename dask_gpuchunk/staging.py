@@ -34,7 +34,7 @@ import numpy as np
 from dask.utils import parse_bytes
 
 from . import config
-from .c_library import advise, map_memory, unmap
+from .c_library import MADV_POPULATE_WRITE, advise, map_memory, unmap
 from ._kernels.launch import numba_stream
 
 __all__ = [
@@ -86,9 +86,6 @@ def _cuda_pinned(size: int) -> tuple[Any, int]:
     return mem, cupy.cuda.PinnedMemoryPointer(mem, 0).ptr
 
 
-#: ``madvise`` advice (Linux): back with transparent huge pages; fault every page in, writable
-#: (Linux 5.14 on).
-_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
@@ -114,8 +111,8 @@ class RegisteredMemory:
         try:
             # Huge pages where the kernel gives them: a fifth of the time to fill and lock
             # (refused where transparent huge pages are off; then small pages).
-            advise(address, size, _MADV_HUGEPAGE)
-            if advise(address, size, _MADV_POPULATE_WRITE) != 0:
+            advise(address, size, mmap.MADV_HUGEPAGE)
+            if advise(address, size, MADV_POPULATE_WRITE) != 0:
                 # A kernel before 5.14: map again, filled by mmap itself.
                 unmap(address, size)
                 address = map_memory(size, protection, private | mmap.MAP_POPULATE)

@@ -23,13 +23,13 @@ processes at once (one per GPU, as dask-cuda's workers), for each way:
 Beside each, a thread copies 1 MiB from a pinned buffer to the GPU over and over and logs each
 copy's time: its longest is how long the allocation held the process's CUDA calls back. Copies
 of 5 ms or more are listed with when they began, beside when each buffer's steps began and
-ended (ms after the first buffer was asked for), to tell which step held them.
+ended (ms after the first buffer was asked for), to tell which step held them. Each buffer is
+then checked: a copy of it to the GPU and back must match what was written into it.
 
 On 2 x H200 (``docs/perf-notes.md``, stop 51), 128 MiB: ``host-alloc`` 55-134 ms a buffer,
 every copy waiting; ``register-huge`` 28-40 ms, CUDA held 3.3-6.2 ms, no copy waiting more
 than 6 ms. The package's pinned pool makes its buffers the ``register-huge`` way
-(:class:`dask_gpuchunk.staging.RegisteredMemory`). Each
-buffer is then checked: a copy of it to the GPU and back must match what was written into it.
+(:class:`dask_gpuchunk.staging.RegisteredMemory`).
 """
 
 from __future__ import annotations
@@ -45,12 +45,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dask_gpuchunk.c_library import advise, map_memory, unmap
+from dask_gpuchunk.c_library import MADV_POPULATE_WRITE, advise, map_memory, unmap
 
 WAYS = ("host-alloc", "register", "register-unfilled", "register-huge")
-_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
-
-
 _HOST_TO_DEVICE, _DEVICE_TO_HOST = 1, 2
 
 
@@ -71,8 +68,8 @@ def _make(way: str, nbytes: int) -> tuple[Any, int, dict[str, Any]]:
     t0 = time.perf_counter()
     address = map_memory(nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags)
     if way == "register-huge":
-        steps["errno_hugepage"] = advise(address, nbytes, _MADV_HUGEPAGE)
-        steps["errno_populate"] = advise(address, nbytes, _MADV_POPULATE_WRITE)
+        steps["errno_hugepage"] = advise(address, nbytes, mmap.MADV_HUGEPAGE)
+        steps["errno_populate"] = advise(address, nbytes, MADV_POPULATE_WRITE)
     steps["fill"] = [t0, time.perf_counter()]
     t0 = time.perf_counter()
     cupy.cuda.runtime.hostRegister(address, nbytes, 1)  # cudaHostRegisterPortable
@@ -146,6 +143,7 @@ def _process(rank: int, devices: int, mib: int, count: int, ways: list[str], bar
         during = [s for t, s in copies if started <= t <= ended]
         before = sorted(s for t, s in copies if t < started)
         checked = all(_checked(address, nbytes) for _, address, _ in made)
+
         def ms(t: float) -> float:
             return round(1e3 * (t - started), 2)
 
