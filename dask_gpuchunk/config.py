@@ -67,8 +67,13 @@ its workers.
     workers of ``dg.local_cluster``, each on its GPU), each chunk is read from the host by one
     of them and copied to the others' GPUs through CUDA IPC (:mod:`dask_gpuchunk.peer_chunks`),
     instead of every process reading every chunk. ``False``: each process reads its own.
+``gpuchunk.share-device-chunks`` (default ``True``)
+    A chunk already on a GPU (a CuPy chunk) that a Gram or similarity task needs on another
+    worker of the same host is copied from GPU to GPU through CUDA IPC, not sent through the
+    network as host bytes (:mod:`dask_gpuchunk.node_shared`). ``False``: distributed sends it.
 ``gpuchunk.share-min-bytes`` (default ``"64MiB"``)
-    The smallest chunk that ``gpuchunk.share-reads`` shares: opening another process's chunk
+    The smallest chunk that ``gpuchunk.share-reads`` and ``gpuchunk.share-device-chunks``
+    share: opening another process's chunk
     costs a few milliseconds, as much as reading a small chunk from the host. On 4 x H200, 8 MB
     chunks took ~12 ms each from a peer against ~1 ms staged from the host (the threshold
     search of 10^6 fingerprints: 1.15 s shared, 0.90 s not); 128 MiB chunks ~5 ms.
@@ -115,6 +120,7 @@ DEFAULTS: dict[str, Any] = {
     "read-ahead": True,
     "register-reads": False,
     "share-reads": True,
+    "share-device-chunks": True,
     "share-min-bytes": "64MiB",
     "resolve-aliases": True,
     "no-workers-timeout": 300,
@@ -203,6 +209,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "read-ahead": (_flag, "True or False"),
     "register-reads": (_flag, "True or False"),
     "share-reads": (_flag, "True or False"),
+    "share-device-chunks": (_flag, "True or False"),
     "resolve-aliases": (_flag, "True or False"),
     "share-min-bytes": (_size, "a size (64MiB)"),
 }

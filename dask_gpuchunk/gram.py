@@ -47,6 +47,7 @@ from .devices import (
     gpu_available,
 )
 from .io import npy_reader_of
+from .node_shared import node_shared_refs
 from .resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 
 __all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "block_bytes", "block_counts",
@@ -694,13 +695,16 @@ def _listed_graph(words: da.Array, method: str, device: str, meta: Any) -> da.Ar
     rows = len(words.chunks[0])
     word_blocks = len(words.chunks[1])
     dsk: dict[tuple, Any] = {}
+    chunk_keys = [(words.name, i, w) for i in range(rows) for w in range(word_blocks)]
+    # Chunks on GPUs go to another worker of the node from GPU to GPU (CUDA IPC).
+    ref = dict(zip(chunk_keys, node_shared_refs(dsk, words, chunk_keys, f"gram-words-{token}")))
     for i in range(rows):
         for j in range(i, rows):
             parts = []
             for w in range(word_blocks):
                 key = (partial, i, j, w) if word_blocks > 1 else (name, i, j)
-                dsk[key] = (_gram_block, (words.name, i, w), (words.name, j, w),
-                            i == j, method, device)
+                dsk[key] = Task(key, _gram_block, ref[(words.name, i, w)],
+                                ref[(words.name, j, w)], i == j, method, device)
                 parts.append(key)
             if word_blocks > 1:
                 _add_tree(dsk, parts, (name, i, j), total)

@@ -63,6 +63,7 @@ from .gram import (
     resolve_method,
 )
 from .io import npy_reader_of
+from .node_shared import node_shared_refs
 from .resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 
 __all__ = ["METRICS", "block_bytes", "compile_selection_ahead", "similarity"]
@@ -512,11 +513,13 @@ def _chunk_refs(words: da.Array, pops: da.Array, device: str, dsk: dict, tag: st
     of ``words`` and ``pops``, or, for words straight from a ``.npy``
     (:func:`dask_gpuchunk.io.npy_reader_of`), tasks inside the task that read them where it
     runs (:func:`~dask_gpuchunk.resident.rows_where_it_runs`, through a source that ``dsk``
-    gains): then no chunk of words is sent between workers. Last, the collections the names
-    need (none for a ``.npy``)."""
+    gains): then no chunk of words is sent between workers. Words on GPUs (CuPy chunks) are
+    named through :func:`~dask_gpuchunk.node_shared.node_shared_refs`: a worker of the same host
+    copies them from GPU to GPU. Last, the collections the names need (none for a ``.npy``)."""
     reader = npy_reader_of(words)
     if reader is None:
-        return ([TaskRef((words.name, i, 0)) for i in range(len(words.chunks[0]))],
+        keys = [(words.name, i, 0) for i in range(len(words.chunks[0]))]
+        return (node_shared_refs(dsk, words, keys, f"similarity-words-{tag}"),
                 [TaskRef((pops.name, i)) for i in range(len(words.chunks[0]))], [words, pops])
     entries, source_key = source_tasks(reader, tag)
     dsk.update(entries)
