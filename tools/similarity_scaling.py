@@ -19,7 +19,10 @@ Inputs are written once: ``--rows`` fingerprints of ``--bits`` bits at ``--densi
   float64 sum of the same product within float32's rounding.
 
 Each is timed ``--repeats`` times (the first compiles), the best kept, with gram_scaling's
-breakdown per worker (tasks by kind, busy time, bytes sent and staged).
+breakdown per worker (tasks by kind, busy time, bytes sent and staged). ``--words device``
+moves the fingerprints to the GPUs first (``map_blocks(cupy.asarray)``, persisted over the
+workers, untimed) for the top-k: what it costs where the words are already device-resident
+(``gpuchunk.share-device-chunks`` then decides how a chunk reaches another worker's GPU).
 
 The ``if __name__ == "__main__"`` guard matters: a local cluster's workers are spawned
 processes that import this file again.
@@ -85,14 +88,31 @@ def threshold_reference(fps: np.ndarray, row: int, threshold: float
     return cols, scores[cols]
 
 
+def _device_words(client: Any, path: Path, args: argparse.Namespace) -> Any:
+    """The fingerprints as CuPy chunks persisted over the cluster's workers."""
+    import cupy
+    from distributed import wait
+
+    x = dg.from_npy(path, chunks=(args.chunk_rows, -1))
+    x = x.map_blocks(cupy.asarray, dtype=x.dtype, meta=cupy.empty((0, 0), x.dtype)).persist()
+    wait(x)
+    return x
+
+
+def _host(array: Any) -> np.ndarray:
+    return array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else array
+
+
 def _top_k(client: Any, path: Path, args: argparse.Namespace, sample: np.ndarray,
            expected: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
     runs = []
+    on_device = _device_words(client, path, args) if args.words == "device" else None
     for _ in range(args.repeats):
-        x = dg.from_npy(path, chunks=(args.chunk_rows, -1))
+        x = on_device if on_device is not None else dg.from_npy(path,
+                                                                 chunks=(args.chunk_rows, -1))
         idx, scores = dg.similarity(x, packed=True, top_k=args.top_k)
         run = _timed(client, lambda: client.compute([idx, scores], sync=True))
-        got_idx, got_scores = run.pop("value")
+        got_idx, got_scores = (_host(part) for part in run.pop("value"))
         run["sampled_rows_exact"] = all(
             np.array_equal(got_idx[r], want_idx) and np.array_equal(got_scores[r], want_scores)
             for r, (want_idx, want_scores) in zip(sample, expected))
@@ -159,6 +179,9 @@ def main() -> None:
                         help="no: dg.local_cluster(secure=False), plain TCP between the "
                              "processes: what TLS costs the top-k's merges of the chains' states "
                              "and the results' way to this process")
+    parser.add_argument("--words", default="host", choices=["host", "device"],
+                        help="device: the top-k's fingerprints moved to the GPUs first "
+                             "(persisted, untimed)")
     args = parser.parse_args()
     ops = args.ops.split(",")
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -166,7 +189,8 @@ def main() -> None:
     rng = np.random.default_rng(7)
     result: dict[str, Any] = {"rows": args.rows, "bits": args.bits, "chunk_rows": args.chunk_rows,
                               "top_k": args.top_k, "threshold": args.threshold,
-                              "multiply_gb": args.multiply_gb, "tls": args.tls, "runs": {}}
+                              "multiply_gb": args.multiply_gb, "tls": args.tls,
+                              "words": args.words, "runs": {}}
     if "top-k" in ops or "threshold" in ops:
         t0 = time.perf_counter()
         fps = write_fingerprints(fps_path, args.rows, args.bits, args.density, seed=11)
