@@ -26,7 +26,7 @@ travel as distributed sends them.
 from __future__ import annotations
 
 import os
-import threading
+import sys
 from typing import Any
 
 from dask.sizeof import sizeof
@@ -41,6 +41,7 @@ from .devices import cluster_workers
 from .peer_chunks import CudaIpc
 
 __all__ = ["NodeSharedChunk", "chunk_of", "node_shared_refs", "same_host"]
+
 
 class NodeSharedChunk:
     """A device chunk as the tasks on other workers of its node receive it (the module's
@@ -158,23 +159,14 @@ def _sizeof(shared: NodeSharedChunk) -> int:
     return sizeof(shared.chunk)
 
 
-_REGISTER_LOCK = threading.Lock()
-_registered_device_object = False
-
-
 def _register_device_object() -> None:
-    """Tell dask-cuda's spilling (where it is installed) that a wrapper holds device memory, as
-    the chunk it carries does."""
-    global _registered_device_object
-    with _REGISTER_LOCK:
-        if _registered_device_object:
-            return
-        _registered_device_object = True
-        try:
-            from dask_cuda.is_device_object import is_device_object
-        except ImportError:
-            return
-        is_device_object.register(NodeSharedChunk)(lambda shared: is_cupy(shared.chunk))
+    """Tell dask-cuda's spilling that a wrapper holds device memory, as the chunk it carries
+    does, where dask-cuda is already imported: a dask-cuda worker imports it before this
+    package, and importing it here would import dask's dataframes (and pandas) into every
+    process that imports the package."""
+    module = sys.modules.get("dask_cuda.is_device_object")
+    if module is not None:
+        module.is_device_object.register(NodeSharedChunk)(lambda shared: is_cupy(shared.chunk))
 
 
 _register_device_object()

@@ -198,3 +198,17 @@ def test_top_k_of_device_words_on_two_gpu_processes_is_exact(rng):
         got = dask.compute(*dg.similarity(x, packed=True, top_k=4))
     for got_part, want_part in zip(got, want, strict=True):  # indices, then scores
         np.testing.assert_array_equal(cupy.asnumpy(got_part), cupy.asnumpy(want_part))
+
+
+@pytest.mark.gpu
+def test_a_gpu_worker_spills_a_wrapper_as_device_memory():
+    # dask-cuda's spilling counts only what it takes for device memory; a wrapper of a CuPy
+    # chunk is registered as such where dask-cuda's worker has imported it first.
+    def counts_as_device_memory() -> bool:  # sent by value to the worker
+        import cupy
+        from dask_cuda.is_device_object import is_device_object
+
+        return bool(is_device_object(NodeSharedChunk(cupy.ones(3))))
+
+    with dg.local_cluster(gpus=1, dashboard_address=None) as client:
+        assert list(client.run(counts_as_device_memory).values()) == [True]
