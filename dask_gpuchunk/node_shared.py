@@ -31,14 +31,12 @@ from typing import Any
 
 from dask.sizeof import sizeof
 from dask.task_spec import Task, TaskRef
-from dask.utils import parse_bytes
 from distributed.comm.addressing import get_address_host
 from distributed.protocol import dask_deserialize, dask_serialize, deserialize, serialize
 
-from . import config
 from .backend import is_cupy
 from .devices import cluster_workers
-from .peer_chunks import CudaIpc
+from .peer_chunks import CudaIpc, sharing_on
 
 __all__ = ["NodeSharedChunk", "chunk_of", "node_shared_refs", "same_host"]
 
@@ -107,8 +105,7 @@ def same_host(context: dict[str, Any] | None) -> bool:
 
 
 def _shared_here(chunk: Any) -> bool:
-    return (is_cupy(chunk) and config.flag("share-device-chunks")
-            and chunk.nbytes >= parse_bytes(config.checked("share-min-bytes")))
+    return is_cupy(chunk) and sharing_on(chunk.nbytes, "share-device-chunks")
 
 
 @dask_serialize.register(NodeSharedChunk)

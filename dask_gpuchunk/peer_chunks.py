@@ -488,16 +488,19 @@ def unpublish(names: Iterable[str], directory: Path | None = None) -> None:
         _remove_if(claim_path, lambda p=claim_path: _claimer(p) == pid)
 
 
-def sharing_on(nbytes: int | None) -> bool:
+def sharing_on(nbytes: int | None, setting: str = "share-reads") -> bool:
     """Whether a chunk of ``nbytes`` (``None``: not known before it is read) read to a GPU is
-    shared with the node's other processes: ``gpuchunk.share-reads`` on, and the chunk at least
-    ``gpuchunk.share-min-bytes`` (smaller ones cost more to open from another process than to
-    read from the host).
+    shared with the node's other processes: the ``gpuchunk.`` flag ``setting`` on
+    (``share-reads``; ``share-device-chunks`` for chunks already on a GPU), and the chunk at
+    least ``gpuchunk.share-min-bytes`` (smaller ones cost more to open from another process than
+    to read from the host).
 
     Examples
     --------
     >>> sharing_on(128 << 20), sharing_on(8 << 20), sharing_on(None)
     (True, False, False)
+    >>> sharing_on(128 << 20, "share-device-chunks")
+    True
     """
-    return (nbytes is not None and config.flag("share-reads")
+    return (nbytes is not None and config.flag(setting)
             and nbytes >= parse_bytes(config.checked("share-min-bytes")))
