@@ -881,3 +881,31 @@ def test_npy_operands_are_read_by_the_block_that_uses_them(rng, tmp_path):
     workers = {t["worker"] for t in stream.data if key_split(t["key"]).startswith("multiply")}
     assert len(workers) == 2
     assert sum(sent.values()) < 40 * 30 * 4, sent  # partial sums only: not one block
+
+
+# ---- functions of a user's __main__ script on multi-process clusters -------------------------
+
+SCRIPTS = __import__("pathlib").Path(__file__).resolve().parent / "scripts"
+
+
+def _run_script(name: str, *args: str, timeout: float = 240) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=SCRIPTS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cluster", ["dg", "plain"])
+def test_functions_of_a_main_script_run_on_worker_processes(cluster):
+    # The workers unpickle the functions by value, without their source file (cloudpickle names
+    # it "<dynamic-code>"): the source taken where they were defined travels with them.
+    assert _run_script("main_functions.py", cluster).strip().endswith("exact")
+
+
+@pytest.mark.gpu
+def test_functions_of_a_main_script_run_on_a_gpu_cluster():
+    assert _run_script("main_functions.py", "dg", "--gpu").strip().endswith("exact")

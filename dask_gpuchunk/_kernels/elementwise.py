@@ -30,7 +30,7 @@ import numpy as np
 from .launch import DirectLaunch, StridedArg, current_device, load_lock
 from .numpy_rules import VType, weak_type
 from .source_cache import cached_njit, function_stamp, load_kernel, numba_cache_here
-from .translate import Translation, translate
+from .translate import Sources, Translation, capture_sources, translate
 from .user_functions import for_target
 
 __all__ = [
@@ -641,10 +641,15 @@ class ElementwiseKernels:
     """
 
     def __init__(self, func: Callable, nargs: int, token: str | None = None,
-                 cache: bool = False, rules: str = "numpy", fma: bool = False) -> None:
+                 cache: bool = False, rules: str = "numpy", fma: bool = False,
+                 sources: Sources | None = None) -> None:
         if rules not in RULES:
             raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
         self.func = func
+        #: The source files the translation reads, taken where the function was defined and
+        #: carried with it to every worker (:func:`~dask_gpuchunk._kernels.translate.capture_sources`).
+        self.sources = (dict(sources) if sources is not None
+                        else capture_sources(func) if rules == "numpy" else {})
         self.nargs = nargs
         self.rules = rules
         self.fma = bool(fma)
@@ -670,7 +675,7 @@ class ElementwiseKernels:
         # Compiled kernels stay in the process that built them. A worker unpickles every task
         # afresh, so it looks the kernels up by token and compiles each signature only once.
         return (kernels_for, (self.func, self.nargs, self.token, self.stamp is not None,
-                              self.rules, self.fma))
+                              self.rules, self.fma, self.sources))
 
     # ---- types -----------------------------------------------------------------------------
     def translation(self, argtypes: Sequence[VType], out_dtype: Any = None) -> Translation:
@@ -681,7 +686,7 @@ class ElementwiseKernels:
         key = (tuple((vt.dtype, vt.weak, vt.call) for vt in argtypes), out_dtype)
         found = self._translations.get(key)
         if found is None:
-            found = translate(self.func, argtypes, key[1])
+            found = translate(self.func, argtypes, key[1], self.sources)
             with self._translations_lock:
                 found = self._translations.setdefault(key, found)
         return found
@@ -914,17 +919,20 @@ def _for_target(func: Callable, target: str) -> Callable:
 
 
 def kernels_for(func: Callable, nargs: int, token: str, cache: bool = False,
-                rules: str = "numpy", fma: bool = False) -> ElementwiseKernels:
+                rules: str = "numpy", fma: bool = False,
+                sources: Sources | None = None) -> ElementwiseKernels:
     """The process's one :class:`ElementwiseKernels` for ``(token, cache, rules, fma)``, made
     on first use.
 
-    ``token`` must identify the function (``dask.base.tokenize(func)`` does).
+    ``token`` must identify the function (``dask.base.tokenize(func)`` does); ``sources`` are
+    its source files' text where they were taken (a worker unpickling the kernels gets the
+    client's), read here where not given.
     """
     with _registry_lock:
         kernels = _registry.get((token, cache, rules, fma))
         if kernels is None:
             kernels = _registry[(token, cache, rules, fma)] = ElementwiseKernels(
-                func, nargs, token, cache, rules, fma)
+                func, nargs, token, cache, rules, fma, sources)
         return kernels
 
 

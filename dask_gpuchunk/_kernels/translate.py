@@ -39,7 +39,7 @@ import numpy as np
 from .numpy_rules import UNKNOWN, Emitter, RuleError, Value, VType, int_bounds
 from .user_functions import is_numba_function
 
-__all__ = ["Translation", "check_call", "translate"]
+__all__ = ["Sources", "Translation", "capture_sources", "check_call", "code_key", "translate"]
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,8 @@ def check_call(translation: Translation, args: Sequence[Any]) -> None:
 
 
 def translate(func: Callable, argtypes: Sequence[VType],
-              out_dtype: np.dtype | Sequence[np.dtype] | None = None) -> Translation:
+              out_dtype: np.dtype | Sequence[np.dtype] | None = None,
+              sources: Sources | None = None) -> Translation:
     """Translate ``func`` for arguments of these types (see the module's docstring).
 
     Parameters
@@ -113,6 +114,10 @@ def translate(func: Callable, argtypes: Sequence[VType],
     out_dtype
         What ``f`` returns (each result converted as ``astype`` converts); default NumPy's
         result dtype. A sequence of dtypes for a function that returns a tuple.
+    sources
+        The source of the function and its helpers as :func:`capture_sources` took it where
+        they were defined; a function found there is never read again (a worker process
+        cannot read a function defined in the client's ``__main__`` script or notebook).
 
     Raises
     ------
@@ -133,11 +138,12 @@ def translate(func: Callable, argtypes: Sequence[VType],
         return (_nr_multiply_f4(a0, _nr_f4(0.10000000149011612)) + _nr_f4(0.699999988079071))
     """
     argtypes = tuple(argtypes)
-    node, filename = _function_node(func)
+    sources = sources or {}
+    node, filename = _function_node(func, sources)
     name = getattr(func, "__name__", "function")
     emitter = Emitter()
     for attempt in range(2):
-        helpers = _Helpers()
+        helpers = _Helpers(sources)
         walker = _Walker(func, node, filename, name, emitter, helpers, out_dtype)
         try:
             walker.translate_function(argtypes, "f")
@@ -170,41 +176,131 @@ def translate(func: Callable, argtypes: Sequence[VType],
 # ---- the function's source -----------------------------------------------------------------
 
 _parsed: dict[str, ast.Module] = {}
-_nodes: dict[types.CodeType, tuple[ast.FunctionDef | ast.Lambda, str]] = {}
+_nodes: dict[tuple[types.CodeType, tuple[str, str] | None],
+             tuple[ast.FunctionDef | ast.Lambda, str]] = {}
 #: Held while parsing: CPython 3.11's ast module is not safe to use from several threads at
 #: once ("AST constructor recursion depth mismatch", gh-106905), and Dask's threads translate
 #: functions concurrently.
 _ast_lock = threading.Lock()
 
+#: A source file larger than this is not carried with a function (:func:`capture_sources`):
+#: a worker reads it from its own disk, as an installed module's.
+CAPTURED_FILE_MAX_BYTES = 4 * 2**20
+#: The most functions :func:`capture_sources` follows from one function.
+CAPTURED_FUNCTIONS_MAX = 256
 
-def _function_node(func: Callable) -> tuple[ast.FunctionDef | ast.Lambda, str]:
-    """The syntax tree of ``func`` (its ``def`` or ``lambda``), found in its source file once
-    per code object (``inspect.findsource`` takes milliseconds)."""
-    code = getattr(func, "__code__", None)
-    if not isinstance(func, types.FunctionType) or code is None:
-        raise TypeError(f"dg.elementwise needs a plain Python function, got {func!r}")
-    found = _nodes.get(code)
-    if found is None:
-        with _ast_lock:
-            found = _nodes.get(code)
-            if found is None:
-                found = _nodes[code] = _find_node(func, code)
+#: What :func:`capture_sources` gives: for each function's code (:func:`code_key`), the name
+#: of its source file and that file's text.
+Sources = dict[tuple[str, int, bytes], tuple[str, str]]
+
+
+def code_key(code: types.CodeType) -> tuple[str, int, bytes]:
+    """What identifies a function's code in every process it is unpickled in: its name, first
+    line and bytecode (cloudpickle rebuilds a ``__main__`` function's code with the file name
+    ``<dynamic-code>``, so the name of its file is not kept)."""
+    return code.co_name, code.co_firstlineno, code.co_code
+
+
+def capture_sources(func: Callable) -> Sources:
+    """The source files of ``func`` and of the plain Python functions it names (through its
+    globals and closure variables, and theirs), read now: for each function's
+    :func:`code_key`, its file's name and text.
+
+    Given to :func:`translate` in another process (a Dask worker), they stand for those files:
+    a function defined in a ``__main__`` script, a notebook cell or a doctest travels to the
+    worker by value, but its source does not (the worker's ``__main__`` is not the script; a
+    notebook's cells live in the client's memory; another host has no such file). Functions
+    whose source cannot be read here are left out (:func:`translate` then says why).
+
+    Examples
+    --------
+    >>> def twice(x):
+    ...     return 2 * x
+    >>> def f(x):
+    ...     return twice(x) + 1
+    >>> found = capture_sources(f)
+    >>> filename, text = found[code_key(f.__code__)]
+    >>> "return twice(x) + 1" in text and code_key(twice.__code__) in found
+    True
+    >>> capture_sources(eval("lambda x: x"))
+    {}
+    """
+    found: Sources = {}
+    texts: dict[str, str | None] = {}  # one read and one string per file
+    seen: set[types.CodeType] = set()
+    todo = [func]
+    while todo and len(seen) < CAPTURED_FUNCTIONS_MAX:
+        f = todo.pop()
+        code = getattr(f, "__code__", None)
+        if not isinstance(f, types.FunctionType) or code is None or code in seen:
+            continue
+        seen.add(code)
+        if code.co_filename not in texts:
+            try:
+                lines, _ = inspect.findsource(code)
+            except (OSError, TypeError):
+                lines = []
+            text = "".join(lines)
+            texts[code.co_filename] = text if 0 < len(text) <= CAPTURED_FILE_MAX_BYTES else None
+        text = texts[code.co_filename]
+        if text is not None:
+            found[code_key(code)] = (code.co_filename, text)
+        cells = dict(zip(code.co_freevars, f.__closure__ or ()))
+        for name in _names_in(code):
+            if name in cells:
+                try:
+                    todo.append(cells[name].cell_contents)
+                except ValueError:  # a cell not yet filled
+                    pass
+            elif name in f.__globals__:
+                todo.append(f.__globals__[name])
     return found
 
 
-def _find_node(func: types.FunctionType,
-               code: types.CodeType) -> tuple[ast.FunctionDef | ast.Lambda, str]:
-    """As :func:`_function_node`, holding ``_ast_lock``."""
-    try:
-        lines, _ = inspect.findsource(code)
-    except (OSError, TypeError):
-        raise TypeError(
-            f"dg.elementwise cannot read the source of {func.__qualname__!r} (defined by exec "
-            "or in an interactive prompt?), which it translates to follow NumPy's rules; "
-            "define it in a file, a notebook cell or a doctest, or pass rules='numba' to "
-            "compile it as numba types it") from None
-    text = "".join(lines)
-    key = hashlib.sha256(f"{code.co_filename}\n{text}".encode()).hexdigest()
+def _names_in(code: types.CodeType) -> set[str]:
+    """The global and free names ``code`` and the code nested in it (comprehensions,
+    lambdas) refer to."""
+    names = set(code.co_names) | set(code.co_freevars)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_in(const)
+    return names
+
+
+def _function_node(func: Callable,
+                   sources: Sources) -> tuple[ast.FunctionDef | ast.Lambda, str]:
+    """The syntax tree of ``func`` (its ``def`` or ``lambda``) and its file's name, found in
+    its source file (``sources``' text for it where given, else the file ``inspect`` reads)
+    once per code object (``inspect.findsource`` takes milliseconds)."""
+    code = getattr(func, "__code__", None)
+    if not isinstance(func, types.FunctionType) or code is None:
+        raise TypeError(f"dg.elementwise needs a plain Python function, got {func!r}")
+    key = (code, sources.get(code_key(code)))
+    found = _nodes.get(key)
+    if found is None:
+        with _ast_lock:
+            found = _nodes.get(key)
+            if found is None:
+                found = _nodes[key] = _find_node(func, code, key[1])
+    return found
+
+
+def _find_node(func: types.FunctionType, code: types.CodeType,
+               carried: tuple[str, str] | None) -> tuple[ast.FunctionDef | ast.Lambda, str]:
+    """As :func:`_function_node`, holding ``_ast_lock``; ``carried`` is the file's name and
+    text where they were taken elsewhere (``None``: read them here)."""
+    if carried is None:
+        try:
+            lines, _ = inspect.findsource(code)
+        except (OSError, TypeError):
+            raise TypeError(
+                f"dg.elementwise cannot read the source of {func.__qualname__!r} (defined by "
+                "exec or in an interactive prompt?), which it translates to follow NumPy's "
+                "rules; define it in a file, a notebook cell or a doctest, or pass "
+                "rules='numba' to compile it as numba types it") from None
+        carried = code.co_filename, "".join(lines)
+    filename, text = carried
+    key = hashlib.sha256(f"{filename}\n{text}".encode()).hexdigest()
     tree = _parsed.get(key)
     if tree is None:
         tree = _parsed[key] = ast.parse(text)
@@ -226,8 +322,8 @@ def _find_node(func: types.FunctionType,
         candidates = same or candidates[:1]
     if not candidates:
         raise TypeError(f"dg.elementwise cannot find the source of {func.__qualname__!r} in "
-                        f"{code.co_filename} (was the file edited since it was imported?)")
-    return candidates[0], code.co_filename
+                        f"{filename} (was the file edited since it was imported?)")
+    return candidates[0], filename
 
 
 def _compiles_to(node: ast.FunctionDef | ast.Lambda, code: types.CodeType) -> bool:
@@ -255,7 +351,9 @@ class _Object:
 class _Helpers:
     """The user's helper functions translated so far, for one translation."""
 
-    def __init__(self) -> None:
+    def __init__(self, texts: Sources) -> None:
+        #: The carried source files (:func:`capture_sources`), for the helpers' sources too.
+        self.texts = texts
         self.sources: list[str] = []
         self.names: list[str] = []
         self.results: dict[tuple, tuple[str, VType]] = {}
@@ -891,7 +989,7 @@ class _Walker:
         if found is None:
             if func in helpers.active:
                 raise RuleError(f"{path} calls itself: recursion is not supported")
-            node, filename = _function_node(func)
+            node, filename = _function_node(func, helpers.texts)
             fname = f"h{len(helpers.names) + 1}_{func.__name__}"
             walker = _Walker(func, node, filename, func.__qualname__, self.emitter, helpers, None)
             helpers.active.add(func)

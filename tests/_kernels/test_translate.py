@@ -19,7 +19,7 @@ from helpers import assert_same
 from dask_gpuchunk._kernels.elementwise import arg_type, reference
 from dask_gpuchunk._kernels.numpy_ops import namespace
 from dask_gpuchunk._kernels.numpy_rules import VType
-from dask_gpuchunk._kernels.translate import check_call, translate
+from dask_gpuchunk._kernels.translate import capture_sources, check_call, translate
 
 TARGETS = ["sim", "cpu"]
 
@@ -309,3 +309,26 @@ def test_functions_that_may_return_nothing_are_refused():
 
     with pytest.raises(TypeError, match="without returning"):
         translate(sometimes, [VType(np.dtype("f8"))])
+
+
+def test_a_function_unpickled_elsewhere_translates_from_the_sources_taken_where_it_was_made():
+    import cloudpickle
+
+    scale = 3
+
+    def helper(t):
+        return t * scale - 1
+
+    def f(x, y):
+        return helper(x) + y * 0.5
+
+    sources = capture_sources(f)
+    # What a worker gets: the functions by value, their files named "<dynamic-code>".
+    g = cloudpickle.loads(cloudpickle.dumps(f))
+    assert g.__code__.co_filename == "<dynamic-code>"
+    argtypes = [VType(np.dtype("int16")), VType(np.dtype("float32"))]
+    with pytest.raises(TypeError, match=r"cannot read the source of '.*\.f'"):
+        translate(g, argtypes)
+    here, there = translate(f, argtypes), translate(g, argtypes, sources=sources)
+    assert there.source == here.source and there.result_dtype == here.result_dtype
+    assert "h1_helper" in there.source  # the helper came from the carried source too
