@@ -569,11 +569,20 @@ def _start_warmup(fn: Callable[..., None], *args: Any, **kwargs: Any) -> list[An
 
 def _run(write: Callable[[], Any], warmup: Callable[[], list[Any]] | None = None) -> float:
     t0 = time.perf_counter()
-    try:
+    with job_errors():
         warming = warmup() if warmup else []  # noqa: F841 - kept alive until the job is done
         write()
+    return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def job_errors() -> Iterator[None]:
+    """What a job's run raises, as the :class:`JobError` of its exit status, in the CLI's
+    words."""
+    try:
+        yield
     except BitValueError as exc:
-        raise InputError(str(exc)) from None
+        raise InputError(f"input: {exc.hint('--packed')}") from None
     except GPUNotAvailableError as exc:
         raise ClusterError(str(exc)) from None
     except NoWorkersError as exc:
@@ -585,7 +594,6 @@ def _run(write: Callable[[], Any], warmup: Callable[[], list[Any]] | None = None
     except FileExistsError as exc:  # the target appeared during the job: kept, not replaced
         raise OutputError(f"output: {exc.strerror or exc} (it appeared during the job); "
                           "this job's result was not kept") from None
-    return time.perf_counter() - t0
 
 
 Job = Callable[[Progress], dict[str, Any]]
@@ -959,10 +967,11 @@ def similarity_job(
                 logging.getLogger("dask_gpuchunk").debug("similarity warm-up: %r", exc)
         result = similarity(x, y, packed=True, **options)
         if dense:
-            _write(result, target, overwrite, progress, output)
+            _run(lambda: _write(result, target, overwrite, progress, output))
             pairs_found = None
         else:
-            computed = dask.compute(*_on_host_all(result))
+            with job_errors():
+                computed = dask.compute(*_on_host_all(result))
             names = ("indices", "scores") if top_k is not None else ("rows", "cols", "scores")
             _save_arrays(target, dict(zip(names, computed)), overwrite)
             pairs_found = None if top_k is not None else int(computed[0].shape[0])

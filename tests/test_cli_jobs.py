@@ -640,6 +640,31 @@ def test_similarity_top_k_through_the_command_line(rng, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["fps.npy", "top.npz"]
 
 
+def test_packed_bytes_without_packed_exit_3_naming_it_and_following_it_is_exact(rng, tmp_path,
+                                                                                 monkeypatch):
+    fps = random_bits(rng, (40, 300), 0.15)
+    np.save(tmp_path / "fps.npy", np.packbits(fps, axis=1))
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["similarity", "fps.npy", "--top-k", "3", "-o", "top.npz",
+                                  "--in-process"])
+    assert r.exit_code == 3, r.output
+    message = r.stderr.strip()
+    assert message.startswith("error: input: found") and "\n" not in message, message
+    assert "pass --packed to use them as they are" in message and "packed=True" not in message
+    assert not (tmp_path / "top.npz").exists()
+    r = CliRunner().invoke(main, ["similarity", "fps.npy", "--top-k", "3", "-o", "top.npz",
+                                  "--in-process", "--packed"])  # the hint, followed
+    assert r.exit_code == 0, r.output
+    c = fps.astype(np.int64) @ fps.T
+    a = fps.sum(axis=1)
+    s = np.float32(c) / np.float32(a[:, None] + a[None, :] - c)
+    np.fill_diagonal(s, -1)
+    with np.load(tmp_path / "top.npz") as got:
+        np.testing.assert_array_equal(got["scores"], -np.sort(-s, axis=1)[:, :3])
+        np.testing.assert_array_equal(np.take_along_axis(s, got["indices"], axis=1),
+                                      got["scores"])
+
+
 def test_a_job_in_process_needs_no_cluster_and_refuses_cluster_options(rng, tmp_path,
                                                                         monkeypatch):
     fps = random_bits(rng, (70, 130), 0.25)

@@ -181,6 +181,30 @@ def test_bad_value_is_named_at_compute_time(rng):
         dg.bitpack(x).compute()
 
 
+def test_the_hint_for_packed_bytes_names_packed_first_and_following_it_is_exact(rng):
+    bits = random_bits(rng, (37, 203), 0.3)
+    packed = np.packbits(bits, axis=1)  # what np.packbits users have: bytes, 8 bits each
+    x = da.from_array(packed, chunks=(16, -1))
+    with pytest.raises(BitValueError, match=r"look like packed bits .*pass packed=True") as err:
+        dg.gram(x).compute()
+    assert err.value.looks_packed and "--packed" in err.value.hint("--packed")
+    expected = bits.astype(np.int64) @ bits.T
+    assert_eq(dg.gram(x, packed=True), expected.astype(np.int32))  # the hint, followed
+    # Its other branch (each byte one bit) gives another matrix: named second, never first.
+    assert not np.array_equal(dg.gram((x != 0).astype("uint8")).compute(), expected)
+
+
+def test_the_hint_for_values_of_signed_integers_converts_and_following_it_is_exact(rng):
+    bits = random_bits(rng, (29, 130), 0.4)
+    coded = bits.astype(np.int16) * 3  # nonzero meaning 1, in a dtype words never come in
+    x = da.from_array(coded, chunks=(10, 64))
+    with pytest.raises(BitValueError, match=r"found 3 .*convert first") as err:
+        dg.gram(x).compute()
+    assert not err.value.looks_packed and "packed" not in str(err.value)
+    assert_eq(dg.gram((x != 0).astype("uint8")),
+              (bits.astype(np.int64) @ bits.T).astype(np.int32))  # the hint, followed
+
+
 @pytest.mark.parametrize(
     "call, error, match",
     [

@@ -38,7 +38,37 @@ WORD_BITS = 64
 
 
 class BitValueError(ValueError):
-    """A value other than 0 or 1 where bits were expected."""
+    """A value other than 0 or 1 where bits were expected, and where it was found.
+
+    ``looks_packed``: the data are unsigned integers, the dtypes of packed words
+    (``np.packbits`` output, ``uint64`` words), which is what such values most often mean; the
+    message then names ``packed=True`` of ``dg.gram`` and ``dg.similarity`` first (converting
+    packed bytes with ``x != 0`` would make each byte one bit: other answers, silently).
+    :meth:`hint` words it for a caller whose option has another name (the CLI's ``--packed``).
+
+    Examples
+    --------
+    >>> print(BitValueError(16, 0, 3, looks_packed=True).hint("--packed"))
+    found 16 at row 0, column 3, where bits must be 0 or 1; these look like packed bits (np.packbits output or words): pass --packed to use them as they are; if each value is one bit, nonzero meaning 1, convert first: (x != 0).astype('uint8')
+    """
+
+    def __init__(self, value: Any, row: int, column: int, looks_packed: bool = False) -> None:
+        self.value, self.row, self.column = value, row, column
+        self.looks_packed = looks_packed
+        super().__init__(f"bitpack: {self.hint('packed=True (dg.gram, dg.similarity)')}")
+
+    def __reduce__(self) -> tuple:  # raised on a worker, re-raised by the client
+        return type(self), (self.value, self.row, self.column, self.looks_packed)
+
+    def hint(self, packed_option: str) -> str:
+        """The message, naming the option that takes packed words as ``packed_option``."""
+        where = f"found {self.value!r} at row {self.row}, column {self.column}"
+        convert = "(x != 0).astype('uint8')"
+        if self.looks_packed:
+            return (f"{where}, where bits must be 0 or 1; these look like packed bits "
+                    f"(np.packbits output or words): pass {packed_option} to use them as they "
+                    f"are; if each value is one bit, nonzero meaning 1, convert first: {convert}")
+        return f"{where}; bits must be 0 or 1 (convert first, e.g. {convert})"
 
 
 def check_bits_dtype(dtype: Any, what: str = "x") -> np.dtype:
@@ -225,10 +255,8 @@ def _cpu_pack_bytes_kernel() -> Any:
 def _raise_bad(x: Any, row: int, col: int, origin: tuple[int, int]) -> None:
     value = x[row, col]
     value = value.item() if hasattr(value, "item") else value
-    raise BitValueError(
-        f"bitpack: found {value!r} at row {row + origin[0]}, column {col + origin[1]}; bits must "
-        "be 0 or 1 (convert first, e.g. (x != 0).astype('uint8'))"
-    )
+    raise BitValueError(value, row + origin[0], col + origin[1],
+                        looks_packed=np.dtype(x.dtype).kind == "u")
 
 
 def bitpack_cpu(x: np.ndarray, origin: tuple[int, int] = (0, 0)) -> np.ndarray:
