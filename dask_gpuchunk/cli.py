@@ -37,6 +37,7 @@ import platform
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -51,6 +52,7 @@ from .config import check_settings
 from .devices import GPUNotAvailableError, _probe_gpus, gpu_available, gpu_count
 from .gram import METHODS, _compute_capability, resolve_method
 from .partials import partials_in, remove_partials
+from .progress import format_rate
 from .jobs import (
     ClusterError,
     JobError,
@@ -483,19 +485,56 @@ def _workers_ignore_sigint() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _progress(enabled: bool) -> Callable[[int, int], None] | None:
+def _progress(enabled: bool) -> Callable[..., None] | None:
+    """A progress bar on stderr, with the rate and the time left: ``draw(done, total,
+    unit="chunks")``, drawn again at most every tenth of a second and once more at the end."""
     if not enabled:
         return None
     width = 30
+    started: list[float] = []
+    last = [float("-inf")]
+    finished: list[int] = []
 
-    def draw(done: int, total: int) -> None:
+    def draw(done: int, total: int, unit: str = "chunks") -> None:
+        now = time.perf_counter()
+        if not started:
+            started.append(now)
+        if (done < total and now - last[0] < 0.1) or finished == [total]:
+            return  # drawn a moment ago, or already drawn finished
+        last[0] = now
+        if done == total:
+            finished[:] = [total]
         filled = width * done // max(total, 1)
-        sys.stderr.write(f"\r[{'#' * filled}{' ' * (width - filled)}] {done}/{total} chunks")
+        line = f"\r[{'#' * filled}{' ' * (width - filled)}] {done}/{total} {unit}"
+        elapsed = now - started[0]
+        if done and elapsed > 0:
+            line += f", {format_rate(done / elapsed)} {unit}/s"
+            if done < total:
+                line += f", {_duration((total - done) * elapsed / done)} left"
+            else:
+                line += f" in {_duration(elapsed)}"
+        sys.stderr.write(f"{line}\033[K")
         if done == total:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
     return draw
+
+
+def _duration(seconds: float) -> str:
+    """``"42 s"``, ``"3 min 20 s"``, ``"2 h 05 min"``.
+
+    Examples
+    --------
+    >>> _duration(41.6), _duration(200), _duration(7500)
+    ('42 s', '3 min 20 s', '2 h 05 min')
+    """
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
 class Terminated(KeyboardInterrupt):
@@ -582,7 +621,7 @@ def _job_summary(opts: dict[str, Any], prepare: Callable[[], Callable], quiet: b
 def _print_summary(summary: dict[str, Any]) -> None:
     where = summary.get("where", {})
     place = (f"on {where.get('cluster')}: {where.get('workers')} worker(s), "
-             f"{where.get('threads', '?')} threads, {where.get('gpus')} GPU(s)")
+             f"{where.get('threads')} threads, {where.get('gpus')} GPU(s)")
     parts = [summary] if summary["command"] != "demo" else [summary["multiply"], summary["gram"]]
     for s in parts:
         out = s["output"]

@@ -70,6 +70,7 @@ from .io import (
     to_npy,
     write_region,
 )
+from .progress import BlockProgress
 from .resident import row_bounds, source_tasks
 from .zarr_files import (
     ZarrFormatError,
@@ -101,7 +102,9 @@ __all__ = [
     "where_it_ran",
 ]
 
-Progress = Callable[[int, int], None] | None
+#: ``progress(done, total)`` of chunks written; ``progress(done, total, "blocks")`` of a
+#: similarity job's blocks computed.
+Progress = Callable[..., None] | None
 
 #: Largest whole-width row slab of a Gram output written as one piece (bytes).
 SLAB_BYTES = 2 << 30
@@ -970,13 +973,18 @@ def similarity_job(
             _run(lambda: _write(result, target, overwrite, progress, output))
             pairs_found = None
         else:
-            with job_errors():
+            # All pairs: the blocks on and above the diagonal; queries: each pair of chunks.
+            cx, cy = len(x.chunks[0]), len(x.chunks[0] if y is None else y.chunks[0])
+            blocks = cx * (cx + 1) // 2 if y is None else cx * cy
+            report = ((lambda done, total: progress(done, total, "blocks"))
+                      if progress is not None else None)
+            with job_errors(), _watching_blocks(blocks, report):
                 computed = dask.compute(*_on_host_all(result))
             names = ("indices", "scores") if top_k is not None else ("rows", "cols", "scores")
             _save_arrays(target, dict(zip(names, computed)), overwrite)
             pairs_found = None if top_k is not None else int(computed[0].shape[0])
-            if progress is not None:
-                progress(1, 1)
+            if report is not None:
+                report(blocks, blocks)
         seconds = time.perf_counter() - t0
         shape = ([n, m] if dense else [n, int(top_k)] if top_k is not None
                  else [pairs_found])
@@ -996,6 +1004,18 @@ def similarity_job(
         }
 
     return run
+
+
+@contextlib.contextmanager
+def _watching_blocks(blocks: int, report: Callable[[int, int], None] | None
+                     ) -> Iterator[None]:
+    """``report(done, blocks)`` as the similarity blocks are done
+    (:class:`dask_gpuchunk.progress.BlockProgress`), where there is a report to make."""
+    if report is None:
+        yield
+        return
+    with BlockProgress(blocks, report):
+        yield
 
 
 def _bytes_sent(dask_worker: Any) -> int:
@@ -1058,7 +1078,12 @@ def where_it_ran(client: Any | None) -> dict[str, Any]:
     counts the GPUs the jobs' chunks run on: each worker's first visible GPU (a worker of a
     local CUDA cluster sees every GPU, its own first), or this process's."""
     if client is None:
-        return {"cluster": "local threads", "workers": 1, "gpus": min(gpu_count(), 1),
+        from dask.system import CPU_COUNT
+
+        # dask's threaded scheduler: num_workers where set, else a thread per core.
+        threads = dask.config.get("num_workers", None) or CPU_COUNT
+        return {"cluster": "local threads", "workers": 1, "threads": int(threads),
+                "gpus": min(gpu_count(), 1),
                 "device_memory": [_device_report()] if gpu_count() else []}
     info = client.scheduler_info()
     workers = info.get("workers", {})

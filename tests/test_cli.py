@@ -72,3 +72,22 @@ def test_bench_gram_small_on_cpu(tmp_path):
 def test_bench_gram_rejects_bad_tile():
     result = CliRunner().invoke(main, ["bench", "gram", "--n", "10", "--tile", "1,2,3"])
     assert result.exit_code != 0 and "five positive integers" in result.output
+
+
+def test_the_progress_bar_gives_rate_and_time_left(capsys, monkeypatch):
+    from dask_gpuchunk import cli
+
+    clock = iter([0.0, 2.0, 2.05, 4.0, 10.0, 11.0])  # a draw within 0.1 s of the last is skipped
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: next(clock))
+    draw = cli._progress(True)
+    draw(0, 40, "blocks")
+    draw(10, 40, "blocks")
+    draw(11, 40, "blocks")
+    draw(20, 40, "blocks")
+    draw(40, 40, "blocks")
+    draw(40, 40, "blocks")  # the end is drawn once
+    lines = [line.replace("\033[K", "") for line in capsys.readouterr().err.split("\r") if line]
+    assert lines[1].endswith("10/40 blocks, 5 blocks/s, 6 s left")
+    assert lines[2].endswith("20/40 blocks, 5 blocks/s, 4 s left")
+    assert lines[3] == "[" + "#" * 30 + "] 40/40 blocks, 4 blocks/s in 10 s\n"
+    assert len(lines) == 4

@@ -295,6 +295,7 @@ def test_tanimoto_of_morgan_fingerprints_agrees_with_rdkit(xp):
 def test_top_k_chain_tasks_take_several_blocks_of_a_round(rng, monkeypatch, per_task):
     similarity_module = importlib.import_module("dask_gpuchunk.similarity")
     monkeypatch.setattr(similarity_module, "BLOCKS_PER_TASK", per_task)
+    monkeypatch.setattr(similarity_module, "CPU_BLOCKS_PER_TASK", per_task)
     x = fingerprints(rng, 230, 90)  # 23 chunks (odd: a chunk rests each round)
     y = random_bits(rng, (61, 90), 0.2)
     indices, scores = dg.similarity(da.from_array(x, chunks=(10, -1)), metric="cosine", top_k=4)
@@ -465,7 +466,7 @@ def test_top_k_chains_of_several_workers_match_numpy(xp, rng, monkeypatch, worke
 
 @pytest.mark.skipif(not listed_graphs(),
                     reason="the top-k chain reads a .npy's chunks itself only in listed graphs")
-def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path):
+def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path, monkeypatch):
     # One chain over two GPUs sent every state between them between rounds (1.2 GB a worker
     # for 10**6 rows) and took twice as long as on one. Now each worker's chain begins in a
     # task that distributed hands to a worker of its own, its rounds follow it there, and only
@@ -474,6 +475,10 @@ def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path):
     from dask.utils import key_split
     from distributed import Client, LocalCluster, get_task_stream
 
+    # The blocks of a round grouped into tasks as on GPUs (on the CPU, a task each).
+    similarity_module = importlib.import_module("dask_gpuchunk.similarity")
+    monkeypatch.setattr(similarity_module, "CPU_BLOCKS_PER_TASK",
+                        similarity_module.BLOCKS_PER_TASK)
     x = fingerprints(rng, 17 * 30, 300)
     np.save(tmp_path / "x.npy", np.packbits(x, axis=1))
     want = brute_top_k(reference(x, x, "tanimoto"), 5, False, True)
@@ -491,7 +496,7 @@ def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path):
     assert len(begins) == 4 and len(set(begins.values())) == 4, begins  # a worker each
     chain_of = {key[1]: w for key, w in begins.items()}
     steps = {key: w for key, w in where.items() if key_split(key) == "similarity-step"}
-    assert len(steps) == 17  # 17 rounds of 8 blocks, a task each
+    assert len(steps) == 17  # 17 rounds of 8 blocks, a task each (as on GPUs)
     assert all(w == chain_of[key[1] % 4] for key, w in steps.items()), (chain_of, steps)
 
 
