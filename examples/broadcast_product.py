@@ -5,7 +5,8 @@ the CPU. Broadcasting is NumPy's here, every element gets its own thread (or CPU
 lane), and ``device="auto"`` measures both devices on the first chunk and keeps the faster: a
 product this cheap is bound by memory traffic, and from host memory the CPU wins.
 
-    python examples/broadcast_product.py
+    python examples/broadcast_product.py --dates 20 --ids 1000   # small: seconds on a CPU
+    python examples/broadcast_product.py                          # (4000, 5) x (100, 4000, 5)
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ import dask_gpuchunk as dg
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dates", type=int, default=100)
-    parser.add_argument("--ids", type=int, default=4000)
-    parser.add_argument("--n", type=int, default=5)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dates", type=int, default=100,
+                        help="the leading axis of the larger array (default %(default)s)")
+    parser.add_argument("--ids", type=int, default=4000,
+                        help="rows of the smaller array, broadcast along --dates (default "
+                             "%(default)s)")
+    parser.add_argument("--n", type=int, default=5, help="columns of both (default %(default)s)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs per device, the best reported (default %(default)s)")
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng(0)

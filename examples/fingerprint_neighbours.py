@@ -8,8 +8,9 @@ chunk by chunk; ``dg.similarity`` computes only the blocks of pairs on or above 
 and keeps each row's best 10 (or its pairs over the threshold) as it goes, so the n x n scores
 are never in memory. Sampled rows are checked against NumPy.
 
+    python examples/fingerprint_neighbours.py --rows 5000        # small: seconds on a CPU
     python examples/fingerprint_neighbours.py                    # 20,000 fingerprints
-    python examples/fingerprint_neighbours.py --rows 1000000 --chunk-rows 16384   # on a GPU
+    python examples/fingerprint_neighbours.py --rows 1000000 --chunk-rows 32768   # on a GPU
     dask-gpuchunk similarity fps.npy --packed --top-k 10 -o top.npz           # the same, a job
 """
 
@@ -45,12 +46,18 @@ def tanimoto_row(words: np.ndarray, row: int) -> np.ndarray:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=20_000)
-    parser.add_argument("--bits", type=int, default=2048)
-    parser.add_argument("--density", type=float, default=0.075)
-    parser.add_argument("--chunk-rows", type=int, default=4096)
-    parser.add_argument("--top-k", type=int, default=10)
-    parser.add_argument("--threshold", type=float, default=0.7)
+    parser.add_argument("--rows", type=int, default=20_000,
+                        help="fingerprints to make (default %(default)s)")
+    parser.add_argument("--bits", type=int, default=2048,
+                        help="bits per fingerprint (default %(default)s)")
+    parser.add_argument("--density", type=float, default=0.075,
+                        help="share of bits set (default %(default)s)")
+    parser.add_argument("--chunk-rows", type=int, default=4096,
+                        help="fingerprints per chunk read from the file (default %(default)s)")
+    parser.add_argument("--top-k", type=int, default=10,
+                        help="neighbours kept per fingerprint (default %(default)s)")
+    parser.add_argument("--threshold", type=float, default=0.7,
+                        help="Tanimoto score of the pairs listed (default %(default)s)")
     parser.add_argument("--samples", type=int, default=8, help="rows checked against NumPy")
     args = parser.parse_args(argv)
 
@@ -76,9 +83,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             assert np.array_equal(scores[row], s[best].astype(np.float32)), row
             keep = np.nonzero(s >= np.float32(args.threshold))[0]
             assert np.array_equal(cols[rows == row], keep), row
-    pairs = args.rows * (args.rows - 1)
+    pairs = args.rows * (args.rows - 1) // 2  # unique pairs: each pair once
     print(f"{args.rows:,} fingerprints of {args.bits} bits: top-{args.top_k} of every one in "
-          f"{t_top:.2f} s ({pairs / t_top:.3g} pairs/s); {len(rows):,} pairs at Tanimoto >= "
+          f"{t_top:.2f} s ({pairs / t_top:.3g} unique pairs/s); {len(rows):,} pairs at "
+          f"Tanimoto >= "
           f"{args.threshold} in {t_pairs:.2f} s; {args.samples} rows checked against NumPy")
     first = int(np.argmax(scores[:, 0]))
     print(f"e.g. fingerprint {first}: nearest {indices[first, :3].tolist()} at "

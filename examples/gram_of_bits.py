@@ -7,9 +7,9 @@ diagonal, and ``dg.to_npy`` writes each block of C into its place in a ``.npy`` 
 computed (from the host or straight from the device), so neither A nor C has to fit in memory
 (A is generated chunk by chunk too).
 
+    python examples/gram_of_bits.py --rows 3000 --cols 1043  # small, odd column count: seconds on a CPU
     python examples/gram_of_bits.py                          # 10,000 x 200,000 bits -> 400 MB .npy
     python examples/gram_of_bits.py --rows 100000 --out /scratch/c.npy   # 100,000 rows: C is 40 GB
-    python examples/gram_of_bits.py --rows 3000 --cols 1043  # small, odd column count
 """
 
 from __future__ import annotations
@@ -28,12 +28,18 @@ import dask_gpuchunk as dg
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=10_000)
-    parser.add_argument("--cols", type=int, default=200_000)
-    parser.add_argument("--density", type=float, default=0.5)
-    parser.add_argument("--chunk-rows", type=int, default=4096)
-    parser.add_argument("--method", choices=["auto", "popcount", "int8"], default="auto")
-    parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
+    parser.add_argument("--rows", type=int, default=10_000,
+                        help="rows of A, and of C (default %(default)s)")
+    parser.add_argument("--cols", type=int, default=200_000,
+                        help="columns (bits) of A (default %(default)s)")
+    parser.add_argument("--density", type=float, default=0.5,
+                        help="share of ones in A (default %(default)s)")
+    parser.add_argument("--chunk-rows", type=int, default=4096,
+                        help="rows of A per chunk, and of C's blocks (default %(default)s)")
+    parser.add_argument("--method", choices=["auto", "popcount", "int8"], default="auto",
+                        help="how blocks of C are counted (dg.gram's method=)")
+    parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto",
+                        help="where (dg.gram's device=)")
     parser.add_argument("--out", type=Path, default=None, help="the .npy to write (default: a "
                         "temporary file, removed at the end)")
     parser.add_argument("--samples", type=int, default=16, help="rows of C checked against NumPy")

@@ -4,8 +4,8 @@ A numba kernel that copies the whole arrays to the GPU runs out of device memory
 (``cuMemAlloc``). Here each ~200 MB chunk is streamed through the GPU (pinned staging, one
 stream per slot, copies overlapped with compute) and written straight into ``c``.
 
+    python examples/product_larger_than_gpu.py --rows 20000    # small: seconds on a CPU
     python examples/product_larger_than_gpu.py                 # 2 x 4 GB in, 4 GB out
-    python examples/product_larger_than_gpu.py --rows 20000    # small
     python examples/product_larger_than_gpu.py --pinned        # inputs and output in pinned memory
 """
 
@@ -21,10 +21,14 @@ import dask_gpuchunk as dg
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--cols", type=int, default=500)
-    parser.add_argument("--chunk-mb", type=float, default=200.0)
-    parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
+    parser.add_argument("--rows", type=int, default=1_000_000,
+                        help="rows of a, b and c (default %(default)s)")
+    parser.add_argument("--cols", type=int, default=500,
+                        help="columns of a, b and c (default %(default)s)")
+    parser.add_argument("--chunk-mb", type=float, default=200.0,
+                        help="megabytes per chunk streamed (default %(default)s)")
+    parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto",
+                        help="where (dg.multiply's device=)")
     parser.add_argument("--pinned", action="store_true",
                         help="allocate a, b and c in pinned memory (GPU only): no staging copies")
     args = parser.parse_args(argv)
