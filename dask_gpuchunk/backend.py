@@ -414,7 +414,7 @@ def _launch_pass(kernels: ElementwiseKernels, plan: ElementwisePlan | None, outs
     wanted in), CuPy inputs broadcastable to the outputs."""
     count = partial_count(outs[0].size, "cuda") if plan is not None else 0
     reduction = _reduction_args(plan, count, totals, nb_stream)
-    if direct_launch_available(bool(config.get("direct-launch"))):
+    if direct_launch_available(config.flag("direct-launch")):
         shape, strides = _collapsed_layout(outs, inputs)
         by_address = iter(strides[len(outs):])
         try:
@@ -514,7 +514,7 @@ class DeviceCall:
             plan, self.shape)
         self.count = partial_count(self.n, "cuda") if plan.reductions else 0
         self.launch: Any = None
-        if self.n and direct_launch_available(bool(config.get("direct-launch"))):
+        if self.n and direct_launch_available(config.flag("direct-launch")):
             shape, strides = self.layout
             count = partial_count(self.n, "cuda") if plan.reductions else 0
             reduction = ([StridedArg(0, (count,), (dt.itemsize,), dt)
@@ -696,7 +696,7 @@ def host_result(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """A host array for a result coming from the device: page-locked where
     ``gpuchunk.pinned-results`` is on (the result lands in it with no staging copy, and a file
     writer sends it on from there: one host copy less per chunk), else plain NumPy."""
-    if config.get("pinned-results") and int(np.prod(shape)):
+    if config.flag("pinned-results") and int(np.prod(shape)):
         return pinned_pool.lend(shape, dtype)
     return np.empty(shape, dtype=dtype)
 

@@ -132,7 +132,8 @@ dask.config.update_defaults({"gpuchunk": dict(DEFAULTS)})
 
 def get(name: str) -> Any:
     """The value of ``gpuchunk.<name>`` now (``dask.config.set`` and ``DASK_GPUCHUNK__*``
-    included).
+    included), checked as the command line checks it: a ``ValueError`` naming the setting,
+    where it comes from and what it takes (:func:`check_settings`).
 
     Examples
     --------
@@ -141,11 +142,25 @@ def get(name: str) -> Any:
     >>> with dask.config.set({"gpuchunk.file-writes": 4}):
     ...     get("file-writes")
     4
+    >>> with dask.config.set({"gpuchunk.file-writes": -3}):
+    ...     get("file-writes")
+    Traceback (most recent call last):
+    ...
+    ValueError: setting gpuchunk.file-writes (environment: DASK_GPUCHUNK__FILE_WRITES) is -3; it takes a whole number, 0 or more
     """
     if name not in DEFAULTS:
         raise KeyError(f"no setting gpuchunk.{name}; the settings are "
                        f"{', '.join(sorted(DEFAULTS))}")
-    return dask.config.get(f"gpuchunk.{name}", DEFAULTS[name])
+    value = dask.config.get(f"gpuchunk.{name}", DEFAULTS[name])
+    valid, words = _CHECKS.get(name, (None, ""))
+    if valid is not None and not valid(value):
+        raise ValueError(f"setting gpuchunk.{name} (environment: {_variable(name)}) is "
+                         f"{value!r}; it takes {words}")
+    return value
+
+
+def _variable(name: str) -> str:
+    return "DASK_GPUCHUNK__" + name.upper().replace("-", "_")
 
 
 def _flag(value: Any) -> bool:
@@ -229,26 +244,31 @@ def check_settings() -> None:
     ...
     ValueError: setting gpuchunk.file-writes (environment: DASK_GPUCHUNK__FILE_WRITES) is 'abc'; it takes a whole number, 0 or more
     """
+    # dask keeps an environment variable's name with underscores (file_writes)
+    given = {str(k).replace("_", "-") for k in dask.config.get("gpuchunk", {}) or {}}
+    unknown = sorted(given - set(DEFAULTS))
+    if unknown:
+        import difflib
+
+        name = unknown[0]
+        close = difflib.get_close_matches(name, DEFAULTS, n=1)
+        hint = f" (did you mean gpuchunk.{close[0]}?)" if close else ""
+        raise ValueError(f"no setting gpuchunk.{name} ({_variable(name)}){hint}; the settings "
+                         f"are {', '.join(sorted(DEFAULTS))}")
     for name in _CHECKS:
-        checked(name)
+        get(name)
 
 
 def checked(name: str) -> Any:
     """The value of ``gpuchunk.<name>`` now, or the ``ValueError`` of :func:`check_settings`
-    where it cannot be used: for a setting read where the API uses it.
+    where it cannot be used (as :func:`get`).
 
     Examples
     --------
     >>> checked("gram-mirror")
     'transpose'
     """
-    value = get(name)
-    valid, words = _CHECKS.get(name, (lambda v: True, ""))
-    if not valid(value):
-        variable = "DASK_GPUCHUNK__" + name.upper().replace("-", "_")
-        raise ValueError(f"setting gpuchunk.{name} (environment: {variable}) is {value!r}; "
-                         f"it takes {words}")
-    return value
+    return get(name)
 
 
 def flag(name: str) -> bool:
@@ -295,7 +315,7 @@ def listed_graphs() -> bool:
     ...     listed_graphs()
     False
     """
-    return not da.array_expr_enabled() and bool(get("listed-graphs"))
+    return not da.array_expr_enabled() and flag("listed-graphs")
 
 
 def map_blocks_prefix(prefix: str) -> dict[str, str]:
