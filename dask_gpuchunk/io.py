@@ -635,7 +635,7 @@ def check_target(path: Path, overwrite: bool, nbytes: int = 0) -> None:
         raise IsADirectoryError(f"{path} is a directory; give a file name for the output")
     check_output_directory(path.parent)
     if os.path.lexists(path) and not overwrite:
-        raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it")
+        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
     refuse_unless_regular(path)
     if nbytes:
         check_space(path.parent, nbytes)

@@ -414,6 +414,8 @@ def _check_output(out: str | os.PathLike, inputs: list[str | os.PathLike], overw
             check_zarr_target(target, overwrite, 0 if compressed else nbytes)
         else:
             check_target(target, overwrite, nbytes)
+    except FileExistsError as exc:
+        raise OutputError(f"output: {exc}".replace("overwrite=True", "--overwrite")) from None
     except OSError as exc:
         raise OutputError(f"output: {exc}") from None
     return target
@@ -887,6 +889,31 @@ def _save_arrays(target: Path, arrays: dict[str, np.ndarray], overwrite: bool) -
         publish(tmp, target, key, overwrite)
 
 
+def _check_similarity_inputs(paths: list[Any], headers: list[Any], packed: bool,
+                             top_k: int | None, threshold: float | None, metric: str,
+                             exclude_self: bool) -> None:
+    """What :func:`dask_gpuchunk.similarity` checks of its arguments, in the command line's
+    words, before any cluster starts: ``--queries`` and FINGERPRINTS of the same bits,
+    ``--top-k`` within the candidates, ``--threshold`` within the metric's scores."""
+    from ._kernels.similarity import FLOAT_METRICS
+
+    (n, width), dtype = headers[-1].shape, headers[-1].dtype
+    if len(headers) == 2 and (headers[0].shape[1] != width or headers[0].dtype != dtype):
+        what = "words" if packed else "bits"
+        raise InputError(f"--queries {paths[0]} has {headers[0].shape[1]} {what} of "
+                         f"{headers[0].dtype} a row, FINGERPRINTS {paths[1]} {width} of {dtype}: "
+                         "they must be fingerprints of the same kind")
+    candidates = n - 1 if exclude_self else n
+    if top_k is not None and not 1 <= top_k <= candidates:
+        raise ValueError(f"--top-k must be between 1 and {candidates:,} (the candidates of each "
+                         f"row in {paths[-1]}); got {top_k}")
+    bits = width * dtype.itemsize * 8 if packed else width
+    high = 1.0 if metric in FLOAT_METRICS else bits
+    if threshold is not None and not 0 <= threshold <= high:
+        raise ValueError(f"--threshold for --metric {metric} must be from 0 to {high}; got "
+                         f"{threshold}")
+
+
 def similarity_job(
     fingerprints: str | os.PathLike,
     out: str | os.PathLike,
@@ -925,6 +952,8 @@ def similarity_job(
     paths = [fingerprints] if queries is None else [queries, fingerprints]
     headers = [_bits_header(path, packed, "similarity") for path in paths]
     n, m = headers[0].shape[0], headers[-1].shape[0]
+    _check_similarity_inputs(paths, headers, packed, top_k, threshold, metric,
+                             (queries is None) if exclude_self is None else exclude_self)
     dense = top_k is None and threshold is None
     suffix = Path(out).suffix
     if dense and suffix == ".npz":

@@ -209,7 +209,7 @@ def check_zarr_target(path: Path, overwrite: bool, nbytes: int = 0) -> None:
     check_output_directory(path.parent)
     if os.path.lexists(path):
         if not overwrite:
-            raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace "
+            raise FileExistsError(f"{path} exists; pass overwrite=True to replace "
                                   "it")
         _refuse_unless_store(path)
     if nbytes:

@@ -225,6 +225,7 @@ def _setup_bad(d: Path) -> None:
     bad_bits[4, 66] = 2
     np.save(d / "badbits.npy", bad_bits)
     np.save(d / "bits.npy", np.ones((6, 70), np.uint8))
+    np.save(d / "bits71.npy", np.ones((3, 71), np.uint8))
     np.save(d / "exists.npy", np.zeros(3))
     np.save(d / "long.npy", np.ones((200_001, 1)))
     (d / "text.npy").write_text("not numpy at all")
@@ -307,6 +308,16 @@ BAD = [
     ("zero threads", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--threads-per-gpu", "0"], 2,
      "threads-per-gpu"),
     ("missing output option", ["multiply", "a.npy", "b.npy"], 2, "--output"),
+    # The command line's words, not the API's (top_k, x and y, overwrite=True):
+    ("top-k beyond the candidates", ["similarity", "bits.npy", "--top-k", "6", "-o", "t.npz"],
+     2, "--top-k must be between 1 and 5 (the candidates of each row in bits.npy); got 6"),
+    ("queries of other bits", ["similarity", "bits.npy", "--queries", "bits71.npy", "--top-k",
+                               "2", "-o", "t.npz"], 3,
+     "--queries bits71.npy has 71 bits of uint8 a row, FINGERPRINTS bits.npy 70"),
+    ("threshold beyond the scores", ["similarity", "bits.npy", "--threshold", "1.5", "-o",
+                                     "t.npz"], 2, "--threshold for --metric tanimoto"),
+    ("output exists, CLI words", ["gram", "bits.npy", "-o", "exists.npy"], 4,
+     "exists; pass --overwrite to replace it"),
 ]
 
 
