@@ -267,6 +267,8 @@ class ElementwiseOp:
     def __call__(self, *args: Any, device: str = "auto", out: Any = None,
                  reduce: Any = None) -> Any:
         """Apply the operation; see :func:`elementwise` for the arguments."""
+        if any(_is_xarray(a) for a in args):
+            return self._on_xarray(args, device, out, reduce)
         if self.loops and len(args) == self.nargs:
             args = self._loop_args(args)
         key = _eager_key(args, device, out, reduce)
@@ -326,6 +328,24 @@ class ElementwiseOp:
         blocks = self._blockwise(name, arrays, shape, task_kwargs,
                                  np.empty((0,) * len(shape), dtype=object), object)
         return _blockwise_plan(blocks, plan, shape, chunks, xp, self.__name__)
+
+    def _on_xarray(self, args: tuple[Any, ...], device: str, out: Any, reduce: Any) -> Any:
+        """The operation on xarray objects, as a NumPy ufunc works on them
+        (``xarray.apply_ufunc``): operands aligned and broadcast by their dimensions' names,
+        the results xarray objects of those dimensions and coordinates, holding what the
+        operation gives for their data (Dask in, Dask out)."""
+        import xarray as xr
+
+        if out is not None or reduce is not None:
+            raise TypeError(f"{self.__name__}: out= and reduce= take no xarray objects; pass "
+                            "their .data (or use xarray's own reductions on the result)")
+        if len(args) != self.nargs:
+            raise TypeError(f"{self.__name__} takes {self.nargs} arguments, got {len(args)}")
+        dtypes = tuple(_xarray_dtype(a) for a in args)
+        outputs = self.result_dtype(*dtypes)
+        nout = len(outputs) if isinstance(outputs, tuple) else 1
+        return xr.apply_ufunc(functools.partial(self, device=device), *args, dask="allowed",
+                              output_core_dims=[()] * nout)
 
     def _loop(self, argtypes: tuple[VType, ...]) -> Loop:
         """The ufunc loop NumPy picks for arguments of these types."""
@@ -643,6 +663,26 @@ def _argtype_of(d: Any, index: int) -> VType:
     return VType(check_dtype(d, f"argument {index + 1}"))
 
 
+def _is_xarray(a: Any) -> bool:
+    """Whether ``a`` is an xarray object (a DataArray, Dataset or Variable)."""
+    return type(a).__module__.split(".")[0] == "xarray"
+
+
+def _xarray_dtype(a: Any) -> Any:
+    """What :meth:`ElementwiseOp.result_dtype` takes for an argument of an xarray call: a
+    DataArray's dtype, a Dataset's first data variable's, a Python number's type."""
+    if _is_xarray(a):
+        if hasattr(a, "dtype"):
+            return a.dtype
+        variables = list(a.data_vars.values())
+        if not variables:
+            raise TypeError("an xarray Dataset without data variables")
+        return variables[0].dtype
+    if is_python_number(a):
+        return type(a)
+    return a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
+
+
 def _loop_type(a: Any) -> VType:
     """An argument's type for picking a ufunc loop (a Python number weak; a list as NumPy
     reads it)."""
@@ -917,7 +957,11 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
         the current stream, no host copy); NumPy in, NumPy out (0-d results as NumPy scalars),
         computed where ``device`` says (NumPy inputs larger than 512 MiB in chunks on local
         threads). A function that returns a tuple gives one output per value, computed in one
-        pass (NumPy's ``nout``; ``dtype=`` may be a tuple).
+        pass (NumPy's ``nout``; ``dtype=`` may be a tuple). With an xarray ``DataArray`` or
+        ``Dataset`` among the operands, the results are xarray objects, as a NumPy ufunc's
+        are: operands aligned and broadcast by their dimensions' names, coordinates kept
+        (``xarray.apply_ufunc``), each holding what the operation gives for the data (Dask
+        arrays for Dask-backed objects).
 
         ``device``
             ``"gpu"``: CuPy chunks stay on the device; NumPy chunks are staged through pinned

@@ -909,3 +909,43 @@ def test_functions_of_a_main_script_run_on_worker_processes(cluster):
 @pytest.mark.gpu
 def test_functions_of_a_main_script_run_on_a_gpu_cluster():
     assert _run_script("main_functions.py", "dg", "--gpu").strip().endswith("exact")
+
+
+# ---- xarray in, xarray out --------------------------------------------------------------------
+
+
+def _divmod3(p, q):
+    return p // q, p % q
+
+
+def test_xarray_in_xarray_out_broadcast_by_dimension_names(rng):
+    xr = pytest.importorskip("xarray")
+    values = rng.standard_normal((5, 7))
+    scale = rng.standard_normal(7)
+    a = xr.DataArray(da.from_array(values, chunks=(2, 3)), dims=("time", "x"),
+                     coords={"x": np.arange(7) * 10, "time": np.arange(5)}, name="a")
+    b = xr.DataArray(scale, dims=("x",), coords={"x": np.arange(7) * 10})
+    got = dg.multiply(b, a)  # by names: b's x meets a's x, whatever their positions
+    want = b * a  # NumPy's ufunc on the same DataArrays
+    assert isinstance(got, xr.DataArray) and isinstance(got.data, da.Array)
+    assert got.dims == want.dims and list(got.coords) == list(want.coords)
+    np.testing.assert_array_equal(got.values, want.values)
+    eager = dg.multiply(b, a.compute(), device="cpu")  # NumPy-backed: NumPy data, at once
+    assert isinstance(eager.data, np.ndarray)
+    np.testing.assert_array_equal(eager.values, want.values)
+
+
+def test_xarray_several_outputs_and_a_dataset(rng):
+    xr = pytest.importorskip("xarray")
+    ints = rng.integers(-50, 50, (4, 6)).astype(np.int16)
+    a = xr.DataArray(ints, dims=("r", "c"))
+    q, r = dg.elementwise(_divmod3)(a, 7)
+    np.testing.assert_array_equal(q.values, ints // 7)
+    np.testing.assert_array_equal(r.values, ints % 7)
+    assert q.dtype == (ints // 7).dtype and q.dims == ("r", "c")
+    ds = xr.Dataset({"u": a, "v": a * 2})
+    doubled = dg.multiply(ds, 2)
+    assert isinstance(doubled, xr.Dataset)
+    np.testing.assert_array_equal(doubled["v"].values, ints * 4)
+    with pytest.raises(TypeError, match="reduce= take no xarray"):
+        dg.multiply(a, 2, reduce="sum")
