@@ -811,8 +811,10 @@ def clean(directory: str, dry_run: bool, force: bool) -> None:
     if not found:
         click.echo(f"no partial files in {directory}")
         return
+    # Each file gets one line below; the log hears only the files that could not go.
     removed = set() if dry_run else {p.path for p in remove_partials(
-        found, unknown=force, log=lambda s: click.echo(f"warning: {s}", err=True))}
+        found, unknown=force, log=lambda s: click.echo(f"warning: {s}", err=True),
+        log_removals=False)}
     for p in found:
         done = ("removed" if p.path in removed else
                 "would remove" if dry_run and (p.state() == "gone" or force and

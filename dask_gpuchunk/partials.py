@@ -181,11 +181,12 @@ def partials_in(directory: str | os.PathLike, target: str | os.PathLike | None =
 
 
 def remove_partials(partials: list[Partial], *, unknown: bool = False,
-                    log: Callable[[str], None] | None = None) -> list[Partial]:
+                    log: Callable[[str], None] | None = None,
+                    log_removals: bool = True) -> list[Partial]:
     """Remove those of ``partials`` whose writer is gone (and, with ``unknown``, those whose
     writer cannot be checked from here); never one a running process on this host writes.
-    ``log`` hears each removal and each file that could not be removed. Returns those
-    removed."""
+    ``log`` hears each file that could not be removed and, with ``log_removals``, each
+    removal. Returns those removed."""
     removed = []
     for partial in partials:
         state = partial.state()
@@ -203,7 +204,7 @@ def remove_partials(partials: list[Partial], *, unknown: bool = False,
                 log(f"cannot remove {partial.path} ({exc.strerror}); {partial.describe()}")
             continue
         removed.append(partial)
-        if log is not None:
+        if log is not None and log_removals:
             log(f"removed {partial.path} ({partial.nbytes:,} bytes), a partial output "
                 f"{partial.describe()}")
     return removed

@@ -16,6 +16,7 @@ def test_info_text_and_json():
     result = runner.invoke(main, ["info"])
     assert result.exit_code == 0, result.output
     assert "execution paths:" in result.output and "cpu" in result.output
+    assert "versions: dask_gpuchunk " in result.output and " numpy " in result.output
     result = runner.invoke(main, ["info", "--json"])
     assert result.exit_code == 0
     env = json.loads(result.output)
@@ -43,6 +44,7 @@ def test_bench_elementwise_small_writes_json_and_png(tmp_path):
             assert (table, name) in names
     ran = [e for e in report["entries"] if e["seconds"] is not None]
     assert all(e["seconds"] > 0 for e in ran)
+    assert all(e["extra"]["vs_floor"] > 0 for e in ran)  # the "x floor" column, also with no GPU
     assert report["limits"]["host_copy_traffic"] > 0
     assert "[product]" in result.output and "x best" in result.output
     try:

@@ -131,6 +131,7 @@ def test_clean_lists_and_removes_on_demand(tmp_path):
 
     result = CliRunner().invoke(main, ["clean", str(tmp_path)])
     assert result.exit_code == 0 and f"removed: {gone.name}" in result.stdout
+    assert gone.name not in (result.stderr or "")  # each removal said once
     assert not gone.exists() and running.exists() and elsewhere.exists()
 
     result = CliRunner().invoke(main, ["clean", str(tmp_path), "--force"])

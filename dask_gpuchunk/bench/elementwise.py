@@ -563,6 +563,19 @@ def _versus_cupy(rows: list[Entry]) -> None:
             e.extra["vs_cupy_row"] = ref.name
 
 
+def _floor_of(name: str) -> str:
+    """Which floor a row is measured against: HBM for data on the device, PCIe for host data
+    through a GPU, host memory for rows on the CPU (and every row where no GPU is visible,
+    which have no PCIe floor)."""
+    if ("device-resident" in name or name.startswith("peer cupy") or "CuPy chunk" in name
+            or "one chunk per array" in name):
+        return "hbm_floor_s"
+    lowered = name.lower()
+    if "cpu" in lowered or "numpy" in lowered or "numba parallel" in lowered:
+        return "host_memory_floor_s"
+    return "pcie_floor_s"
+
+
 def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> dict[str, Any]:
     floors: dict[str, dict[str, float]] = {}
     for table in ("product", "rk4"):
@@ -585,9 +598,7 @@ def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> 
                 continue
             if best:
                 e.extra["vs_best"] = e.seconds / best
-            device_row = ("device-resident" in e.name or e.name.startswith("peer cupy")
-                          or "CuPy chunk" in e.name or "one chunk per array" in e.name)
-            floor = f.get("hbm_floor_s" if device_row else "pcie_floor_s")
+            floor = f.get(_floor_of(e.name)) or f.get("host_memory_floor_s")
             if floor:
                 e.extra["vs_floor"] = e.seconds / floor
         _versus_cupy(rows)
