@@ -286,7 +286,11 @@ def local_cluster(
                               "host": LOOPBACK}
     if secure and "security" not in cluster_kwargs:
         kwargs["security"] = temporary_security()
-    if "dashboard_address" in cluster_kwargs and cluster_kwargs["dashboard_address"] is None:
+    if "dashboard_address" not in cluster_kwargs:
+        # Dask's default, ":8787", listens on every interface: the dashboard shows the
+        # workers, their tasks and this user's data to whoever reaches the machine.
+        cluster_kwargs = {**cluster_kwargs, "dashboard_address": f"{LOOPBACK}:8787"}
+    elif cluster_kwargs["dashboard_address"] is None:
         # No dashboard wanted; the scheduler's HTTP server (health, metrics) still starts, on
         # Dask's 8787 unless told otherwise, and a second cluster then warns that the port is
         # taken: any free loopback port instead.

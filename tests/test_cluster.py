@@ -258,3 +258,17 @@ def test_local_cluster_without_tls_stays_on_loopback():
         assert not client.scheduler.address.startswith("tls://")
         assert client.submit(lambda: 1).result() == 1
         assert set(_listening_addresses()) <= {"127.0.0.1"}, _listening_addresses()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [{}, {"n_workers": 2}, {"secure": False}],
+                         ids=["defaults", "two-workers", "plain-tcp"])
+def test_every_listener_of_a_local_cluster_is_on_loopback(kwargs):
+    # As a user starts it: worker processes, the dashboard where Dask puts it by default.
+    with dg.local_cluster(**kwargs) as client:
+        assert "127.0.0.1" in client.dashboard_link, client.dashboard_link
+        here = set(_listening_addresses())  # the scheduler and its HTTP server
+        workers = client.run(_listening_addresses)
+    assert here and here <= {"127.0.0.1"}, here
+    for address, listening in workers.items():
+        assert set(listening) <= {"127.0.0.1"}, (address, listening)
