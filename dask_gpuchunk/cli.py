@@ -802,8 +802,8 @@ def demo(rows: int, cols: int, bit_rows: int, bits: int, workdir: str | None, de
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--dry-run", is_flag=True, help="List only; remove nothing.")
 @click.option("--force", is_flag=True, help="Also remove partial files whose writer cannot be "
-              "checked from here (written on another host, or by an older version); never "
-              "one that a running process on this host writes.")
+              "checked from here (written on another host); never one that a running process "
+              "on this host writes, nor a name without the package's dgc tag.")
 def clean(directory: str, dry_run: bool, force: bool) -> None:
     """List the temporary files (.partial) that killed jobs left in DIRECTORY and remove those
     whose writer is gone."""
@@ -817,9 +817,10 @@ def clean(directory: str, dry_run: bool, force: bool) -> None:
         log_removals=False)}
     for p in found:
         done = ("removed" if p.path in removed else
-                "would remove" if dry_run and (p.state() == "gone" or force and
-                                               p.state() == "unknown") else "kept")
-        hint = " (--force removes it)" if done == "kept" and p.state() == "unknown" else ""
+                "would remove" if dry_run and p.writer is not None and (
+                    p.state() == "gone" or force and p.state() == "unknown") else "kept")
+        hint = (" (--force removes it)" if done == "kept" and p.writer is not None
+                and p.state() == "unknown" else "")
         click.echo(f"{done}: {p.path.name}, {format_bytes(p.nbytes)}, {p.describe()}{hint}")
 
 

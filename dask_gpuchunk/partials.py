@@ -111,7 +111,8 @@ class Partial(NamedTuple):
     def describe(self) -> str:
         state = self.state()
         if self.writer is None:
-            return "written by an older version, writer not recorded"
+            return ("no dgc writer tag: a look-alike of another program's, or of a version "
+                    "before the tag; never removed here")
         return self.writer.describe() + {"running": ", still running", "gone": ", gone",
                                          "unknown": ""}[state]
 
@@ -184,11 +185,14 @@ def remove_partials(partials: list[Partial], *, unknown: bool = False,
                     log: Callable[[str], None] | None = None,
                     log_removals: bool = True) -> list[Partial]:
     """Remove those of ``partials`` whose writer is gone (and, with ``unknown``, those whose
-    writer cannot be checked from here); never one a running process on this host writes.
+    writer cannot be checked from here); never one a running process on this host writes, nor
+    one whose name has no ``dgc`` writer tag (a look-alike).
     ``log`` hears each file that could not be removed and, with ``log_removals``, each
     removal. Returns those removed."""
     removed = []
     for partial in partials:
+        if partial.writer is None:  # only names this package makes, with its dgc tag
+            continue
         state = partial.state()
         if not (state == "gone" or (unknown and state == "unknown")):
             continue

@@ -23,6 +23,7 @@ from dask_gpuchunk.partials import (
     _host_tag,
     _start_time,
     partials_in,
+    remove_partials,
     remove_stale,
     temporary_name,
 )
@@ -147,3 +148,19 @@ def test_host_tag_and_start_time_are_stable():
     assert _host_tag() == _host_tag() and len(_host_tag()) == 8
     assert _start_time(os.getpid()) == _start_time(os.getpid())
     assert _start_time(_dead_pid()) is None
+
+
+def test_clean_lists_look_alikes_and_never_removes_them(tmp_path):
+    # Names like ours but without the dgc writer tag: another program's, or a user's own.
+    file = tmp_path / ".thesis.tex.0123456789ab.partial"
+    file.write_text("my thesis")
+    store = tmp_path / ".backup.zarr.deadbeefcafe.partial"
+    (store / "sub").mkdir(parents=True)
+    (store / "sub" / "data.bin").write_bytes(b"keep")
+    for args in (["--force"], []):
+        result = CliRunner().invoke(main, ["clean", str(tmp_path), *args])
+        assert result.exit_code == 0, result.output
+        assert f"kept: {file.name}" in result.stdout and f"kept: {store.name}" in result.stdout
+        assert "never removed" in result.stdout and "--force removes it" not in result.stdout
+    assert file.read_text() == "my thesis" and (store / "sub" / "data.bin").exists()
+    assert not remove_partials(partials_in(tmp_path), unknown=True)
