@@ -66,7 +66,8 @@ from .staging import copy_to_host, pinned_pool
 
 __all__ = ["NoSpaceError", "NoWorkersError", "NpyFormatError", "NpyHeader",
            "NpyTrailingDataWarning", "check_output_directory", "check_space", "check_target",
-           "checked_chunks", "from_npy", "in_flight", "no_workers_timeout", "npy_bytes",
+           "checked_chunks", "from_npy", "in_flight", "inputs_of", "no_workers_timeout",
+           "npy_bytes",
            "npy_in_place", "npy_reader_of", "read_header", "run_writes", "temporary_output",
            "to_npy", "write_region"]
 
@@ -542,6 +543,11 @@ class NpyReader:
         return _rows_on_device(self.path, self.header, self.row_nbytes, start, stop,
                                self.pinned_file)
 
+    def check_unchanged(self) -> None:
+        """:class:`~dask_gpuchunk.files.InputChangedError` where the file is no longer the
+        one pinned."""
+        check_unchanged(self.path, self.pinned_file)
+
     def __dask_tokenize__(self) -> tuple:
         return ("dask-gpuchunk-npy", self.path, self.pinned_file, self.pinned)
 
@@ -560,11 +566,12 @@ def checked_chunks(chunks: Any, shape: tuple[int, ...], dtype: np.dtype) -> tupl
     return normalized
 
 
-def _inputs_of(x: Any) -> list[tuple[str, FileIdentity]]:
-    """The ``.npy`` inputs (:func:`from_npy`) that Dask collection ``x`` reads: their path and
-    identity when read, found among the graph's values (each reader is one value, which the
-    chunks' tasks refer to)."""
-    found: dict[tuple[str, FileIdentity], None] = {}
+def inputs_of(x: Any) -> list[Any]:
+    """The file inputs that Dask collection ``x`` reads, pinned when they were opened: the
+    readers (:class:`NpyReader`, :class:`dask_gpuchunk.zarr_files.ZarrReader`) found among
+    the graph's values (each reader is one value, which the chunks' tasks refer to), each with
+    a ``check_unchanged()`` that a job calls before it publishes its output."""
+    found: dict[int, Any] = {}
     if not hasattr(x, "__dask_graph__"):
         return []
     graph = x.__dask_graph__()
@@ -575,9 +582,9 @@ def _inputs_of(x: Any) -> list[tuple[str, FileIdentity]]:
               ) if layers is not None else dict(graph).values()
     for value in values:
         value = getattr(value, "value", value)  # a DataNode holds the object as its value
-        if isinstance(value, NpyReader):
-            found[(value.path, value.pinned_file)] = None
-    return list(found)
+        if callable(getattr(value, "check_unchanged", None)) and hasattr(value, "path"):
+            found.setdefault(id(value), value)
+    return list(found.values())
 
 
 # ---- writing ---------------------------------------------------------------------------------
@@ -862,25 +869,26 @@ def npy_in_place(target: Path, dtype: np.dtype, shape: tuple[int, ...], overwrit
     unchanged and the file is renamed onto ``target``; removed if anything raises (never
     half-written). :func:`to_npy` writes through it."""
     check_target(target, overwrite, npy_bytes(dtype, shape))
-    with _file_in_place(target, dtype, shape, overwrite, _inputs_of(reads)) as placed:
+    with _file_in_place(target, dtype, shape, overwrite, inputs_of(reads)) as placed:
         yield placed
 
 
 @contextlib.contextmanager
 def _file_in_place(target: Path, dtype: np.dtype, shape: tuple[int, ...], overwrite: bool,
-                   inputs: list[tuple[str, FileIdentity]] = ()
+                   inputs: list[Any] = ()
                    ) -> Iterator[tuple[str, NpyHeader, tuple[int, int, int]]]:
     """A temporary ``.npy`` beside ``target``, header written and sized: ``(its path, header,
     its key)`` (:func:`dask_gpuchunk.files.file_key`). When the block ends, each of ``inputs``
-    (path, identity) is checked unchanged, then the file is published onto ``target``
+    (pinned readers, :func:`inputs_of`) is checked unchanged, then the file is published onto
+    ``target``
     (:func:`dask_gpuchunk.files.publish`: never over a file that appeared meanwhile unless
     ``overwrite``, and then only over a regular file). Removed if anything raises (never
     half-written)."""
     with temporary_output(target) as (tmp, fd, key):
         header = _write_header(fd, dtype, shape)
         yield str(tmp), header, key
-        for path, pinned_file in inputs:
-            check_unchanged(path, pinned_file)
+        for reader in inputs:
+            reader.check_unchanged()
         publish(tmp, target, key, overwrite)
 
 

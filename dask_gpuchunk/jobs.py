@@ -233,8 +233,8 @@ def _region_writer(target: Path, shape: tuple[int, int], block_rows: int, overwr
     dtype = np.dtype(np.int32)
     if is_zarr_path(target):
         with zarr_in_place(target, dtype, shape, (block_rows, block_rows), overwrite,
-                           **output) as array:
-            yield region_writer(array)
+                           reads=reads, **output) as store:
+            yield region_writer(store)
         return
     with npy_in_place(target, dtype, shape, overwrite, reads) as (tmp, header, key):
         yield functools.partial(write_region, path=tmp, header=header, key=key)

@@ -2,30 +2,31 @@
 
 Reading is as Dask's own :func:`dask.array.from_zarr` (each task reads its region, on whichever
 worker runs it; that function is missing under Dask's array query planning), after the store is
-checked here; on the GPU path the NumPy chunks go through
-the package's pinned staging like any other. Writing goes into a temporary store beside the
-target (``.<name>.dgc-<writer>.partial``, :mod:`dask_gpuchunk.partials`) whose chunks are the
-Dask array's blocks, so that each task writes whole Zarr chunks and no two tasks share one; the
-store is renamed onto the target only when every chunk is written (an existing store replaced
-only with ``overwrite``, and only a Zarr store: never another directory). Compression is off by
-default: the jobs' outputs are dense numbers that compress little, and writing them raw runs
-at the disk's rate: each whole chunk of such a store is written from the block's memory (from
-a pinned buffer for CuPy blocks) straight into its file, with none of zarr's encoding copies;
-edge chunks (zarr stores them padded) and compressed stores go through zarr. Zarr format 3 by default, 2 on request; both are read. Needs the ``zarr``
-package (``pip install 'dask-gpuchunk[zarr]'``).
+checked here and pinned as a ``.npy`` input is (:class:`ZarrReader`: a store changed during the
+job is an error, never a wrong output; a damaged one is named with its chunk); on the GPU path
+the NumPy chunks go through the package's pinned staging like any other. Writing goes into a
+private temporary store beside the target (:mod:`dask_gpuchunk.zarr_store`) whose chunks are
+the Dask array's blocks, so that each task writes whole Zarr chunks and no two tasks share one;
+the store is renamed onto the target only when every chunk is written (an existing store
+replaced only with ``overwrite``, and only a Zarr array of zarr's own entries). Compression is
+off by default: the jobs' outputs are dense numbers that compress little, and writing them raw
+runs at the disk's rate: each whole chunk of such a store is written from the block's memory
+(from a pinned buffer for CuPy blocks) straight into its file. Zarr format 3 by default, 2 on
+request; both are read. Needs the ``zarr`` package (``pip install 'dask-gpuchunk[zarr]'``).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import functools
 import logging
 import math
 import os
-import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,21 +35,35 @@ import dask.array as da
 import numpy as np
 from dask.base import tokenize
 
-from ._kernels.gram import c_ordered
 from .arrays import asarray
 from .backend import ChunkWork, run_chunk
 from .config import map_blocks_prefix
-from .files import exchange, rename_noreplace
-from .io import check_output_directory, check_space, checked_chunks, in_flight, run_writes
+from .files import InputChangedError
+from .io import (
+    check_output_directory,
+    check_space,
+    checked_chunks,
+    in_flight,
+    inputs_of,
+    run_writes,
+)
 from .partials import remove_stale, temporary_name
+from .zarr_store import (
+    COMPRESSIONS,
+    WRITER_ATTRIBUTE,
+    StoreTarget,
+    check_compression,
+    check_replaceable,
+    create_store,
+    publish_store,
+    remove_store,
+    write_chunks,
+)
 
-__all__ = ["COMPRESSIONS", "ZarrFormatError", "ZarrInfo", "check_compression",
+__all__ = ["COMPRESSIONS", "ZarrFormatError", "ZarrInfo", "ZarrReader", "check_compression",
            "check_zarr_target", "from_zarr", "is_zarr_path", "read_zarr_info", "region_writer",
            "to_zarr", "write_zarr_region", "zarr_in_place"]
 
-#: The compressions ``to_zarr`` and the jobs' ``--compression`` take (``NAME`` or
-#: ``NAME:LEVEL``).
-COMPRESSIONS = ("none", "zstd", "gzip", "blosc")
 
 
 class ZarrFormatError(ValueError):
@@ -100,8 +115,8 @@ def read_zarr_info(path: str | os.PathLike) -> ZarrInfo:
     FileNotFoundError
         Nothing at ``path``.
     ZarrFormatError
-        Not a Zarr array (a plain directory, a group, unreadable metadata) or of an object or
-        string dtype.
+        Not a Zarr array (a plain directory, a group, unreadable metadata), of an object or
+        string dtype, or of chunks of no size.
 
     Examples
     --------
@@ -121,20 +136,178 @@ def read_zarr_info(path: str | os.PathLike) -> ZarrInfo:
     try:
         array = zarr.open_array(str(path), mode="r")
         dtype = np.dtype(array.dtype)
+        chunks = tuple(int(c) for c in array.chunks)
+        shape = tuple(int(n) for n in array.shape)
     except Exception as exc:  # noqa: BLE001 - whatever zarr raises, the store is not readable
         raise ZarrFormatError(f"{path} is not a readable Zarr array ({exc})".splitlines()[0]
                               ) from None
     if dtype.hasobject or dtype.kind in "OUSTV":
         raise ZarrFormatError(f"{path} holds {dtype} values; the jobs take numbers")
+    if len(chunks) != len(shape) or any(c < 1 for c in chunks):
+        raise ZarrFormatError(f"{path}: its metadata gives chunks {list(chunks)} for shape "
+                              f"{list(shape)}; every chunk size must be 1 or more")
     if dtype.isnative:  # zarr may spell native little-endian "<": one dtype here
         dtype = dtype.newbyteorder("=")
-    return ZarrInfo(tuple(int(n) for n in array.shape), dtype,
-                    tuple(int(c) for c in array.chunks))
+    return ZarrInfo(shape, dtype, chunks)
+
+
+# ---- reading, the store pinned --------------------------------------------------------------
+
+
+_METADATA = ("zarr.json", ".zarray", ".zattrs")
+
+
+def _store_files(path: str) -> dict[str, tuple[int, int, int]]:
+    """Every file below the store ``path``, by its key (``"c/0/1"``): ``(inode, size,
+    modification time)``, as the store stands now."""
+    found: dict[str, tuple[int, int, int]] = {}
+    for folder, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(folder, name)
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(full)
+                found[os.path.relpath(full, path).replace(os.sep, "/")] = (
+                    st.st_ino, st.st_size, st.st_mtime_ns)
+    return found
+
+
+def _grid_keys(array: Any) -> Iterator[tuple[tuple[int, ...], str]]:
+    """Every chunk (shard, where the array has them) of ``array``: its grid position and key."""
+    grid = getattr(array, "shards", None) or array.chunks
+    counts = [-(-int(n) // int(c)) for n, c in zip(array.shape, grid)]
+    for coords in np.ndindex(*counts):
+        yield coords, array.metadata.encode_chunk_key(coords)
+
+
+class ZarrReader:
+    """A Zarr array as :func:`dask.array.from_array` reads it, pinned as a ``.npy`` input is:
+    the store's files when it was opened (``files``: each one's inode, size and modification
+    time) are checked before and after each region is read, and once more before a job
+    publishes its output (:meth:`check_unchanged`): a chunk modified, removed or added, or the
+    metadata edited, is :class:`~dask_gpuchunk.files.InputChangedError`. A chunk that cannot
+    be decoded (a failed checksum, a truncated file) is a :class:`ZarrFormatError` naming the
+    store and the chunk."""
+
+    __slots__ = ("path", "shape", "dtype", "ndim", "files", "grid")
+
+    def __init__(self, path: str, info: ZarrInfo, files: dict[str, tuple[int, int, int]],
+                 grid: tuple[int, ...]) -> None:
+        self.path, self.files, self.grid = path, files, grid
+        self.shape, self.dtype, self.ndim = info.shape, info.dtype, len(info.shape)
+
+    def __getitem__(self, region: tuple[slice, ...]) -> np.ndarray:
+        array = _opened_array(self.path, self.files.get("zarr.json") or self.files.get(".zarray"))
+        keys = self._keys(array, region)
+        self._check(keys)
+        try:
+            data = np.asarray(array[region])
+        except Exception as exc:  # noqa: BLE001 - zarr's errors for a chunk it cannot decode
+            raise self._damaged(array, region, exc) from None
+        self._check(keys)
+        if not data.dtype.isnative:
+            data = data.astype(data.dtype.newbyteorder("="))
+        return data
+
+    def _keys(self, array: Any, region: tuple[slice, ...]) -> list[str]:
+        first = [(r.start or 0) // g for r, g in zip(region, self.grid)]
+        last = [-(-(r.stop if r.stop is not None else n) // g)
+                for r, g, n in zip(region, self.grid, self.shape)]
+        return [array.metadata.encode_chunk_key(tuple(a + i for a, i in zip(first, c)))
+                for c in np.ndindex(*(b - a for a, b in zip(first, last)))]
+
+    def _check(self, keys: list[str]) -> None:
+        for key in [*_METADATA, *keys]:
+            try:
+                st = os.lstat(os.path.join(self.path, *key.split("/")))
+                now: tuple[int, int, int] | None = (st.st_ino, st.st_size, st.st_mtime_ns)
+            except FileNotFoundError:
+                now = None
+            if now != self.files.get(key):
+                raise _changed(self.path, key, self.files.get(key), now)
+
+    def _damaged(self, array: Any, region: tuple[slice, ...], exc: Exception) -> Exception:
+        """The error of a region that zarr could not read: the first of its chunks that fails
+        alone, named with the store (``exc`` where none does)."""
+        for coords, key in _grid_keys(array):
+            lo = [c * g for c, g in zip(coords, self.grid)]
+            hi = [min(a + g, n) for a, g, n in zip(lo, self.grid, self.shape)]
+            if not all(a < (r.stop if r.stop is not None else n) and b > (r.start or 0)
+                       for a, b, r, n in zip(lo, hi, region, self.shape)):
+                continue
+            try:
+                array[tuple(slice(a, b) for a, b in zip(lo, hi))]
+            except Exception as chunk_exc:  # noqa: BLE001 - as above
+                return ZarrFormatError(f"{self.path}: chunk {key} cannot be read "
+                                       f"({type(chunk_exc).__name__}: {chunk_exc}); the store is "
+                                       "damaged".splitlines()[0])
+        return ZarrFormatError(f"{self.path} cannot be read ({type(exc).__name__}: {exc})"
+                               .splitlines()[0])
+
+    def check_unchanged(self) -> None:
+        """:class:`~dask_gpuchunk.files.InputChangedError` where any file of the store differs
+        from when it was opened."""
+        now = _store_files(self.path)
+        for key in sorted(set(now) | set(self.files)):
+            if now.get(key) != self.files.get(key):
+                raise _changed(self.path, key, self.files.get(key), now.get(key))
+
+    def __dask_tokenize__(self) -> tuple:
+        return ("dask-gpuchunk-zarr", self.path, sorted(self.files.items()))
+
+
+def _changed(path: str, key: str, before: Any, now: Any) -> InputChangedError:
+    what = ("was removed" if now is None else "appeared" if before is None else "was modified")
+    return InputChangedError(errno.ESTALE, f"input {path} changed during the job ({key} {what}); "
+                             "nothing was written from it")
+
+
+_arrays: dict[tuple[str, Any], Any] = {}
+_arrays_lock = threading.Lock()
+
+
+def _opened_array(path: str, metadata: Any) -> Any:
+    """The zarr array at ``path`` opened for reading, once per process and metadata file."""
+    with _arrays_lock:
+        found = _arrays.get((path, metadata))
+        if found is None:
+            found = _arrays[(path, metadata)] = _zarr().open_array(path, mode="r")
+        return found
+
+
+_warned_missing: set[str] = set()
+
+
+def _pin(path: str, info: ZarrInfo) -> ZarrReader:
+    """The reader of the store at ``path``, its files pinned as they are now; a store this
+    package wrote whole (:data:`~dask_gpuchunk.zarr_store.WRITER_ATTRIBUTE`) with a chunk
+    missing or a shape other than it wrote is damaged (:class:`ZarrFormatError`); another
+    store's missing chunks are said once: zarr reads them as the fill value."""
+    files = _store_files(path)
+    array = _opened_array(path, files.get("zarr.json") or files.get(".zarray"))
+    grid = tuple(int(g) for g in (getattr(array, "shards", None) or array.chunks))
+    missing = [key for _, key in _grid_keys(array) if key not in files]
+    ours = array.attrs.get(WRITER_ATTRIBUTE)
+    if isinstance(ours, dict) and ours.get("all_chunks"):
+        if list(ours.get("shape", info.shape)) != list(info.shape):
+            raise ZarrFormatError(f"{path} was written as shape {tuple(ours['shape'])}, but its "
+                                  f"metadata now says {info.shape}: the store is damaged")
+        if missing:
+            raise ZarrFormatError(f"{path}: chunk {missing[0]} is missing ({len(missing)} of "
+                                  "its chunks in all); it was written with every chunk, so the "
+                                  "store is damaged")
+    elif missing and path not in _warned_missing:
+        _warned_missing.add(path)
+        warnings.warn(f"{path}: {len(missing)} of its chunks do not exist (the first: "
+                      f"{missing[0]}); they are read as the fill value "
+                      f"{array.metadata.fill_value!r}", stacklevel=3)
+    return ZarrReader(os.path.abspath(path), info, files, grid)
 
 
 def from_zarr(path: str | os.PathLike, chunks: Any = None) -> da.Array:
-    """A Dask array of the Zarr array at ``path``, checked first (:func:`read_zarr_info`);
-    ``chunks`` as for :func:`dask_gpuchunk.from_npy` (``None``: the store's own chunks).
+    """A Dask array of the Zarr array at ``path``, checked first (:func:`read_zarr_info`) and
+    pinned (:class:`ZarrReader`: a store changed while the array is read raises; a damaged one
+    is named); ``chunks`` as for :func:`dask_gpuchunk.from_npy` (``None``: the store's own
+    chunks).
 
     Examples
     --------
@@ -147,249 +320,119 @@ def from_zarr(path: str | os.PathLike, chunks: Any = None) -> da.Array:
     """
     info = read_zarr_info(path)
     chunks = checked_chunks(info.chunks if chunks is None else chunks, info.shape, info.dtype)
-    array = _zarr().open_array(os.fspath(path), mode="r")
+    reader = _pin(os.fspath(path), info)
     # dask.array.from_zarr's work, which dask's array query planning does not have: each task
     # reads its own region of the store.
-    metadata = Path(path) / ("zarr.json" if (Path(path) / "zarr.json").exists() else ".zarray")
-    token = tokenize(os.path.abspath(path), os.stat(metadata).st_mtime_ns, chunks)
-    return da.from_array(array, chunks=chunks, name=f"from-zarr-{token}", asarray=True,
-                         meta=np.empty((0,) * len(info.shape), info.dtype))
-
-
-def check_compression(compression: str, zarr_format: int) -> tuple[str, int | None]:
-    """``(name, level)`` of ``NAME[:LEVEL]`` (:data:`COMPRESSIONS`); ``ValueError`` for an
-    unknown name, a level that is not a whole number or a format other than 2 and 3.
-
-    Examples
-    --------
-    >>> check_compression("zstd:7", 3), check_compression("none", 2)
-    (('zstd', 7), ('none', None))
-    """
-    if zarr_format not in (2, 3):
-        raise ValueError(f"zarr_format must be 2 or 3, got {zarr_format!r}")
-    name, _, level = compression.partition(":")
-    if name not in COMPRESSIONS:
-        raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)} (NAME or "
-                         f"NAME:LEVEL); got {compression!r}")
-    try:
-        return name, int(level) if level else None
-    except ValueError:
-        raise ValueError(f"compression level {level!r} is not a whole number") from None
-
-
-def _compressors(compression: str, zarr_format: int) -> Any:
-    """Zarr's compressors for ``NAME[:LEVEL]`` (:func:`check_compression`)."""
-    name, level_value = check_compression(compression, zarr_format)
-    if name == "none":
-        return None
-    if zarr_format == 2:
-        import numcodecs
-
-        return {"zstd": lambda: numcodecs.Zstd(level=level_value or 3),
-                "gzip": lambda: numcodecs.GZip(level=level_value or 5),
-                "blosc": lambda: numcodecs.Blosc(cname="zstd", clevel=level_value or 5)}[name]()
-    from zarr import codecs
-
-    return {"zstd": lambda: codecs.ZstdCodec(level=level_value or 3),
-            "gzip": lambda: codecs.GzipCodec(level=level_value or 5),
-            "blosc": lambda: codecs.BloscCodec(cname="zstd", clevel=level_value or 5)}[name]()
-
-
-def _refuse_unless_store(path: Path) -> None:
-    """``FileExistsError`` where the existing ``path`` is not a Zarr store (a symlink, a file,
-    another directory): overwrite replaces stores, nothing else."""
-    if path.is_symlink() or not _is_store(path):
-        raise FileExistsError(f"{path} is not a Zarr store; only a Zarr store is replaced")
+    token = tokenize(reader, chunks)
+    return da.from_array(reader, chunks=chunks, name=f"from-zarr-{token}", asarray=False,
+                         fancy=False, meta=np.empty((0,) * len(info.shape), info.dtype))
 
 
 def check_zarr_target(path: Path, overwrite: bool, nbytes: int = 0) -> None:
     """Refuse, before any work, a Zarr output ``path`` that cannot be written: a missing or
-    read-only directory, an existing store without ``overwrite``, anything but a Zarr store
-    at ``path`` (never replaced), or a file system without room for ``nbytes``."""
+    read-only directory, an existing store without ``overwrite``, with it anything but a Zarr
+    array of zarr's own entries (:func:`~dask_gpuchunk.zarr_store.check_replaceable`: never
+    replaced), or a file system without room for ``nbytes``."""
+    if os.fspath(path).endswith(os.sep):
+        raise IsADirectoryError(f"{path}: give the store's name, not a directory (no "
+                                "trailing /)")
     check_output_directory(path.parent)
     if os.path.lexists(path):
         if not overwrite:
-            raise FileExistsError(f"{path} exists; pass overwrite=True to replace "
-                                  "it")
-        _refuse_unless_store(path)
+            raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+        check_replaceable(path)
     if nbytes:
         check_space(path.parent, nbytes)
 
 
-def _publish_store(tmp: Path, target: Path, overwrite: bool) -> None:
-    """Rename the finished store ``tmp`` onto ``target``: never over anything without
-    ``overwrite``; with it, swapped with an existing Zarr store in one step (``renameat2``
-    ``RENAME_EXCHANGE`` where the file system has it), the old store then removed."""
-    if not overwrite or not os.path.lexists(target):
-        rename_noreplace(tmp, target)
-        return
-    _refuse_unless_store(target)
-    exchange(tmp, target)
-    shutil.rmtree(tmp)  # the old store, now under the temporary name
-
-
 @contextlib.contextmanager
 def zarr_in_place(target: Path, dtype: np.dtype, shape: tuple[int, ...], chunks: tuple[int, ...],
-                  overwrite: bool, compression: str = "none", zarr_format: int = 3
-                  ) -> Iterator[Any]:
-    """A Zarr array written in pieces and published whole: the array of a temporary store
-    beside ``target``, for :func:`write_zarr_region`'s tasks; checked first. When the block
-    ends, the store is renamed onto ``target``; removed if anything raises."""
-    zarr = _zarr()
-    compressors = _compressors(compression, zarr_format)
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize if compressors is None else 0
-    check_zarr_target(target, overwrite, nbytes)
+                  overwrite: bool, compression: str = "none", zarr_format: int = 3,
+                  reads: Any = None) -> Iterator[StoreTarget]:
+    """A Zarr array written in pieces and published whole: its temporary store beside
+    ``target`` (:func:`~dask_gpuchunk.zarr_store.create_store`), for
+    :func:`write_zarr_region`'s tasks; checked first (room for the uncompressed bytes: our
+    outputs are dense numbers that compress little). When the block ends, the inputs the Dask
+    collection ``reads`` reads are checked unchanged, and the store is published onto
+    ``target`` if it is still the one the job made; removed if anything raises."""
+    _zarr()
+    check_compression(compression, zarr_format)
+    check_zarr_target(target, overwrite, math.prod(shape) * np.dtype(dtype).itemsize)
     remove_stale(target, log=logging.getLogger("dask_gpuchunk").warning)
-    tmp = temporary_name(target)
+    store = None
     try:
-        array = zarr.create_array(str(tmp), shape=shape, chunks=chunks, dtype=dtype,
-                                  compressors=compressors, zarr_format=zarr_format,
-                                  fill_value=0)
-        yield array
-        _publish_store(tmp, target, overwrite)
+        store = create_store(temporary_name(target), shape, chunks, dtype, compression,
+                             zarr_format)
+        yield store
+        for reader in inputs_of(reads):
+            reader.check_unchanged()
+        publish_store(store, target, overwrite)
     except BaseException:
-        _remove_store(tmp)
+        if store is not None:
+            _removed_when_quiet(store)
         raise
 
 
-def _remove_store(tmp: Path, patience: float = 60.0) -> None:
-    """Remove a failed job's store once this process's writes to it have ended (each of them
-    checks, after writing, that the store is still there, and removes what it made if not)."""
+def _removed_when_quiet(store: StoreTarget, patience: float = 60.0) -> None:
+    """Remove a failed job's store once this process's writes to it have ended (a write then
+    finds the store gone and writes nothing)."""
     deadline = time.monotonic() + patience
     while True:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_store(store)
         with _writing_lock:
-            busy = _writing[str(tmp)] > 0
-        if (not busy and not os.path.lexists(tmp)) or time.monotonic() > deadline:
+            busy = _writing[store.root] > 0
+        if (not busy and not os.path.lexists(store.root)) or time.monotonic() > deadline:
             return
         time.sleep(0.01)
 
 
-def _check_still_there(root: str) -> None:
-    """A chunk of a store its job gave up (and removed) is not to be written: writing would
-    create its directories again, leaving a half store behind. Checked before and after each
-    write (a removal during the write is undone by the writer)."""
-    if not _is_store(Path(root)):
-        shutil.rmtree(root, ignore_errors=True)
-        raise FileNotFoundError(f"the job's temporary store {root} was removed (the job failed "
-                                "or was stopped); this chunk is not written")
-
-
-#: Writes in flight in this process, per store root: a failed job removes its store only once
-#: its own threads' writes have ended (a write after the removal would make its directories
-#: again).
+#: Writes in flight in this process, per store: a failed job removes its store only once its
+#: own threads' writes have ended.
 _writing: collections.Counter[str] = collections.Counter()
 _writing_lock = threading.Lock()
 
 
-def write_zarr_region(block: Any, region: tuple[slice, ...], array: Any, root: str
-                      ) -> np.ndarray:
-    """Write one computed block into its region of the Zarr array stored at ``root`` (whole
-    chunks of it): the bytes written, as a one-element array per block. A CuPy block comes to
-    the host through a pinned buffer; chunks stored raw (:func:`_raw_chunks`) are written
-    straight from the block into their files."""
+def write_zarr_region(block: Any, region: tuple[slice, ...], target: StoreTarget) -> np.ndarray:
+    """Write one computed block into its region of the store ``target`` names (whole chunks of
+    it; :func:`~dask_gpuchunk.zarr_store.write_chunks`): the bytes written, as a one-element
+    array per block. A CuPy block comes to the host through a pinned buffer."""
+    dtype = np.dtype(target.dtype)
     with _writing_lock:
-        _writing[root] += 1
+        _writing[target.root] += 1
     try:
-        _check_still_there(root)
         run_chunk(ChunkWork(
             "a chunk written to a Zarr store", stage=False,
-            on_cpu=lambda: _host_block_to_store(np.asarray(block, dtype=array.dtype), region,
-                                                array, root),
-            on_device=lambda: _device_block_to_store(block, region, array, root)), [block])
-        _check_still_there(root)
+            on_cpu=lambda: _host_block_to_store(np.asarray(block, dtype=dtype), region, target),
+            on_device=lambda: _device_block_to_store(block, region, target)), [block])
     finally:
         with _writing_lock:
-            _writing[root] -= 1
-    return np.full((1,) * len(region), block.size * array.dtype.itemsize, dtype=np.int64)
+            _writing[target.root] -= 1
+    return np.full((1,) * len(region), block.size * dtype.itemsize, dtype=np.int64)
 
 
-def _device_block_to_store(block: Any, region: tuple[slice, ...], array: Any, root: str) -> None:
+def _host_block_to_store(block: np.ndarray, region: tuple[slice, ...], target: StoreTarget
+                         ) -> None:
+    with in_flight("file-writes"):  # as .npy chunks: one sequential stream per process
+        write_chunks(target, block, region)
+
+
+def _device_block_to_store(block: Any, region: tuple[slice, ...], target: StoreTarget) -> None:
     """D2H into a pinned buffer, then written from there: no other host copy."""
     import cupy
 
     from .staging import copy_to_host, pinned_pool
 
-    block = cupy.ascontiguousarray(block.astype(array.dtype, copy=False))
+    block = cupy.ascontiguousarray(block.astype(np.dtype(target.dtype), copy=False))
     stream = cupy.cuda.get_current_stream()
     with pinned_pool.borrow(block.dtype, block.shape) as buf:
         copy_to_host(buf, block, stream)
         stream.synchronize()
-        _host_block_to_store(buf, region, array, root)
+        _host_block_to_store(buf, region, target)
 
 
-def _raw_chunks(array: Any) -> bool:
-    """Whether ``array``'s chunks are stored as their bytes, C order, native little-endian, no
-    filter or compressor (what ``to_zarr`` writes uncompressed): then a chunk's file is its
-    values' bytes, and a whole chunk can be written without zarr's encoding copy."""
-    metadata = array.metadata
-    dtype = np.dtype(array.dtype)
-    if dtype.byteorder == ">" or (dtype.byteorder == "=" and not np.little_endian):
-        return False
-    if metadata.zarr_format == 2:
-        return (metadata.compressor is None and not metadata.filters
-                and metadata.order == "C")
-    codecs = getattr(metadata, "codecs", ())
-    return (len(codecs) == 1 and type(codecs[0]).__name__ == "BytesCodec"
-            and str(getattr(codecs[0].endian, "value", "little") or "little") == "little")
-
-
-def _write_file(path: str, data: np.ndarray) -> None:
-    """``data``'s bytes, C order, into a new file at ``path``: rows gathered by ``writev`` where
-    only the leading axes are strided (no copy), else one contiguous write."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    if data.ndim >= 2 and not data.flags.c_contiguous and data[0].flags.c_contiguous:
-        pieces = [memoryview(np.ascontiguousarray(row)).cast("B") for row in data]
-    else:
-        pieces = [memoryview(c_ordered(data)).cast("B")]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-    try:
-        batch = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-        for start in range(0, len(pieces), batch):
-            group = pieces[start:start + batch]
-            written = os.writev(fd, group)
-            for piece in group:  # a short write: the rest piece by piece
-                if written >= piece.nbytes:
-                    written -= piece.nbytes
-                    continue
-                rest = piece[written:]
-                while rest.nbytes:
-                    rest = rest[os.write(fd, rest):]
-                written = 0
-    finally:
-        os.close(fd)
-
-
-def _host_block_to_store(block: np.ndarray, region: tuple[slice, ...], array: Any, root: str
-                         ) -> None:
-    """Each chunk of ``region`` (aligned to chunk boundaries, as ``to_zarr`` and the slab
-    writers cut them): a whole chunk of a raw store straight into its file, the rest (edge
-    chunks, which zarr stores padded, and other encodings) through zarr."""
-    if block.size == 0:  # the upper layout's last strip has nothing under the diagonal
-        return
-    raw = _raw_chunks(array)
-    with in_flight("file-writes"):  # as .npy chunks: one sequential stream per process
-        if not raw:
-            array[region] = block
-            return
-        chunks, shape = array.chunks, array.shape
-        first = [r.start // c for r, c in zip(region, chunks)]
-        last = [-(-r.stop // c) for r, c in zip(region, chunks)]
-        for coords in np.ndindex(*(b - a for a, b in zip(first, last))):
-            coords = tuple(a + i for a, i in zip(first, coords))
-            lo = [c * size for c, size in zip(coords, chunks)]
-            hi = [min(a + size, n) for a, size, n in zip(lo, chunks, shape)]
-            local = tuple(slice(a - r.start, b - r.start) for a, b, r in zip(lo, hi, region))
-            if any(b - a != size for a, b, size in zip(lo, hi, chunks)):  # an edge chunk
-                array[tuple(slice(a, b) for a, b in zip(lo, hi))] = block[local]
-                continue
-            key = array.metadata.encode_chunk_key(coords)
-            _write_file(os.path.join(root, *key.split("/")), block[local])
-
-
-def _write_block(block: Any, array: Any, root: str, block_info: dict) -> np.ndarray:
+def _write_block(block: Any, target: StoreTarget, block_info: dict) -> np.ndarray:
     region = tuple(slice(start, stop) for start, stop in block_info[0]["array-location"])
-    return write_zarr_region(block, region, array, root)
+    return write_zarr_region(block, region, target)
 
 
 def _regular(chunks: tuple[tuple[int, ...], ...]) -> tuple[int, ...] | None:
@@ -410,8 +453,12 @@ def to_zarr(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
     """Compute ``x`` and write it into a Zarr store, chunk by chunk, never half-written.
 
     The store's chunks are ``x``'s blocks (rechunked to a regular grid first where they are
-    not), so each task writes whole chunks, by the worker that computed them; the store is
-    renamed onto ``path`` only once every chunk is written.
+    not), so each task writes whole chunks, by the worker that computed them, into a private
+    temporary store beside ``path`` (:mod:`dask_gpuchunk.zarr_store`); it is renamed onto
+    ``path`` only once every chunk is written, the ``.npy`` and Zarr inputs ``x`` reads are
+    unchanged, and the temporary store is still the one the job made. Every chunk is written
+    (those of zeros too), and the store says so in its attributes: a reader tells a missing
+    chunk for damage. Compressed stores carry a CRC32C checksum of each chunk.
 
     Parameters
     ----------
@@ -420,8 +467,8 @@ def to_zarr(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
     path
         The store to write (its directory must exist; a name ending in ``.zarr``).
     overwrite
-        Replace the Zarr store at ``path`` (only once the new one is complete; anything other
-        than a Zarr store is never replaced).
+        Replace the Zarr array store at ``path`` (only once the new one is complete, and only
+        a store whose every entry is zarr's own: anything else in it is named and kept).
     compression
         ``"none"`` (default), ``"zstd"``, ``"gzip"`` or ``"blosc"``, optionally
         ``"NAME:LEVEL"``.
@@ -439,6 +486,8 @@ def to_zarr(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
     array([ 0,  2,  4,  6,  8, 10, 12, 14, 16, 18])
     """
     target = Path(os.path.abspath(os.fspath(path)))
+    if os.fspath(path).endswith(os.sep):
+        target = Path(os.fspath(target) + os.sep)
     x = asarray(x)
     dtype = np.dtype(x.dtype)
     if dtype.hasobject or dtype.kind in "OUSTV":
@@ -448,17 +497,16 @@ def to_zarr(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
         chunks = tuple(max(max(blocks, default=1), 1) for blocks in x.chunks)
         x = x.rechunk(chunks)
     with zarr_in_place(target, dtype, x.shape, chunks, overwrite, compression,
-                       zarr_format) as array:
+                       zarr_format, reads=x) as store:
         written = x.map_blocks(
             _write_block, dtype=np.int64, meta=np.empty((0,) * x.ndim, np.int64),
             chunks=tuple((1,) * n for n in x.numblocks), **map_blocks_prefix("to-zarr"),
-            array=array, root=str(array.store_path.store.root))
+            target=store)
         run_writes(written, progress)
-    return target
+    return Path(os.fspath(target).rstrip(os.sep))
 
 
-def region_writer(array: Any) -> Callable[..., np.ndarray]:
-    """``writer(block, region=)`` into ``array`` (a picklable partial of
+def region_writer(store: StoreTarget) -> Callable[..., np.ndarray]:
+    """``writer(block, region=)`` into ``store`` (a picklable partial of
     :func:`write_zarr_region`)."""
-    return functools.partial(write_zarr_region, array=array,
-                             root=str(array.store_path.store.root))
+    return functools.partial(write_zarr_region, target=store)

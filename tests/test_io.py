@@ -383,16 +383,16 @@ def test_a_cluster_that_loses_its_last_worker_fails_the_write_after_the_timeout(
 @pytest.mark.parametrize("blocks", [10, 2000], ids=["listed", "blockwise"])
 def test_to_npy_finds_the_npy_inputs_behind_its_operand(rng, tmp_path, blocks):
     # What to_npy checks once more before publishing: each .npy read, once, however deep.
-    from dask_gpuchunk.io import _inputs_of
+    from dask_gpuchunk.io import inputs_of
 
     for name in ("a", "b", "unused"):
         np.save(tmp_path / f"{name}.npy", random_array(rng, (blocks, 3), "float64"))
     a = dg.from_npy(tmp_path / "a.npy", chunks=(1, 3))
     b = dg.from_npy(tmp_path / "b.npy", chunks=(1, 3))
     x = dg.multiply(dg.multiply(a, b), a)
-    found = sorted(os.path.basename(path) for path, _ in _inputs_of(x))
+    found = sorted(os.path.basename(reader.path) for reader in inputs_of(x))
     assert found == ["a.npy", "b.npy"]
-    assert _inputs_of(np.ones(3)) == []
+    assert inputs_of(np.ones(3)) == []
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

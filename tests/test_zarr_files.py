@@ -65,7 +65,7 @@ def test_existing_store_refused_unless_overwrite_and_only_a_store_replaced(rng, 
     plain = tmp_path / "mine.zarr"
     plain.mkdir()
     (plain / "notes.txt").write_text("not a store")
-    with pytest.raises(FileExistsError, match="not a Zarr store"):
+    with pytest.raises(FileExistsError, match="not a Zarr array store"):
         dg.to_zarr(np.ones(3), plain, overwrite=True)
     assert (plain / "notes.txt").read_text() == "not a store"
     with pytest.raises(ValueError, match="compression must be one of"):
