@@ -11,6 +11,7 @@ cluster's workers when a client is active), and writes the result chunk by chunk
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -366,7 +367,10 @@ def _read(path: str | os.PathLike, chunks: Any, pinned: bool | None = None) -> A
     """An input file as a Dask array of ``chunks`` (:func:`dask_gpuchunk.from_npy` or
     :func:`dask_gpuchunk.from_zarr`)."""
     if is_zarr_path(path):
-        return from_zarr(path, chunks=chunks)
+        try:
+            return from_zarr(path, chunks=chunks)
+        except ZarrFormatError as exc:  # damaged: a chunk missing, its shape edited
+            raise InputError(f"input: {exc}") from None
     return from_npy(path, chunks=chunks, pinned=pinned)
 
 
@@ -588,6 +592,8 @@ def job_errors() -> Iterator[None]:
         yield
     except BitValueError as exc:
         raise InputError(f"input: {exc.hint('--packed')}") from None
+    except ZarrFormatError as exc:  # a damaged input store, found while it was read
+        raise InputError(f"input: {exc}") from None
     except GPUNotAvailableError as exc:
         raise ClusterError(str(exc)) from None
     except NoWorkersError as exc:
@@ -599,6 +605,11 @@ def job_errors() -> Iterator[None]:
     except FileExistsError as exc:  # the target appeared during the job: kept, not replaced
         raise OutputError(f"output: {exc.strerror or exc} (it appeared during the job); "
                           "this job's result was not kept") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutputError(f"output: no room left on its file system ({exc.strerror}); "
+                              "nothing was written") from None
+        raise
 
 
 Job = Callable[[Progress], dict[str, Any]]

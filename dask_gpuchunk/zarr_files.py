@@ -55,6 +55,7 @@ from .zarr_store import (
     check_compression,
     check_replaceable,
     create_store,
+    open_store,
     publish_store,
     remove_store,
     write_chunks,
@@ -359,29 +360,33 @@ def zarr_in_place(target: Path, dtype: np.dtype, shape: tuple[int, ...], chunks:
     check_compression(compression, zarr_format)
     check_zarr_target(target, overwrite, math.prod(shape) * np.dtype(dtype).itemsize)
     remove_stale(target, log=logging.getLogger("dask_gpuchunk").warning)
-    store = None
+    store, fd = None, None
     try:
         store = create_store(temporary_name(target), shape, chunks, dtype, compression,
                              zarr_format)
+        fd = open_store(store)
         yield store
         for reader in inputs_of(reads):
             reader.check_unchanged()
         publish_store(store, target, overwrite)
     except BaseException:
-        if store is not None:
-            _removed_when_quiet(store)
+        if fd is not None:
+            _removed_when_quiet(store, fd)
         raise
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
-def _removed_when_quiet(store: StoreTarget, patience: float = 60.0) -> None:
+def _removed_when_quiet(store: StoreTarget, fd: int, patience: float = 60.0) -> None:
     """Remove a failed job's store once this process's writes to it have ended (a write then
     finds the store gone and writes nothing)."""
     deadline = time.monotonic() + patience
     while True:
-        remove_store(store)
+        gone = remove_store(store, fd)
         with _writing_lock:
             busy = _writing[store.root] > 0
-        if (not busy and not os.path.lexists(store.root)) or time.monotonic() > deadline:
+        if (gone and not busy) or time.monotonic() > deadline:
             return
         time.sleep(0.01)
 

@@ -37,8 +37,8 @@ from ._kernels.gram import c_ordered
 from .files import FileReplacedError, exchange, file_key, rename_noreplace
 
 __all__ = ["COMPRESSIONS", "WRITER_ATTRIBUTE", "StoreTarget", "check_compression",
-           "check_replaceable", "chunk_key_parser", "create_store", "publish_store",
-           "remove_store", "write_chunks"]
+           "check_replaceable", "chunk_key_parser", "create_store", "open_store",
+           "publish_store", "remove_store", "write_chunks"]
 
 #: The compressions ``to_zarr`` and the jobs' ``--compression`` take (``NAME`` or
 #: ``NAME:LEVEL``).
@@ -334,27 +334,39 @@ def publish_store(target: StoreTarget, dest: Path, overwrite: bool) -> None:
         shutil.rmtree(root)
 
 
-def remove_store(target: StoreTarget) -> None:
-    """Remove what the job wrote: the store's entries below its own directory (wherever its
-    name now points), and the directory where its name still holds it."""
-    try:
-        fd = os.open(target.root, _DIR_FLAGS)
-    except OSError:
-        return
-    try:
-        if file_key(os.fstat(fd)) != tuple(target.key):
-            return  # another directory under the name: not ours to remove
-        for name in os.listdir(fd):
-            with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISDIR(os.lstat(name, dir_fd=fd).st_mode):
-                    shutil.rmtree(name, dir_fd=fd)
-                else:
-                    os.unlink(name, dir_fd=fd)
-    finally:
+def open_store(target: StoreTarget) -> int:
+    """A descriptor of the store's directory, checked to be the one the job made: kept by the
+    job while it writes, so that :func:`remove_store` finds its entries wherever the directory
+    is moved."""
+    fd = os.open(target.root, _DIR_FLAGS)
+    if file_key(os.fstat(fd)) != tuple(target.key):
         os.close(fd)
-    with contextlib.suppress(OSError):
-        if file_key(os.lstat(target.root)) == tuple(target.key):
-            os.rmdir(target.root)
+        raise FileReplacedError(errno.ESTALE, f"the job's temporary store {target.root} was "
+                                "replaced as it was made")
+    return fd
+
+
+def remove_store(target: StoreTarget, fd: int) -> bool:
+    """Remove what the job wrote: the entries below its directory ``fd`` (:func:`open_store`,
+    wherever it now is), and the directory itself where its name still holds it. Whether the
+    name no longer holds the job's store (removed, or another directory in its place, which
+    is never touched)."""
+    for name in os.listdir(fd):
+        # A write still running may add an entry meanwhile: the caller tries again.
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(os.lstat(name, dir_fd=fd).st_mode):
+                shutil.rmtree(name, dir_fd=fd)
+            else:
+                os.unlink(name, dir_fd=fd)
+    try:
+        if file_key(os.lstat(target.root)) != tuple(target.key):
+            return True
+        os.rmdir(target.root)
+    except FileNotFoundError:
+        return True
+    except OSError:  # a write that began before the removal made an entry again
+        return False
+    return True
 
 
 # ---- what --overwrite may replace -------------------------------------------------------------
