@@ -52,6 +52,7 @@ from .config import check_settings
 from .devices import GPUNotAvailableError, _probe_gpus, gpu_available, gpu_count
 from .gram import METHODS, _compute_capability, resolve_method
 from .partials import partials_in, remove_partials
+from .joining import PlainTransportWarning, write_credentials
 from .progress import format_rate
 from .jobs import (
     ClusterError,
@@ -344,7 +345,14 @@ def _cluster_options(func: Callable) -> Callable:
         click.option("--scheduler-file", type=click.Path(dir_okay=False),
                       help="Join the cluster whose scheduler wrote this file (batch jobs)."),
         click.option("--scheduler-address", help="Join the cluster at this address "
-                     "(tcp://host:8786)."),
+                     "(tls://host:8786)."),
+        click.option("--tls-ca-file", type=click.Path(dir_okay=False),
+                     help="Joined cluster: the certificate authority of its TLS credentials "
+                     "(dask-gpuchunk tls-credentials makes them)."),
+        click.option("--tls-cert", type=click.Path(dir_okay=False),
+                     help="Joined cluster: this job's TLS certificate."),
+        click.option("--tls-key", type=click.Path(dir_okay=False),
+                     help="Joined cluster: this job's TLS key."),
         click.option("--workers", "--wait-workers", "workers", type=click.IntRange(min=1),
                      help="Joined cluster: wait until this many workers have joined before "
                      "the job starts [default: 1]."),
@@ -394,7 +402,8 @@ def _cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
 #: The options that configure a local cluster or name one to join, with their defaults.
 _CLUSTER_DEFAULTS = {"gpus": None, "spill_dir": None, "threads_per_gpu": None, "no_tls": False,
                      "scheduler_file": None, "scheduler_address": None, "workers": None,
-                     "device_memory_limit": "default", "memory_limit": "auto"}
+                     "device_memory_limit": "default", "memory_limit": "auto",
+                     "tls_ca_file": None, "tls_cert": None, "tls_key": None}
 
 
 def _cluster_options_given(opts: dict[str, Any]) -> list[str]:
@@ -405,9 +414,18 @@ def _cluster_options_given(opts: dict[str, Any]) -> list[str]:
 
 @contextlib.contextmanager
 def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
+    for name in ("scheduler_file", "scheduler_address"):
+        if opts.get(name) is not None and not opts[name].strip():
+            raise click.UsageError(f"--{name.replace('_', '-')} is empty")
     joined = opts["scheduler_file"] or opts["scheduler_address"]
     if opts["scheduler_file"] and opts["scheduler_address"]:
         raise click.UsageError("give --scheduler-file or --scheduler-address, not both")
+    tls = [opts.get(k) for k in ("tls_ca_file", "tls_cert", "tls_key")]
+    if any(tls) and not joined:
+        raise click.UsageError("--tls-ca-file, --tls-cert and --tls-key are a joined cluster's "
+                               "credentials; a local cluster makes its own")
+    if any(tls) and not all(tls):
+        raise click.UsageError("give all three of --tls-ca-file, --tls-cert and --tls-key")
     local_only = [f"--{k.replace('_', '-')}" for k in ("gpus", "spill_dir", "threads_per_gpu")
                   if opts[k] is not None] + (["--no-tls"] if opts.get("no_tls") else [])
     if joined and local_only:
@@ -432,9 +450,15 @@ def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]
         raise click.BadParameter(str(exc)) from None
     if joined:
         try:
+            security = None
+            if all(tls):
+                from distributed import Security
+
+                security = Security(tls_ca_file=tls[0], tls_client_cert=tls[1],
+                                    tls_client_key=tls[2], require_encryption=True)
             client = connect(scheduler_file=opts["scheduler_file"], address=opts["scheduler_address"],
                              timeout=15, workers=opts["workers"] or 1,
-                             worker_timeout=opts["worker_timeout"],
+                             worker_timeout=opts["worker_timeout"], security=security,
                              log=None if quiet else lambda s: click.echo(s, err=True))
         except (OSError, TimeoutError, ValueError) as exc:
             raise ClusterError(f"cannot join the cluster: {exc}".splitlines()[0]) from None
@@ -446,6 +470,10 @@ def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]
             with collector_paused():
                 client.close()
         return
+    if opts["no_tls"]:
+        warnings.warn("--no-tls: the local cluster talks plain TCP on loopback: any user of this "
+                      "machine who reaches it can run code as you", PlainTransportWarning,
+                      stacklevel=2)
     try:
         gpus: Any = opts["gpus"]
         if gpus is not None and gpus.strip().isdigit() and "," not in gpus:
@@ -555,7 +583,7 @@ def _run_job(as_json: bool, opts: dict[str, Any], prepare: Callable[[], Callable
     """Check the job (``prepare()``, before any cluster starts), run it on the cluster the
     options describe, report; map errors to exit codes with one line on stderr. SIGTERM ends
     it as Ctrl-C does (exit 143); warnings are one line each."""
-    logging.getLogger("distributed").setLevel(logging.CRITICAL)
+    _quiet_distributed_logs()
     previous_term = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         with warnings.catch_warnings():
@@ -579,7 +607,12 @@ def _job_summary(opts: dict[str, Any], prepare: Callable[[], Callable], quiet: b
             watch_device_memory(client)
             sent_before = sent_by_workers(client)
             staged_before = staged_by_workers(client)
-            summary = job(_progress(not quiet and sys.stderr.isatty()))
+            try:
+                summary = job(_progress(not quiet and sys.stderr.isatty()))
+            except Exception as exc:
+                if client is not None and client.status != "running":  # reconnecting, closed
+                    raise _ClusterLost(type(exc).__name__) from None
+                raise
             summary["where"] = where_it_ran(client)
             # Per worker, bytes it sent to the others (and to this process) during the job,
             # and what its host-fed chunks sent to its GPU.
@@ -607,6 +640,11 @@ def _job_summary(opts: dict[str, Any], prepare: Callable[[], Callable], quiet: b
         click.echo("error: interrupted; nothing was written", err=True)
         sys.exit(130)
     except Exception as exc:  # the job failed on the cluster: one line, not a traceback
+        if isinstance(exc, _ClusterLost) or _cluster_lost(exc):
+            what = str(exc) if isinstance(exc, _ClusterLost) else type(exc).__name__
+            click.echo("error: the job lost its cluster: the scheduler stopped or cannot be "
+                       f"reached ({what}); nothing was written", err=True)
+            sys.exit(ClusterError.exit_code)
         if type(exc).__name__ == "KilledWorker":  # a worker died under a chunk, again and again
             click.echo("error: the job failed: workers died while running a chunk (most often "
                        "out of host memory): use a smaller --chunk-size (--chunk-rows for "
@@ -616,6 +654,26 @@ def _job_summary(opts: dict[str, Any], prepare: Callable[[], Callable], quiet: b
         click.echo(f"error: the job failed: {type(exc).__name__}: {text}; nothing was written",
                    err=True)
         sys.exit(1)
+
+
+class _ClusterLost(Exception):
+    """A job failed while its client had lost the scheduler: the cause is the cluster's."""
+
+
+def _cluster_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` says the job's client lost its scheduler (killed, or the network)."""
+    name = type(exc).__name__
+    return (name in ("CommClosedError", "StreamClosedError")
+            or (name in ("FutureCancelledError", "CancelledError")
+                and "scheduler-connection-lost" in str(exc)))
+
+
+def _quiet_distributed_logs() -> None:
+    """Only critical records of distributed's loggers reach the terminal: a job's errors are
+    one line of its own (a lost scheduler made distributed.client print a traceback)."""
+    for name in ["distributed", *logging.Logger.manager.loggerDict]:
+        if name == "distributed" or name.startswith("distributed."):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -796,6 +854,21 @@ def demo(rows: int, cols: int, bit_rows: int, bits: int, workdir: str | None, de
     _run_job(as_json, opts, lambda: lambda progress: jobs.demo(
         rows=rows, cols=cols, bit_rows=bit_rows, bits=bits, workdir=workdir, device=device,
         progress=progress, log=log))
+
+
+@main.command("tls-credentials")
+@click.argument("directory", type=click.Path(file_okay=False))
+def tls_credentials(directory: str) -> None:
+    """Write TLS credentials for a batch cluster into DIRECTORY (made, readable by you only):
+    ca.pem, cert.pem and key.pem, which its scheduler, workers and jobs all present
+    (--tls-ca-file, --tls-cert, --tls-key). Only holders of the key can then join it."""
+    try:
+        paths = write_credentials(directory)
+    except (OSError, ValueError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(4)
+    for name, path in paths.items():
+        click.echo(f"{name}: {path}")
 
 
 @main.command()

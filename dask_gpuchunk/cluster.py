@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import dask
 from dask.utils import parse_bytes
 
 from . import placement
@@ -34,6 +35,7 @@ from .alias_tasks import install as install_alias_resolution
 from .alias_tasks import resolving_aliases
 from .budget import pool_limit_from_env, spill_limit
 from .devices import GPUNotAvailableError, distributed_client_active, gpu_available, gpu_count
+from .joining import client_within, read_scheduler_file, shown, warn_if_plain
 from .replicas import policies_keeping_sources
 from .staging import pinned_pool
 
@@ -413,7 +415,7 @@ def collector_paused() -> Iterator[None]:
 
 def connect(scheduler_file: str | os.PathLike | None = None, address: str | None = None,
             timeout: float = 30.0, *, workers: int = 0, worker_timeout: float = 300.0,
-            log: Callable[[str], None] | None = None) -> Any:
+            log: Callable[[str], None] | None = None, security: Any = None) -> Any:
     """A ``distributed.Client`` joined to a running cluster, by scheduler file or address.
 
     Give exactly one of ``scheduler_file`` (written by ``dask scheduler --scheduler-file``) and
@@ -424,14 +426,21 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
     process reach the cluster without the ``Alias`` tasks that dask's fusion leaves
     (:mod:`dask_gpuchunk.alias_tasks`, ``gpuchunk.resolve-aliases``).
 
+    Whoever controls the scheduler runs code in this process: the scheduler file must be a
+    small regular file of this user's (or root's) that no one else may write
+    (:func:`dask_gpuchunk.joining.read_scheduler_file`), and an address without TLS draws a
+    :class:`~dask_gpuchunk.joining.PlainTransportWarning`. ``security``: a
+    ``distributed.Security`` for a TLS cluster (Dask's ``distributed.comm.tls`` settings
+    otherwise).
+
     Raises
     ------
     ValueError
-        Neither or both given.
+        Neither or both given, an empty address, or a scheduler file that is not safe to read.
     FileNotFoundError
         The scheduler file does not exist.
     OSError
-        The scheduler did not answer within ``timeout``.
+        The scheduler did not answer within ``timeout``, or not as a Dask scheduler.
     TimeoutError
         Fewer than ``workers`` workers joined within ``worker_timeout`` (the client is closed).
     """
@@ -442,14 +451,19 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
     if (scheduler_file is None) == (address is None):
         raise ValueError("give exactly one of scheduler_file and address")
     if scheduler_file is not None:
-        scheduler_file = os.fspath(scheduler_file)
-        if not os.path.exists(scheduler_file):
-            raise FileNotFoundError(f"scheduler file {scheduler_file} does not exist (is the "
-                                    "scheduler started with --scheduler-file?)")
-        _check_scheduler_file(scheduler_file)
+        address = read_scheduler_file(scheduler_file)
+    elif not address.strip():
+        raise ValueError("the scheduler address is empty")
+    warn_if_plain(address)
+    if (address.startswith("tls://") and security is None
+            and not dask.config.get("distributed.comm.tls.ca-file", None)):
+        raise ValueError(f"the scheduler at {shown(address)} talks TLS: give its credentials "
+                         "(--tls-ca-file, --tls-cert, --tls-key; security= in Python; or Dask's "
+                         "distributed.comm.tls settings)")
+    options = {} if security is None else {"security": security}
     with collector_paused():
-        client = (Client(scheduler_file=scheduler_file, timeout=timeout)
-                  if scheduler_file is not None else Client(address, timeout=timeout))
+        client = client_within(lambda: Client(address, timeout=timeout, **options), address,
+                               timeout + 5)
     try:
         client.register_plugin(WorkerSetup())
         if workers > 0:
@@ -460,26 +474,6 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
             client.close()
         raise
     return client
-
-
-def _check_scheduler_file(path: str) -> None:
-    """``ValueError`` where ``path`` is not what ``dask scheduler --scheduler-file`` writes (a
-    JSON object with the scheduler's address): distributed would fail on it with a bare
-    ``AssertionError`` or a JSON error."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read scheduler file {path}: {exc}") from None
-    if not text.strip():
-        raise ValueError(f"scheduler file {path} is empty (has the scheduler finished starting?)")
-    try:
-        info = json.loads(text)
-    except ValueError:
-        raise ValueError(f"scheduler file {path} is not JSON; give the file that dask scheduler "
-                         "--scheduler-file writes") from None
-    if not isinstance(info, dict) or not isinstance(info.get("address"), str):
-        raise ValueError(f"scheduler file {path} names no scheduler address")
 
 
 def wait_for_workers(client: Any, workers: int, timeout: float,

@@ -146,7 +146,28 @@ def test_jobs_on_a_cluster_joined_through_a_scheduler_file(inputs, scheduler_and
         r = run_cli(*args, "--scheduler-file", str(sched_file))
         assert r.returncode == 5, r.stderr
         assert "none of the cluster's 2 worker(s) sees one" in r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1 and not Path(args[args.index("-o") + 1]).exists()
+        lines = [line for line in r.stderr.strip().splitlines()
+                 if not line.startswith("warning: the scheduler at tcp://")]  # plain TCP, said
+        assert len(lines) == 1 and not Path(args[args.index("-o") + 1]).exists()
+
+
+def test_a_scheduler_killed_mid_job_ends_it_with_exit_5_in_one_line(rng, tmp_path,
+                                                                      scheduler_and_two_workers):
+    sched_file, procs = scheduler_and_two_workers
+    np.save(tmp_path / "big.npy", rng.random((3_000_000, 8)))
+    job = subprocess.Popen([*PYTHON, "multiply", str(tmp_path / "big.npy"),
+                            str(tmp_path / "big.npy"), "-o", str(tmp_path / "c.npy"),
+                            "--chunk-size", "256kB", "--scheduler-file", str(sched_file)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _leftovers(tmp_path) and time.monotonic() < deadline:  # joined, and writing
+        time.sleep(0.02)
+    procs[0].kill()  # the scheduler
+    _, err = job.communicate(timeout=120)
+    lines = [line for line in err.strip().splitlines() if not line.startswith("warning:")]
+    assert job.returncode == 5, err
+    assert len(lines) == 1 and "lost its cluster" in lines[0], err
+    assert not (tmp_path / "c.npy").exists() and _leftovers(tmp_path) == []
 
 
 def test_a_job_joining_a_cluster_waits_for_its_workers(inputs, tmp_path):
