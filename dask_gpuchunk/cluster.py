@@ -135,6 +135,9 @@ def parse_memory_limit(value: Any, what: str) -> Any:
     if value is None or value == "auto":
         return value
     text = str(value).strip()
+    if not text:
+        raise ValueError(f"{what} is empty; give bytes (8GB), a fraction such as 0.8, 0 for "
+                         "no limit, or auto")
     try:
         number = float(text)
     except ValueError:
@@ -145,17 +148,31 @@ def parse_memory_limit(value: Any, what: str) -> Any:
                              "such as 0.8, 0 for no limit, or auto")
         if number < 0:
             raise ValueError(f"{what}: must not be negative, got {value!r}")
-        return number if 0 < number <= 1 else int(number)
-    try:
-        nbytes = parse_bytes(text)
-    except (ValueError, TypeError):
-        raise ValueError(
-            f"{what}: cannot read {value!r} as a memory size (give bytes, e.g. 8GB or 500MiB, a "
-            "fraction such as 0.8, or auto)"
-        ) from None
+        if 0 < number <= 1:
+            return number
+        if not number.is_integer():
+            raise ValueError(f"{what}: {value!r} is neither a fraction (at most 1) nor a whole "
+                             "number of bytes; give 0.8 or 8GB")
+        nbytes = int(number)
+    else:
+        try:
+            nbytes = parse_bytes(text)
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"{what}: cannot read {value!r} as a memory size (give bytes, e.g. 8GB or "
+                "500MiB, a fraction such as 0.8, or auto)"
+            ) from None
     if nbytes < 0:
         raise ValueError(f"{what}: must not be negative, got {value!r}")
+    if 0 < nbytes < MEMORY_LIMIT_MIN_BYTES:
+        raise ValueError(f"{what}: {value!r} is {nbytes:,} bytes, less than any worker runs "
+                         f"in; give at least {MEMORY_LIMIT_MIN_BYTES // 2**20} MiB, a fraction "
+                         "such as 0.8, or 0 for no limit")
     return int(nbytes)
+
+
+#: The smallest memory limit taken in bytes (below it, a number is a slip: ``1.5``, ``2``).
+MEMORY_LIMIT_MIN_BYTES = 64 * 2**20
 
 
 def release_memory() -> None:

@@ -606,14 +606,17 @@ SPACE_MARGIN_SHARE = 0.01
 def check_space(directory: Path, nbytes: int) -> None:
     """:class:`NoSpaceError` (``ENOSPC``) where ``directory``'s file system has less room
     than ``nbytes`` plus a margin (:data:`SPACE_MARGIN_BYTES` or :data:`SPACE_MARGIN_SHARE` of
-    ``nbytes``, the larger) for this user. Outputs are written sparse, into a file first
-    extended to its size: the file system would only fail when the data arrive."""
+    ``nbytes``, the larger; on a file system smaller than 20 x :data:`SPACE_MARGIN_BYTES`, a
+    twentieth of its size at most) for this user. Outputs are written sparse, into a file
+    first extended to its size: the file system would only fail when the data arrive."""
     try:
         fs = os.statvfs(directory)
     except OSError:
         return  # no statvfs here (or none for this path): writes will say
     available = fs.f_bavail * fs.f_frsize
-    need = nbytes + max(SPACE_MARGIN_BYTES, int(SPACE_MARGIN_SHARE * nbytes))
+    # A small file system (a 5 MiB tmpfs) has no 64 MiB to spare for anything.
+    margin = min(SPACE_MARGIN_BYTES, fs.f_blocks * fs.f_frsize // 20)
+    need = nbytes + max(margin, int(SPACE_MARGIN_SHARE * nbytes))
     if available < need:
         raise NoSpaceError(errno.ENOSPC, f"{directory} has {format_bytes(available)} free "
                            f"({available:,} bytes); the output needs {nbytes:,} bytes "
@@ -839,6 +842,9 @@ def to_npy(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
     >>> np.load(path)
     array([ 0,  2,  4,  6,  8, 10, 12, 14, 16, 18])
     """
+    if os.fspath(path).endswith(("/", os.sep)):
+        raise IsADirectoryError(f"{path} names a directory (it ends in /); give a file name for "
+                                "the output")
     target = Path(os.path.abspath(os.fspath(path)))
     dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
     if dtype.hasobject:

@@ -178,9 +178,10 @@ def _node_directory_path() -> Path:
 
 def private_directory(directory: Path) -> Path:
     """``directory``, made (mode 0700) where it is missing, after checking that it is a
-    directory (not a link) that this user owns and no one else may write in; else
+    directory (not a link) that this user owns and no one else may read or write in; else
     ``PermissionError``. ``/dev/shm`` is writable by every user: another could make the
-    directory first and leave tickets in it.
+    directory first (its name is known) and leave tickets in it, or read ours; then nothing is
+    shared, never anyone else's ticket taken.
 
     Examples
     --------
@@ -192,7 +193,7 @@ def private_directory(directory: Path) -> Path:
     >>> private_directory(d)
     Traceback (most recent call last):
     ...
-    PermissionError: ... others may write in it: nothing is shared through it
+    PermissionError: ... others may read or write in it: nothing is shared through it
     """
     with contextlib.suppress(FileExistsError):
         directory.mkdir(mode=0o700, parents=True)
@@ -202,9 +203,9 @@ def private_directory(directory: Path) -> Path:
     if status.st_uid != os.getuid():
         raise PermissionError(f"{directory} belongs to user {status.st_uid}, not this one: "
                               "nothing is shared through it")
-    if status.st_mode & 0o022:
+    if status.st_mode & 0o077:  # tickets name GPU memory: readable by this user alone
         raise PermissionError(f"{directory} is mode {oct(status.st_mode & 0o777)}: others may "
-                              "write in it: nothing is shared through it")
+                              "read or write in it: nothing is shared through it")
     return directory
 
 

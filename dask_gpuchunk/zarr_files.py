@@ -147,8 +147,9 @@ def read_zarr_info(path: str | os.PathLike) -> ZarrInfo:
     if len(chunks) != len(shape) or any(c < 1 for c in chunks):
         raise ZarrFormatError(f"{path}: its metadata gives chunks {list(chunks)} for shape "
                               f"{list(shape)}; every chunk size must be 1 or more")
-    if dtype.isnative:  # zarr may spell native little-endian "<": one dtype here
-        dtype = dtype.newbyteorder("=")
+    # The values as they are read (ZarrReader gives native byte order, as from_npy does):
+    # zarr may spell native little-endian "<", and a big-endian store is converted.
+    dtype = dtype.newbyteorder("=")
     return ZarrInfo(shape, dtype, chunks)
 
 
@@ -334,9 +335,6 @@ def check_zarr_target(path: Path, overwrite: bool, nbytes: int = 0) -> None:
     read-only directory, an existing store without ``overwrite``, with it anything but a Zarr
     array of zarr's own entries (:func:`~dask_gpuchunk.zarr_store.check_replaceable`: never
     replaced), or a file system without room for ``nbytes``."""
-    if os.fspath(path).endswith(os.sep):
-        raise IsADirectoryError(f"{path}: give the store's name, not a directory (no "
-                                "trailing /)")
     check_output_directory(path.parent)
     if os.path.lexists(path):
         if not overwrite:
@@ -490,9 +488,7 @@ def to_zarr(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
     >>> zarr.open_array(path, mode="r")[:]
     array([ 0,  2,  4,  6,  8, 10, 12, 14, 16, 18])
     """
-    target = Path(os.path.abspath(os.fspath(path)))
-    if os.fspath(path).endswith(os.sep):
-        target = Path(os.fspath(target) + os.sep)
+    target = Path(os.path.abspath(os.fspath(path)))  # a trailing / of a store's name dropped
     x = asarray(x)
     dtype = np.dtype(x.dtype)
     if dtype.hasobject or dtype.kind in "OUSTV":
@@ -508,7 +504,7 @@ def to_zarr(x: Any, path: str | os.PathLike, *, overwrite: bool = False,
             chunks=tuple((1,) * n for n in x.numblocks), **map_blocks_prefix("to-zarr"),
             target=store)
         run_writes(written, progress)
-    return Path(os.fspath(target).rstrip(os.sep))
+    return target
 
 
 def region_writer(store: StoreTarget) -> Callable[..., np.ndarray]:

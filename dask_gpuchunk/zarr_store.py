@@ -256,10 +256,14 @@ def create_store(tmp: Path, shape: tuple[int, ...], chunks: tuple[int, ...], dty
         target = StoreTarget(os.fspath(tmp), file_key(st), tuple(int(n) for n in shape),
                              tuple(int(c) for c in chunks), np.dtype(dtype).str, compression,
                              zarr_format)
-        array, kept = _new_encoder(target)
-        array.attrs[WRITER_ATTRIBUTE] = {"all_chunks": True, "shape": list(target.shape)}
-        for key, value in kept.items():  # the metadata documents, nothing else yet
-            _write_at(fd, key, [memoryview(value.to_bytes())])
+        try:
+            array, kept = _new_encoder(target)
+            array.attrs[WRITER_ATTRIBUTE] = {"all_chunks": True, "shape": list(target.shape)}
+            for key, value in kept.items():  # the metadata documents, nothing else yet
+                _write_at(fd, key, [memoryview(value.to_bytes())])
+        except BaseException:
+            remove_store(target, fd)  # a full disk, a Ctrl-C: nothing left behind
+            raise
     finally:
         os.close(fd)
     return target

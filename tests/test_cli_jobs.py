@@ -247,6 +247,11 @@ def _setup_bad(d: Path) -> None:
     np.save(d / "badbits.npy", bad_bits)
     np.save(d / "bits.npy", np.ones((6, 70), np.uint8))
     np.save(d / "bits71.npy", np.ones((3, 71), np.uint8))
+    np.save(d / "norows.npy", np.ones((0, 70), np.uint8))
+    (d / "zerochunks.zarr").mkdir()
+    (d / "zerochunks.zarr" / ".zarray").write_text(json.dumps({
+        "zarr_format": 2, "shape": [4, 4], "chunks": [0, 4], "dtype": "<f8", "order": "C",
+        "compressor": None, "filters": None, "fill_value": 0}))
     np.save(d / "exists.npy", np.zeros(3))
     np.save(d / "long.npy", np.ones((200_001, 1)))
     (d / "text.npy").write_text("not numpy at all")
@@ -339,6 +344,29 @@ BAD = [
                                      "t.npz"], 2, "--threshold for --metric tanimoto"),
     ("output exists, CLI words", ["gram", "bits.npy", "-o", "exists.npy"], 4,
      "exists; pass --overwrite to replace it"),
+    # Slips that ran with other meanings, or failed late, before: each refused at once.
+    ("empty memory limit", ["gram", "bits.npy", "-o", "c.npy", "--memory-limit", ""], 2,
+     "--memory-limit is empty"),
+    ("memory limit 1.5", ["gram", "bits.npy", "-o", "c.npy", "--memory-limit", "1.5"], 2,
+     "neither a fraction"),
+    ("device memory limit 2 bytes", ["gram", "bits.npy", "-o", "c.npy",
+                                     "--device-memory-limit", "2"], 2, "is 2 bytes"),
+    ("output names a directory", ["multiply", "a.npy", "b.npy", "-o", "newdir/"], 4,
+     "names a directory"),
+    ("empty scheduler address", ["gram", "bits.npy", "-o", "c.npy", "--scheduler-address", ""],
+     2, "--scheduler-address is empty"),
+    ("empty scheduler file", ["gram", "bits.npy", "-o", "c.npy", "--scheduler-file", ""], 2,
+     "--scheduler-file is empty"),
+    ("compression level out of range", ["multiply", "a.npy", "b.npy", "-o", "c.zarr",
+                                        "--compression", "zstd:99"], 2, "1 to 22"),
+    ("chunks too small for their number", ["multiply", "long.npy", "long.npy", "-o", "c.npy",
+                                           "--chunk-size", "1kB"], 2, "use at least 1.00 MiB"),
+    ("zarr chunks of no size", ["multiply", "zerochunks.zarr", "b.npy", "-o", "c.npy"], 3,
+     "every chunk size must be 1 or more"),
+    ("top-k of no rows", ["similarity", "norows.npy", "--top-k", "3", "-o", "t.npz"], 3,
+     "has 0 row(s): no candidates"),
+    ("top-k of 10**18", ["similarity", "bits.npy", "--top-k", str(10**18), "-o", "t.npz"], 2,
+     "--top-k must be between 1 and 5"),
 ]
 
 
@@ -371,6 +399,65 @@ def test_a_bad_setting_is_a_usage_error_naming_it(tmp_path, monkeypatch):
                                      "DASK_GPUCHUNK__FILE_WRITES) is 'abc'; it takes a whole "
                                      "number, 0 or more")
     assert not (tmp_path / "c.npy").exists()
+
+
+def test_an_unknown_setting_is_a_usage_error_naming_the_closest(tmp_path, monkeypatch):
+    _setup_bad(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with dask.config.set({"gpuchunk.file_writs": 2}):  # DASK_GPUCHUNK__FILE_WRITS=2
+        result = CliRunner().invoke(main, ["gram", "bits.npy", "-o", "c.npy"])
+    assert result.exit_code == 2, result.output
+    assert "did you mean gpuchunk.file-writes?" in result.stderr
+
+
+def test_a_big_endian_zarr_input_is_read_as_a_big_endian_npy_is(rng, tmp_path, monkeypatch):
+    zarr = pytest.importorskip("zarr")
+    a = rng.standard_normal((30, 4))
+    zarr.create_array(str(tmp_path / "be.zarr"), shape=a.shape, chunks=(8, 4), dtype=">f8",
+                      zarr_format=2)[:] = a
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["multiply", "be.zarr", "be.zarr", "-o", "c.npy",
+                                       "--in-process"])
+    assert result.exit_code == 0, result.output
+    np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), a * a)
+
+
+def test_a_compressed_store_on_a_full_disk_exits_4_and_leaves_nothing(rng, tmp_path,
+                                                                      monkeypatch):
+    pytest.importorskip("zarr")
+    import errno
+
+    from dask_gpuchunk import zarr_store
+
+    real, calls = zarr_store._write_all, []
+
+    def full(fd, pieces):  # the metadata fits; the disk is full by the first chunk
+        calls.append(fd)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, pieces)
+
+    np.save(tmp_path / "a.npy", rng.standard_normal((40, 4)))
+    monkeypatch.setattr(zarr_store, "_write_all", full)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "a.npy", "-o", "c.zarr",
+                                       "--compression", "zstd", "--in-process"])
+    assert result.exit_code == 4, result.output
+    assert "no room left" in result.stderr and "\n" not in result.stderr.strip()
+    assert sorted(os.listdir(tmp_path)) == ["a.npy"]
+
+
+def test_a_tiny_output_fits_a_small_file_system(tmp_path, monkeypatch):
+    # A 448-byte output on a 5 MiB file system: the 64 MiB margin refused it before.
+    from dask_gpuchunk import io
+
+    class Small:
+        f_frsize, f_blocks, f_bavail = 4096, 5 * 256, 4 * 256
+
+    monkeypatch.setattr(io.os, "statvfs", lambda path: Small())
+    io.check_space(tmp_path, 448)
+    with pytest.raises(io.NoSpaceError):
+        io.check_space(tmp_path, 4 * 2**20)
 
 
 def test_an_output_without_room_exits_4_before_any_work(tmp_path, monkeypatch):

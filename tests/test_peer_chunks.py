@@ -280,8 +280,13 @@ def test_only_a_directory_of_this_user_that_no_one_else_may_write_is_met_in(tmp_
     open_to_all = tmp_path / "open"
     open_to_all.mkdir(mode=0o777)
     open_to_all.chmod(0o777)
-    with pytest.raises(PermissionError, match="others may write"):
+    with pytest.raises(PermissionError, match="others may read or write"):
         peer_chunks.private_directory(open_to_all)
+    readable = tmp_path / "readable"  # tickets name GPU memory: 0755 is refused too
+    readable.mkdir(mode=0o755)
+    readable.chmod(0o755)
+    with pytest.raises(PermissionError, match="mode 0o755"):
+        peer_chunks.private_directory(readable)
     (tmp_path / "link").symlink_to(private)
     with pytest.raises(PermissionError, match="not a directory"):
         peer_chunks.private_directory(tmp_path / "link")
