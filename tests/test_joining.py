@@ -72,10 +72,16 @@ def test_a_scheduler_file_that_is_not_safe_to_read_is_refused_at_once(tmp_path, 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
                     reason="needs root, to give the file to another user")
 def test_a_scheduler_file_of_another_user_is_refused(tmp_path):
-    path = _scheduler_file(tmp_path / "s.json")
+    path = _scheduler_file(tmp_path / "s.json", address="tcp://127.0.0.1:1")
     os.chown(path, 65534, 65534)
     with pytest.raises(ValueError, match="owned by another user"):
         read_scheduler_file(path)
+    # A job given it never connects: exit 5, before any address is tried.
+    np.save(tmp_path / "a.npy", np.ones((4, 3)))
+    done = subprocess.run([*PYTHON, "multiply", str(tmp_path / "a.npy"), str(tmp_path / "a.npy"),
+                           "-o", str(tmp_path / "c.npy"), "--scheduler-file", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 5 and "owned by another user" in done.stderr, done.stderr
 
 
 def test_a_plain_address_is_said_once_tls_is_not():
