@@ -467,7 +467,7 @@ def test_an_output_without_room_exits_4_before_any_work(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
     class Full:  # 10 MB free: less than the 64 MiB margin alone
-        f_bavail, f_frsize = 10_000, 1000
+        f_bavail, f_frsize, f_blocks = 10_000, 1000, 10**9
 
     monkeypatch.setattr(io.os, "statvfs", lambda d: Full)
     result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy"])

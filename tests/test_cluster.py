@@ -19,14 +19,15 @@ from dask_gpuchunk.cluster import parse_memory_limit
 
 @pytest.mark.parametrize("value, expected", [("8GB", 8_000_000_000), ("500MiB", 500 * 2**20),
                                              ("0.8", 0.8), (0, 0), ("0", 0), ("auto", "auto"),
-                                             (None, None), (123456, 123456), ("1", 1.0)])
+                                             (None, None), (123_456_789, 123_456_789),
+                                             ("1", 1.0)])
 def test_parse_memory_limit(value, expected):
     assert parse_memory_limit(value, "x") == expected
 
 
-@pytest.mark.parametrize("value", ["lots", "-5", "8 parsecs", "-1GB"])
+@pytest.mark.parametrize("value", ["lots", "-5", "8 parsecs", "-1GB", "", "1.5", "123456"])
 def test_parse_memory_limit_rejects(value):
-    with pytest.raises(ValueError, match="x:"):
+    with pytest.raises(ValueError, match="^x[: ]"):
         parse_memory_limit(value, "x")
 
 

@@ -394,12 +394,12 @@ def test_gram_of_a_npy_computes_the_blocks_below_too_when_asked(rng, tmp_path, d
 
 def test_gram_of_a_npy_refuses_a_file_changed_since_and_names_it_to_to_npy(rng, tmp_path):
     from dask_gpuchunk.files import InputChangedError
-    from dask_gpuchunk.io import _inputs_of
+    from dask_gpuchunk.io import inputs_of
 
     words = np.packbits(random_bits(rng, (40, 64), 0.5), axis=1)
     np.save(tmp_path / "w.npy", words)
     g = dg.gram(dg.from_npy(tmp_path / "w.npy", chunks=(15, -1)), packed=True)
-    assert [path for path, _ in _inputs_of(g)] == [str(tmp_path / "w.npy")]
+    assert [reader.path for reader in inputs_of(g)] == [str(tmp_path / "w.npy")]
     np.save(tmp_path / "w.npy", words[::-1])
     with pytest.raises(InputChangedError):
         g.compute()

@@ -209,7 +209,7 @@ def test_to_npy_refuses_an_output_without_room_before_any_work(tmp_path, monkeyp
     free = io.npy_bytes(np.float64, (1000, 100)) + io.SPACE_MARGIN_BYTES - 1
 
     class Small:  # a file system with one byte too few (its margin included)
-        f_bavail, f_frsize = free, 1
+        f_bavail, f_frsize, f_blocks = free, 1, 10**12
 
     monkeypatch.setattr(io.os, "statvfs", lambda d: Small)
     with pytest.raises(io.NoSpaceError, match="800,128 bytes") as raised:
