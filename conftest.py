@@ -110,3 +110,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         import shutil
 
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """With ``DGC_TRACE_POOL=FILE``: after each test, CuPy's pool in use in this process,
+    appended to FILE (a test that leaves device arrays alive shows as a step up)."""
+    trace = os.environ.get("DGC_TRACE_POOL")
+    if not trace or "cupy" not in sys.modules:
+        return
+    import gc
+
+    gc.collect()
+    pool = sys.modules["cupy"].get_default_memory_pool()
+    with open(trace, "a") as f:
+        f.write(f"{pool.used_bytes()} {pool.total_bytes()} {item.nodeid}\n")

@@ -48,8 +48,11 @@ def check(client_factory, gpu):
     clipped = make_clipped(-0.5, 1.5)
     with client_factory() as client:
         assert len(client.scheduler_info()["workers"]) >= 1
-        got = np.asarray(damped(x, t).compute())
-        values, inside = (np.asarray(a) for a in da.compute(*clipped(x)))
+        got = damped(x, t).compute()
+        values, inside = da.compute(*clipped(x))
+    if gpu:  # computed on the workers' GPUs: CuPy results
+        assert all(type(a).__module__.startswith("cupy") for a in (got, values, inside))
+        got, values, inside = (a.get() for a in (got, values, inside))
     # NumPy's rules: the plain function called on NumPy scalars, element by element
     want = np.array([[damped.__wrapped__(a, b) for a, b in zip(row_x, row_t)]
                      for row_x, row_t in zip(x_np, t_np)])
