@@ -374,6 +374,11 @@ def _cluster_options(func: Callable) -> Callable:
         click.option("--no-tls", is_flag=True,
                      help="Local cluster: plain TCP on loopback instead of TLS with throwaway "
                      "credentials (any local user could then connect and run code as you)."),
+        click.option("--protocol", type=click.Choice(["tls", "tcp", "ucx"]), default="tls",
+                     show_default=True,
+                     help="Local cluster: how its processes talk. ucx sends device chunks GPU "
+                     "to GPU (needs distributed-ucxx) but has no encryption, like tcp (= "
+                     "--no-tls): any local user who reaches it could run code as you."),
         click.option("--in-process", is_flag=True,
                      help="Run the job in this process with Dask's threads instead of starting "
                      "a local cluster: no start-up to wait for (several seconds), but nothing "
@@ -401,6 +406,7 @@ def _cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]:
 
 #: The options that configure a local cluster or name one to join, with their defaults.
 _CLUSTER_DEFAULTS = {"gpus": None, "spill_dir": None, "threads_per_gpu": None, "no_tls": False,
+                     "protocol": "tls",
                      "scheduler_file": None, "scheduler_address": None, "workers": None,
                      "device_memory_limit": "default", "memory_limit": "auto",
                      "tls_ca_file": None, "tls_cert": None, "tls_key": None}
@@ -427,7 +433,10 @@ def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]
     if any(tls) and not all(tls):
         raise click.UsageError("give all three of --tls-ca-file, --tls-cert and --tls-key")
     local_only = [f"--{k.replace('_', '-')}" for k in ("gpus", "spill_dir", "threads_per_gpu")
-                  if opts[k] is not None] + (["--no-tls"] if opts.get("no_tls") else [])
+                  if opts[k] is not None] + (["--no-tls"] if opts.get("no_tls") else []) + (
+                      ["--protocol"] if opts.get("protocol", "tls") != "tls" else [])
+    if opts.get("no_tls") and opts.get("protocol", "tls") != "tls":
+        raise click.UsageError("--no-tls is --protocol tcp; give one of them")
     if joined and local_only:
         raise click.UsageError(f"{', '.join(local_only)} configure a local cluster; the joined "
                                "cluster's workers are configured where they are started")
@@ -470,10 +479,11 @@ def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]
             with collector_paused():
                 client.close()
         return
-    if opts["no_tls"]:
-        warnings.warn("--no-tls: the local cluster talks plain TCP on loopback: any user of this "
-                      "machine who reaches it can run code as you", PlainTransportWarning,
-                      stacklevel=2)
+    protocol = "tcp" if opts["no_tls"] else opts.get("protocol", "tls")
+    if protocol != "tls":
+        warnings.warn(f"the local cluster talks plain {protocol.upper()} on loopback: any user "
+                      "of this machine who reaches it can run code as you",
+                      PlainTransportWarning, stacklevel=2)
     try:
         gpus: Any = opts["gpus"]
         if gpus is not None and gpus.strip().isdigit() and "," not in gpus:
@@ -486,7 +496,8 @@ def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]
                 # bounded by its staging slots and budget: a thread per core copies at full
                 # rate.
                 threads_per_gpu=opts["threads_per_gpu"] or "cores",
-                silence_logs=logging.CRITICAL, dashboard_address=None, secure=not opts["no_tls"],
+                silence_logs=logging.CRITICAL, dashboard_address=None,
+                secure=protocol == "tls", **({"protocol": "ucx"} if protocol == "ucx" else {}),
             )
             client = cluster.__enter__()
     except (OSError, TimeoutError, GPUNotAvailableError, ValueError, ImportError) as exc:

@@ -233,7 +233,7 @@ def local_cluster(
     memory_limit: Any = "auto",
     spill_dir: str | os.PathLike | None = None,
     threads_per_gpu: int | str | None = None,
-    secure: bool = True,
+    secure: bool | None = None,
     **cluster_kwargs: Any,
 ) -> Iterator[Any]:
     """A ``distributed.Client`` on a cluster of this machine, closed on exit.
@@ -272,7 +272,10 @@ def local_cluster(
         Talk TLS with throwaway credentials (``distributed.Security.temporary()``) and listen on
         loopback only, dashboard included: without them, any local user could connect to the
         scheduler and run code as you. ``False``: Dask's plain TCP (still on loopback). A
-        ``security=`` of your own is used as given.
+        ``security=`` of your own is used as given. Default: TLS, unless ``protocol="ucx"``
+        is given, which has no encryption (``secure=True`` with it is refused): over UCX,
+        CuPy chunks go from GPU to GPU (NVLink, CUDA IPC) at tens of GB/s, and any user of
+        this machine who reaches the cluster can run code as you.
     **cluster_kwargs
         Passed to the cluster class.
 
@@ -301,6 +304,17 @@ def local_cluster(
         raise ValueError(f"threads_per_gpu must be a number of at least 1 or 'cores', got "
                          f"{threads_per_gpu!r}")
     cores = os.cpu_count() or 1
+    ucx = str(cluster_kwargs.get("protocol", "")).startswith("ucx")
+    if ucx and secure:
+        raise ValueError("protocol='ucx' has no TLS; leave secure= out (or False) to use UCX, "
+                         "or leave protocol= out for TLS over TCP")
+    secure = not ucx if secure is None else secure
+    if ucx:
+        import importlib.util
+
+        if importlib.util.find_spec("distributed_ucxx") is None:
+            raise ImportError("protocol='ucx' needs distributed-ucxx: pip install "
+                              "distributed-ucxx-cu12 (or -cu13, for your CUDA)")
     kwargs: dict[str, Any] = {"memory_limit": memory_limit if memory_limit is not None else 0,
                               "host": LOOPBACK}
     if secure and "security" not in cluster_kwargs:

@@ -18,6 +18,7 @@ __all__ = [
     "gpu_available",
     "check_device",
     "check_device_for_graph",
+    "cluster_protocol",
     "cluster_workers",
     "distributed_client_active",
 ]
@@ -131,6 +132,24 @@ def cluster_workers() -> int:
         return max(len(client.scheduler_info(n_workers=-1).get("workers", ())), 1)
     except Exception:  # an asynchronous client, or the scheduler did not answer
         return 1
+
+
+def cluster_protocol() -> str | None:
+    """The scheme of the default ``distributed`` client's scheduler address (``"tls"``,
+    ``"tcp"``, ``"ucx"``, ``"inproc"``); ``None`` without a client.
+
+    Examples
+    --------
+    >>> cluster_protocol() is None
+    True
+    """
+    try:
+        from distributed import default_client
+
+        address = default_client().scheduler.address
+    except Exception:  # distributed missing, or no client
+        return None
+    return address.split("://", 1)[0] if "://" in address else "tcp"
 
 
 def check_device_for_graph(device: str) -> str:

@@ -35,7 +35,7 @@ from distributed.comm.addressing import get_address_host
 from distributed.protocol import dask_deserialize, dask_serialize, deserialize, serialize
 
 from .backend import is_cupy
-from .devices import cluster_workers
+from .devices import cluster_protocol, cluster_workers
 from .peer_chunks import CudaIpc, sharing_on
 
 __all__ = ["NodeSharedChunk", "chunk_of", "node_shared_refs", "same_host"]
@@ -171,9 +171,13 @@ _register_device_object()
 
 def _on_devices(collection: Any) -> bool:
     """Whether ``collection``'s chunks are on GPUs, and a cluster of several workers may send
-    them (with one, or none, nothing is sent, and a wrapper would only count each chunk twice
-    for the worker's spilling)."""
-    return is_cupy(getattr(collection, "_meta", None)) and cluster_workers() > 1
+    them through the network (with one, or none, nothing is sent, and a wrapper would only
+    count each chunk twice for the worker's spilling; over UCX distributed sends a CuPy chunk
+    from GPU to GPU itself, where a wrapper would send its host bytes: on 2 x H200 the Gram of
+    2 GiB of device-resident words took 2.2-2.8 s wrapped and 0.60-0.71 s not, against
+    0.69-0.72 s wrapped over TLS, docs/perf-notes.md, stop 53)."""
+    return (is_cupy(getattr(collection, "_meta", None)) and cluster_protocol() != "ucx"
+            and cluster_workers() > 1)
 
 
 def node_shared_refs(dsk: dict, collection: Any, keys: list[Any], name: str) -> list[Any]:

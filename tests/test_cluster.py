@@ -273,3 +273,63 @@ def test_every_listener_of_a_local_cluster_is_on_loopback(kwargs):
     assert here and here <= {"127.0.0.1"}, here
     for address, listening in workers.items():
         assert set(listening) <= {"127.0.0.1"}, (address, listening)
+
+
+def test_ucx_has_no_tls_and_needs_distributed_ucxx(monkeypatch):
+    with pytest.raises(ValueError, match="has no TLS"):
+        with dg.local_cluster(protocol="ucx", secure=True):
+            pass
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "distributed_ucxx" else real(name, *a))
+    with pytest.raises(ImportError, match="pip install distributed-ucxx"):
+        with dg.local_cluster(protocol="ucx"):
+            pass
+
+
+def test_the_jobs_protocol_option(tmp_path, monkeypatch):
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from dask_gpuchunk.cli import main
+
+    np.save(tmp_path / "a.npy", np.arange(12.0).reshape(4, 3))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "a.npy", "-o", "c.npy",
+                                       "--protocol", "tcp"])
+    assert result.exit_code == 0, result.output
+    assert "talks plain TCP on loopback" in result.stderr
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "a.npy", "-o", "d.npy",
+                                       "--protocol", "ucx", "--no-tls"])
+    assert result.exit_code == 2 and "--no-tls is --protocol tcp" in result.output
+    if importlib.util.find_spec("distributed_ucxx") is None:
+        result = CliRunner().invoke(main, ["multiply", "a.npy", "a.npy", "-o", "d.npy",
+                                           "--protocol", "ucx"])
+        assert result.exit_code == 5 and "needs distributed-ucxx" in result.stderr
+        assert not (tmp_path / "d.npy").exists()
+
+
+@pytest.mark.gpu
+def test_a_gram_of_device_words_over_ucx_is_exact_and_unwrapped(rng):
+    pytest.importorskip("distributed_ucxx")
+    import cupy
+
+    from helpers import random_bits
+
+    from dask_gpuchunk._kernels.gram import reference_gram
+
+    bits = random_bits(rng, (3000, 4096), 0.4)
+    words = np.packbits(bits, axis=1)
+    with dg.local_cluster(protocol="ucx", dashboard_address=None) as client:
+        assert client.scheduler.address.startswith("ucx://")
+        x = client.persist(dg.asarray(words, chunks=(700, -1)).map_blocks(
+            cupy.asarray, dtype=words.dtype, meta=cupy.empty((0, 0), words.dtype)))
+        g = dg.gram(x, packed=True)
+        # no wrappers: distributed sends CuPy chunks GPU to GPU over UCX
+        assert not any(str(k[0]).startswith("gram-words-") for k in dict(g.dask)
+                       if isinstance(k, tuple))
+        got = client.compute(g, sync=True).get()
+    np.testing.assert_array_equal(got, reference_gram(bits))
