@@ -23,11 +23,11 @@ def test_a_bad_value_set_from_python_is_named_where_the_api_reads_it(tmp_path, v
 
 
 def test_a_flag_given_as_text_is_read_as_its_words():
-    with dask.config.set({"gpuchunk.listed-graphs": "False"}):
-        assert config.listed_graphs() is False
-    with dask.config.set({"gpuchunk.listed-graphs": "maybe"}), pytest.raises(
-            ValueError, match="gpuchunk.listed-graphs .* True or False"):
-        config.listed_graphs()
+    with dask.config.set({"gpuchunk.direct-launch": "False"}):
+        assert config.flag("direct-launch") is False
+    with dask.config.set({"gpuchunk.direct-launch": "maybe"}), pytest.raises(
+            ValueError, match="gpuchunk.direct-launch .* True or False"):
+        config.flag("direct-launch")
 
 
 def test_an_unknown_setting_is_named_with_the_closest_one(monkeypatch):

@@ -918,6 +918,9 @@ def _divmod3(p, q):
     return p // q, p % q
 
 
+@pytest.mark.skipif(type(da.ones(1)).__module__.startswith("dask.array._array_expr"),
+                    reason="xarray cannot transpose dask's array expressions yet (dask raises "
+                           "NotImplementedError in __array_function__), ours or NumPy's ufuncs")
 def test_xarray_in_xarray_out_broadcast_by_dimension_names(rng):
     xr = pytest.importorskip("xarray")
     values = rng.standard_normal((5, 7))

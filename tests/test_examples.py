@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+QUERY_PLANNING = type(da.ones(1)).__module__.startswith("dask.array._array_expr")
 
 
 def load(name: str):
@@ -38,6 +39,8 @@ def first_command(path: Path) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.stem)
 def test_the_first_command_of_each_example_runs_in_seconds_on_a_cpu(path):
+    if path.stem == "fingerprint_neighbours" and QUERY_PLANNING:
+        pytest.skip("threshold= needs dask's classic arrays")
     args = first_command(path)
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, str(path), *args], cwd=EXAMPLES.parent,
