@@ -32,7 +32,7 @@ from ._kernels.bitpack import BitValueError, check_bits_dtype, check_words_dtype
 from ._kernels.elementwise import check_dtype
 from ._kernels.gram import GPU_METHODS
 from .arrays import asarray
-from .backend import staging_totals
+from .backend import dask_threads, staging_totals
 from .budget import DeviceBudgetError, budget_report
 from .config import listed_graphs
 from .devices import (
@@ -417,8 +417,8 @@ def _check_output(out: str | os.PathLike, inputs: list[str | os.PathLike], overw
             raise OutputError(f"output {out} is also an input ({p}); write to another file")
     try:
         if is_zarr_path(target):
-            compressed = output.get("compression", "none") != "none"
-            check_zarr_target(target, overwrite, 0 if compressed else nbytes)
+            # compressed too: zarr_in_place checks the uncompressed size when it starts
+            check_zarr_target(target, overwrite, nbytes)
         else:
             check_target(target, overwrite, nbytes)
     except FileExistsError as exc:
@@ -458,12 +458,12 @@ def _row_chunks(header: NpyHeader, chunk_size: str | int) -> tuple[Any, ...]:
         return ()
     row = max(1, int(np.prod(shape[1:], dtype=np.int64)) * header.dtype.itemsize)
     rows = max(1, nbytes // row)
-    if -(-shape[0] // rows) > MAX_CHUNKS:
+    chunks = -(-shape[0] // rows)
+    if chunks > MAX_CHUNKS:
         least = -(-shape[0] // MAX_CHUNKS) * row
         raise ValueError(f"--chunk-size {chunk_size} cuts {shape[0]:,} rows into "
-                         f"{-(-shape[0] // rows):,} chunks, more than {MAX_CHUNKS:,}; use at "
+                         f"{chunks:,} chunks, more than {MAX_CHUNKS:,}; use at "
                          f"least {format_bytes(least)}")
-    chunks = -(-shape[0] // rows)
     if rows * row < SMALL_CHUNK_BYTES and chunks > SMALL_CHUNKS_MAX:
         raise ValueError(f"--chunk-size {chunk_size} cuts the input into {chunks:,} chunks of "
                          f"{format_bytes(rows * row)}: each costs Dask about a millisecond, "
@@ -1037,7 +1037,9 @@ def similarity_job(
             blocks = cx * (cx + 1) // 2 if y is None else cx * cy
             report = ((lambda done, total: progress(done, total, "blocks"))
                       if progress is not None else None)
-            with job_errors(), _watching_blocks(blocks, report):
+            watching = (contextlib.nullcontext() if report is None
+                        else BlockProgress(blocks, report))
+            with job_errors(), watching:
                 computed = dask.compute(*_on_host_all(result))
             names = ("indices", "scores") if top_k is not None else ("rows", "cols", "scores")
             _save_arrays(target, dict(zip(names, computed)), overwrite)
@@ -1063,18 +1065,6 @@ def similarity_job(
         }
 
     return run
-
-
-@contextlib.contextmanager
-def _watching_blocks(blocks: int, report: Callable[[int, int], None] | None
-                     ) -> Iterator[None]:
-    """``report(done, blocks)`` as the similarity blocks are done
-    (:class:`dask_gpuchunk.progress.BlockProgress`), where there is a report to make."""
-    if report is None:
-        yield
-        return
-    with BlockProgress(blocks, report):
-        yield
 
 
 def _bytes_sent(dask_worker: Any) -> int:
@@ -1137,11 +1127,7 @@ def where_it_ran(client: Any | None) -> dict[str, Any]:
     counts the GPUs the jobs' chunks run on: each worker's first visible GPU (a worker of a
     local CUDA cluster sees every GPU, its own first), or this process's."""
     if client is None:
-        from dask.system import CPU_COUNT
-
-        # dask's threaded scheduler: num_workers where set, else a thread per core.
-        threads = dask.config.get("num_workers", None) or CPU_COUNT
-        return {"cluster": "local threads", "workers": 1, "threads": int(threads),
+        return {"cluster": "local threads", "workers": 1, "threads": dask_threads(),
                 "gpus": min(gpu_count(), 1),
                 "device_memory": [_device_report()] if gpu_count() else []}
     info = client.scheduler_info()

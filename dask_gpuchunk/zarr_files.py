@@ -210,12 +210,20 @@ class ZarrReader:
             data = data.astype(data.dtype.newbyteorder("="))
         return data
 
-    def _keys(self, array: Any, region: tuple[slice, ...]) -> list[str]:
+    def _chunks(self, array: Any, region: tuple[slice, ...]
+                ) -> Iterator[tuple[str, tuple[slice, ...]]]:
+        """The key and the whole region of each chunk (shard) ``region`` reads from."""
         first = [(r.start or 0) // g for r, g in zip(region, self.grid)]
         last = [-(-(r.stop if r.stop is not None else n) // g)
                 for r, g, n in zip(region, self.grid, self.shape)]
-        return [array.metadata.encode_chunk_key(tuple(a + i for a, i in zip(first, c)))
-                for c in np.ndindex(*(b - a for a, b in zip(first, last)))]
+        for offset in np.ndindex(*(b - a for a, b in zip(first, last))):
+            coords = tuple(a + i for a, i in zip(first, offset))
+            lo = [c * g for c, g in zip(coords, self.grid)]
+            yield (array.metadata.encode_chunk_key(coords),
+                   tuple(slice(a, min(a + g, n)) for a, g, n in zip(lo, self.grid, self.shape)))
+
+    def _keys(self, array: Any, region: tuple[slice, ...]) -> list[str]:
+        return [key for key, _ in self._chunks(array, region)]
 
     def _check(self, keys: list[str]) -> None:
         for key in [*_METADATA, *keys]:
@@ -230,14 +238,9 @@ class ZarrReader:
     def _damaged(self, array: Any, region: tuple[slice, ...], exc: Exception) -> Exception:
         """The error of a region that zarr could not read: the first of its chunks that fails
         alone, named with the store (``exc`` where none does)."""
-        for coords, key in _grid_keys(array):
-            lo = [c * g for c, g in zip(coords, self.grid)]
-            hi = [min(a + g, n) for a, g, n in zip(lo, self.grid, self.shape)]
-            if not all(a < (r.stop if r.stop is not None else n) and b > (r.start or 0)
-                       for a, b, r, n in zip(lo, hi, region, self.shape)):
-                continue
+        for key, whole in self._chunks(array, region):
             try:
-                array[tuple(slice(a, b) for a, b in zip(lo, hi))]
+                array[whole]
             except Exception as chunk_exc:  # noqa: BLE001 - as above
                 return ZarrFormatError(f"{self.path}: chunk {key} cannot be read "
                                        f"({type(chunk_exc).__name__}: {chunk_exc}); the store is "

@@ -647,9 +647,9 @@ class ElementwiseKernels:
             raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
         self.func = func
         #: The source files the translation reads, taken where the function was defined and
-        #: carried with it to every worker (:func:`~dask_gpuchunk._kernels.translate.capture_sources`).
-        self.sources = (dict(sources) if sources is not None
-                        else capture_sources(func) if rules == "numpy" else {})
+        #: carried with it to every worker (:func:`~dask_gpuchunk._kernels.translate.capture_sources`);
+        #: taken when the kernels are first pickled (``None`` until then).
+        self.sources = dict(sources) if sources is not None else None
         self.nargs = nargs
         self.rules = rules
         self.fma = bool(fma)
@@ -674,6 +674,8 @@ class ElementwiseKernels:
     def __reduce__(self) -> tuple:
         # Compiled kernels stay in the process that built them. A worker unpickles every task
         # afresh, so it looks the kernels up by token and compiles each signature only once.
+        if self.sources is None:  # read once, and only for a process that is sent them
+            self.sources = capture_sources(self.func) if self.rules == "numpy" else {}
         return (kernels_for, (self.func, self.nargs, self.token, self.stamp is not None,
                               self.rules, self.fma, self.sources))
 

@@ -28,6 +28,7 @@ import hashlib
 import inspect
 import math
 import os
+import sys
 import threading
 import types
 from collections.abc import Callable, Sequence
@@ -203,8 +204,9 @@ def code_key(code: types.CodeType) -> tuple[str, int, bytes]:
 
 def capture_sources(func: Callable) -> Sources:
     """The source files of ``func`` and of the plain Python functions it names (through its
-    globals and closure variables, and theirs), read now: for each function's
-    :func:`code_key`, its file's name and text.
+    globals and closure variables, and theirs), read now, for those that cloudpickle sends by
+    value (:func:`_pickled_by_value`): for each one's :func:`code_key`, its file's name and
+    text.
 
     Given to :func:`translate` in another process (a Dask worker), they stand for those files:
     a function defined in a ``__main__`` script, a notebook cell or a doctest travels to the
@@ -235,6 +237,8 @@ def capture_sources(func: Callable) -> Sources:
         if not isinstance(f, types.FunctionType) or code is None or code in seen:
             continue
         seen.add(code)
+        if not _pickled_by_value(f):
+            continue  # the other process imports it (and what it calls), and reads its file
         if code.co_filename not in texts:
             try:
                 lines, _ = inspect.findsource(code)
@@ -255,6 +259,20 @@ def capture_sources(func: Callable) -> Sources:
             elif name in f.__globals__:
                 todo.append(f.__globals__[name])
     return found
+
+
+def _pickled_by_value(func: types.FunctionType) -> bool:
+    """Whether cloudpickle sends ``func`` by value (its code, without its file): a function of
+    ``__main__``, or one its module does not hold under its qualified name (nested, a lambda,
+    one defined in a notebook cell or a doctest); else by reference, and the other process
+    imports it."""
+    module = sys.modules.get(getattr(func, "__module__", None) or "")
+    if module is None or module.__name__ == "__main__":
+        return True
+    found: Any = module
+    for part in getattr(func, "__qualname__", "").split("."):
+        found = getattr(found, part, None)
+    return found is not func
 
 
 def _names_in(code: types.CodeType) -> set[str]:
