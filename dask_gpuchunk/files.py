@@ -26,6 +26,7 @@ __all__ = [
     "FileIdentity",
     "FileReplacedError",
     "InputChangedError",
+    "check_published",
     "check_unchanged",
     "create_exclusive",
     "exchange",
@@ -229,17 +230,33 @@ def publish(tmp: str | os.PathLike, target: str | os.PathLike, key: tuple[int, i
     if file_key(st) != tuple(key) or not stat.S_ISREG(st.st_mode):
         raise FileReplacedError(errno.ESTALE, f"the job's temporary file {os.fspath(tmp)} was "
                                 "replaced; nothing was published")
-    if not overwrite:
-        rename_noreplace(tmp, target)
-        return
     try:
-        old = os.lstat(target)
+        old = os.lstat(target) if overwrite else None
     except FileNotFoundError:
+        old = None
+    if old is None:
         rename_noreplace(tmp, target)  # appeared meanwhile: still only a regular file replaced
-        return
-    refuse_unless_regular(target, old)
-    os.chmod(tmp, stat.S_IMODE(old.st_mode), follow_symlinks=False)
-    os.replace(tmp, target)
+    else:
+        refuse_unless_regular(target, old)
+        os.chmod(tmp, stat.S_IMODE(old.st_mode), follow_symlinks=False)
+        os.replace(tmp, target)
+    check_published(tmp, target, key)
+
+
+def check_published(tmp: str | os.PathLike, target: str | os.PathLike,
+                    key: tuple[int, int, int]) -> None:
+    """After a rename of ``tmp`` onto ``target``: where ``target`` is not the file ``key``
+    names (swapped at ``tmp`` between the check and the rename, in a directory others may
+    write in), move it aside to ``<tmp>.replaced`` and raise :class:`FileReplacedError`."""
+    try:
+        if file_key(os.lstat(target)) == tuple(key):
+            return
+        rename_noreplace(target, os.fspath(tmp) + ".replaced")
+    except OSError:
+        pass  # gone or moved again: nothing of the job's is at target either way
+    raise FileReplacedError(errno.ESTALE, f"the job's temporary file {os.fspath(tmp)} was "
+                            "replaced as it was published; what was put there is moved to "
+                            f"{os.fspath(tmp)}.replaced, nothing of the job's was published")
 
 
 def refuse_unless_regular(target: str | os.PathLike, st: os.stat_result | None = None) -> None:

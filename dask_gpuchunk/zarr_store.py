@@ -34,7 +34,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._kernels.gram import c_ordered
-from .files import FileReplacedError, exchange, file_key, rename_noreplace
+from .files import (FileReplacedError, check_published, exchange, file_key,
+                    rename_noreplace)
 
 __all__ = ["COMPRESSIONS", "WRITER_ATTRIBUTE", "StoreTarget", "check_compression",
            "check_replaceable", "chunk_key_parser", "create_store", "open_store",
@@ -200,6 +201,13 @@ def _write_at(root: int, key: str, pieces: list[memoryview]) -> None:
             _write_all(fd, pieces)
         finally:
             os.close(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        # Only another's hand puts a symlink or a file where the job makes a chunk or folder.
+        raise FileReplacedError(exc.errno, f"{key} in the job's temporary store is a symbolic "
+                                "link or a file someone put there; nothing is written "
+                                "through it") from None
     finally:
         for fd_dir in opened:
             os.close(fd_dir)
@@ -253,6 +261,11 @@ def create_store(tmp: Path, shape: tuple[int, ...], chunks: tuple[int, ...], dty
     fd = os.open(tmp, _DIR_FLAGS)
     try:
         st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077 or os.listdir(fd):
+            # Renamed away between the mkdir and the open, another's directory in its place:
+            # not ours to write into nor to remove.
+            raise FileReplacedError(errno.ESTALE, f"the job's temporary store {tmp} was "
+                                    "replaced as it was made; nothing is written into it")
         target = StoreTarget(os.fspath(tmp), file_key(st), tuple(int(n) for n in shape),
                              tuple(int(c) for c in chunks), np.dtype(dtype).str, compression,
                              zarr_format)
@@ -329,10 +342,15 @@ def publish_store(target: StoreTarget, dest: Path, overwrite: bool) -> None:
     os.chmod(root, 0o777 & ~_umask(), follow_symlinks=False)  # as a new directory's
     if not overwrite or not os.path.lexists(dest):
         rename_noreplace(root, dest)
+        check_published(root, dest, target.key)
         return
     check_replaceable(dest)
     old = file_key(os.lstat(dest))
     exchange(root, dest)
+    if file_key(os.lstat(dest)) != tuple(target.key):  # swapped between the check and here
+        exchange(root, dest)
+        raise FileReplacedError(errno.ESTALE, f"the job's temporary store {root} was replaced "
+                                "as it was published; nothing was published")
     # The old store, now under the temporary name; only it is removed.
     if file_key(os.lstat(root)) == old:
         shutil.rmtree(root)

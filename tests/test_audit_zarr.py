@@ -105,6 +105,34 @@ def test_a_swapped_temporary_store_is_never_written_through_nor_published(job, m
     assert all(os.path.islink(p) for p in (swapped[0] / "c").glob("*/0"))  # theirs, untouched
 
 
+def test_a_store_swapped_as_it_is_made_is_never_written_through(job, monkeypatch):
+    # Between the job's mkdir and its open of the new directory, the attacker moves in: the
+    # job must neither write through the planted symlinks nor remove the planted directory.
+    d, a, b = job
+    victim = _victim(d)
+    real_open = os.open
+    swapped: list[Path] = []
+
+    def open_after_a_swap(path, flags, *args, **kwargs):
+        name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else ""
+        if not swapped and name.endswith(".partial") and ".c.zarr." in name:
+            Path(name).rename(d / "stolen")
+            _plant_symlink_store(Path(name), victim)
+            swapped.append(Path(name))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_after_a_swap)
+    code, err = _run_in(d, monkeypatch, "multiply", "a.zarr", "b.npy", "-o", "c.zarr",
+                        "--chunk-size", "2kB")
+    monkeypatch.setattr(os, "open", real_open)
+    assert swapped
+    assert code == 4, err
+    assert "replaced" in err and "\n" not in err, err
+    assert victim.read_text() == "precious"
+    assert not (d / "c.zarr").exists()
+    assert all(os.path.islink(p) for p in (swapped[0] / "c").glob("*/0"))  # theirs, untouched
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
                     reason="needs root, to run the attacker as another user")
 def test_another_user_swapping_the_store_of_a_root_job(rng, request_cleanup):

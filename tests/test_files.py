@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import dask.array as da
 import numpy as np
@@ -89,6 +90,29 @@ def test_a_temporary_file_swapped_for_a_symlink_is_never_written_or_published(tm
     with pytest.raises(FileExistsError):  # nor is a planted name ever followed when created
         files.create_exclusive(tmp)
     assert victim.read_text() == "precious" and not (tmp_path / "out.npy").exists()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_file_swapped_in_between_the_check_and_the_rename_is_taken_back(tmp_path, monkeypatch,
+                                                                         overwrite):
+    tmp, ident = _made(tmp_path, ".out.npy.partial")
+    if overwrite:
+        (tmp_path / "out.npy").write_text("old")
+    real_lstat = os.lstat
+
+    def swap_after_the_check(path, *args, **kwargs):
+        st = real_lstat(path, *args, **kwargs)
+        if os.fspath(path) == os.fspath(tmp) and not (tmp_path / "job's").exists():
+            os.rename(tmp, tmp_path / "job's")  # the check saw the job's; then the swap
+            tmp.write_text("someone else's")
+        return st
+
+    monkeypatch.setattr(files.os, "lstat", swap_after_the_check)
+    with pytest.raises(FileReplacedError, match="replaced as it was published"):
+        files.publish(tmp, tmp_path / "out.npy", ident, overwrite=overwrite)
+    monkeypatch.undo()
+    assert (Path(f"{tmp}.replaced")).read_text() == "someone else's"
+    assert not (tmp_path / "out.npy").exists()
 
 
 def test_a_temporary_file_replaced_by_another_file_is_refused(tmp_path):
