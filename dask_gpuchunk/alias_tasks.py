@@ -28,7 +28,7 @@ from typing import Any
 
 import dask
 
-from . import config
+from . import _compat, config
 
 __all__ = ["install", "optimize_arrays", "resolve_aliases", "resolving_aliases"]
 
@@ -41,17 +41,16 @@ def resolve_aliases(graph: Mapping[Hashable, Any], keys: Iterable[Any]) -> dict:
     Examples
     --------
     >>> import operator
-    >>> from dask._task_spec import Alias, Task, TaskRef
+    >>> from dask.task_spec import Task, TaskRef
+    >>> Alias = _compat.alias_task_type()
     >>> graph = {"a": Task("a", operator.add, 1, 2), "b": Alias("b", "a"),
     ...          "c": Task("c", operator.neg, TaskRef("b"))}
     >>> resolved = resolve_aliases(graph, ["c"])
     >>> sorted(resolved), resolved["c"].dependencies
     (['a', 'c'], frozenset({'a'}))
     """
-    from dask._task_spec import Alias
-    from dask.core import flatten
-
-    requested = set(flatten(keys))
+    Alias = _compat.alias_task_type()
+    requested = set(_compat.flatten_keys(keys))
     targets = {key: node.target for key, node in graph.items()
                if isinstance(node, Alias) and key not in requested}
     if not targets:

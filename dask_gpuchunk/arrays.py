@@ -24,9 +24,10 @@ from typing import Any
 
 import dask.array as da
 import numpy as np
-from dask.array.core import normalize_chunks, slices_from_chunks
+from dask.array.core import normalize_chunks
 from dask.base import tokenize
 
+from . import _compat
 from .backend import is_cupy
 from .config import listed_graphs
 
@@ -85,7 +86,7 @@ def asarray(x: Any, chunks: Any = "auto", *, name: str | None = None) -> da.Arra
     if listed_graphs():  # views listed as the graph's values (dask_gpuchunk.config)
         name = name or f"asarray-{tokenize(_identity(x), chunks)}"
         keys = itertools.product([name], *(range(len(c)) for c in chunks))
-        dsk = {key: x[(*slc, Ellipsis)] for key, slc in zip(keys, slices_from_chunks(chunks))}
+        dsk = {key: x[(*slc, Ellipsis)] for key, slc in zip(keys, _compat.slices_from_chunks(chunks))}
         return da.Array(dsk, name, chunks, meta=meta, dtype=x.dtype)
     reader = ViewReader(x, name or _identity(x))
     # asarray=False: CuPy views must stay CuPy (dask would call np.asarray on each chunk).

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import config, placement
+from . import _compat, config, placement
 from ._kernels.elementwise import (
     ElementwiseKernels,
     ElementwisePlan,
@@ -243,7 +243,7 @@ def dask_threads() -> int:
     try:
         from distributed import get_worker
 
-        return max(1, int(get_worker().state.nthreads))
+        return max(1, _compat.worker_threads(get_worker()))
     except Exception:
         import dask
 

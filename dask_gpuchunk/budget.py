@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import process_memory
+from . import _compat, process_memory
 from .devices import gpu_available
 from .staging import per_device
 
@@ -180,9 +180,7 @@ def stored_results_lru(worker: Any = None) -> Any:
             worker = get_worker()
         except (ImportError, ValueError):
             return None
-    buffer = getattr(worker.data, "device_buffer", None)
-    fast = getattr(buffer, "fast", None)
-    return fast if fast is not None and hasattr(fast, "n") else None
+    return _compat.device_results_lru(worker)
 
 
 def stored_limit(dask_worker: Any = None) -> int:

@@ -20,11 +20,11 @@ from typing import Any
 
 import dask.array as da
 import numpy as np
-from dask.array.core import common_blockdim
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import Task, TaskRef
 
+from . import _compat
 from ._kernels.elementwise import (
     REDUCTIONS,
     RULES,
@@ -785,7 +785,7 @@ def _to_dask(operands: list[Any]) -> tuple[list[Any], tuple[tuple[int, ...], ...
         # The chunks of the operands that span this dimension (not broadcast along it).
         spans = {r.chunks[k] for r in dask_ops
                  if (k := d - (ndim - r.ndim)) >= 0 and r.shape[k] != 1}
-        chunks_by_dim.append(common_blockdim(spans) if len(spans) > 1
+        chunks_by_dim.append(_compat.common_blockdim(spans) if len(spans) > 1
                              else spans.pop() if spans else (1,))
     unified = []
     for r in result:

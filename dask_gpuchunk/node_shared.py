@@ -26,7 +26,6 @@ travel as distributed sends them.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 from dask.sizeof import sizeof
@@ -34,6 +33,7 @@ from dask.task_spec import Task, TaskRef
 from distributed.comm.addressing import get_address_host
 from distributed.protocol import dask_deserialize, dask_serialize, deserialize, serialize
 
+from . import _compat
 from .backend import is_cupy
 from .devices import cluster_protocol, cluster_workers
 from .peer_chunks import CudaIpc, sharing_on
@@ -161,9 +161,7 @@ def _register_device_object() -> None:
     does, where dask-cuda is already imported: a dask-cuda worker imports it before this
     package, and importing it here would import dask's dataframes (and pandas) into every
     process that imports the package."""
-    module = sys.modules.get("dask_cuda.is_device_object")
-    if module is not None:
-        module.is_device_object.register(NodeSharedChunk)(lambda shared: is_cupy(shared.chunk))
+    _compat.register_device_object(NodeSharedChunk, lambda shared: is_cupy(shared.chunk))
 
 
 _register_device_object()

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any
 
-from distributed.active_memory_manager import ReduceReplicas
 
+from . import _compat
 from .resident import SOURCE_KEY_PREFIX
 
 __all__ = ["REDUCE_REPLICAS", "ReduceReplicasKeepingSources", "policies_keeping_sources"]
@@ -34,7 +34,7 @@ def _is_source(key: Any) -> bool:
     return isinstance(key, str) and key.startswith(SOURCE_KEY_PREFIX)
 
 
-class ReduceReplicasKeepingSources(ReduceReplicas):
+class ReduceReplicasKeepingSources(_compat.reduce_replicas_policy()):  # type: ignore[misc]
     """:class:`~distributed.active_memory_manager.ReduceReplicas`, without the drops of
     resident sources' replicas."""
 
@@ -46,7 +46,7 @@ class ReduceReplicasKeepingSources(ReduceReplicas):
                 suggestion = suggestions.send(chosen)
             except StopIteration:
                 return
-            if _is_source(suggestion[1].key):  # (op, task, candidates)
+            if _is_source(_compat.suggestion_key(suggestion)):
                 chosen = None  # as if no worker could drop it
                 continue
             chosen = yield suggestion

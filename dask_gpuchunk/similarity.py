@@ -37,6 +37,7 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import List, Task, TaskRef
 
+from . import _compat
 from ._kernels import bitpack as bits
 from ._kernels import similarity as kernels
 from ._kernels.similarity_cpu import best_keys_of_columns, best_keys_of_rows, pairs_at_least_cpu
@@ -825,7 +826,7 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
         raise ValueError(f"at most 2**32 - 1 rows per input; got {max(n, m):,}")
     width = wx.shape[1] * wx.dtype.itemsize * 8 if packed else x.shape[1]
     _check_choice(metric, top_k, threshold, m - 1 if exclude_self else m, width)
-    if threshold is not None and type(wx).__module__.startswith("dask.array._array_expr"):
+    if threshold is not None and _compat.is_array_expression(wx):
         raise NotImplementedError("similarity(threshold=) makes arrays of lengths known only "
                                   "once computed, which dask's array query planning does "
                                   "not take; turn it off (array.query-planning: False)")

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from . import budget
+from . import _compat, budget
 from .devices import gpu_available
 
 __all__ = ["allocate_or_yield", "hold_budget", "unspill_through_pool"]
@@ -85,15 +85,12 @@ def hold_budget(worker: Any) -> bool:
     if not gpu_available() or stored is None:
         return False
     import cupy
-    import distributed.protocol.cupy  # noqa: F401 - distributed's own registration, replaced below
-    from distributed.protocol.serialize import dask_deserialize
-
     pool = cupy.get_default_memory_pool()
 
     def malloc(nbytes: int) -> Any:
         return allocate_or_yield(pool, nbytes, stored, cupy.cuda.memory.OutOfMemoryError)
 
     cupy.cuda.set_allocator(malloc)
-    dask_deserialize.register(cupy.ndarray)(unspill_through_pool)
+    _compat.register_cupy_deserializer(unspill_through_pool)
     budget.stored_results_yield = True
     return True

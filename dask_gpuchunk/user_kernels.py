@@ -20,6 +20,7 @@ import dask.array as da
 import numpy as np
 from dask.base import tokenize
 
+from . import _compat
 from ._kernels.elementwise import check_dtype
 from ._kernels.user_functions import (
     cuda_kernel_function,
@@ -451,9 +452,7 @@ class GufuncOp:
 
 def _check_core_dims(layout: str, arrays: Sequence[da.Array]) -> None:
     """Each input's core axes in one block (what the gufunc's Python loop sees whole)."""
-    from dask.array.gufunc import _parse_gufunc_signature
-
-    core_dims, _ = _parse_gufunc_signature(layout)
+    core_dims, _ = _compat.parse_gufunc_signature(layout)
     if len(core_dims) != len(arrays):
         raise TypeError(f"the gufunc's layout {layout} takes {len(core_dims)} inputs, "
                         f"got {len(arrays)}")
