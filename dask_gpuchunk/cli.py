@@ -798,10 +798,12 @@ def _in_process_by_default(opts: dict[str, Any]) -> bool:
                                              "counts"]),
               default="tanimoto", show_default=True)
 @click.option("--top-k", type=click.IntRange(min=1), default=None,
-              help="Each row's K best: OUTPUT a .npz of indices and scores (n x K).")
+              help="Each row's K best: OUTPUT a .npz of indices and scores (n x K). With "
+              "--threshold: the K best that meet it, index -1 and score NaN (-1 for hamming "
+              "and counts) in the places of the missing.")
 @click.option("--threshold", type=float, default=None,
               help="Every pair scoring at least T (at most T for hamming): OUTPUT a .npz of "
-              "rows, cols and scores.")
+              "rows, cols and scores. With --top-k: a bound on the K best.")
 @click.option("--dense", is_flag=True, help="Every score: OUTPUT a .npy or Zarr store (the "
               "default where neither --top-k nor --threshold is given).")
 @click.option("--include-self", is_flag=True, help="All pairs: keep each row's pair with "
@@ -828,8 +830,8 @@ def similarity_command(fingerprints: str, queries: str | None, metric: str, top_
     Top-k and threshold jobs keep a few bytes a row and spill nothing: with no cluster option
     and one GPU or none, they run in this process (as --in-process); --local-cluster starts a
     cluster all the same. Dense scores and several GPUs take a local cluster."""
-    if sum((top_k is not None, threshold is not None, dense)) > 1:
-        raise click.UsageError("give one of --top-k, --threshold and --dense")
+    if dense and (top_k is not None or threshold is not None):
+        raise click.UsageError("--dense writes every score; leave out --top-k and --threshold")
     if use_local_cluster and opts.get("in_process"):
         raise click.UsageError("give --local-cluster or --in-process, not both")
     joined = [f"--{k.replace('_', '-')}" for k in ("scheduler_file", "scheduler_address")

@@ -965,8 +965,9 @@ def similarity_job(
 
     All pairs of ``fingerprints`` (``.npy`` or ``.zarr``, 0/1 data or with ``packed`` packed
     words), or each row of ``queries`` against them (:func:`dask_gpuchunk.similarity`). With
-    ``top_k``: ``out`` is a ``.npz`` of ``indices`` and ``scores`` ``(n, top_k)``; with
-    ``threshold``: a ``.npz`` of ``rows``, ``cols`` and ``scores``; else the dense scores into
+    ``top_k``: ``out`` is a ``.npz`` of ``indices`` and ``scores`` ``(n, top_k)`` (with
+    ``threshold`` too, those short of it masked as :func:`dask_gpuchunk.similarity` does);
+    with ``threshold`` alone: a ``.npz`` of ``rows``, ``cols`` and ``scores``; else the dense scores into
     a ``.npy`` or Zarr store. ``chunk_rows``: rows per chunk of each input; ``None``:
     :data:`SIMILARITY_CHUNK_ROWS` on GPUs, halved while a block would not fit the workers'
     budget, 4,096 on the CPU. On GPUs the packed words are moved to the devices once: for

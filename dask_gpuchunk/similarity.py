@@ -68,7 +68,8 @@ from .io import npy_reader_of
 from .node_shared import node_shared_refs
 from .resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 
-__all__ = ["METRICS", "block_bytes", "compile_selection_ahead", "similarity"]
+__all__ = ["METRICS", "MISSING_SCORE", "block_bytes", "compile_selection_ahead",
+           "similarity"]
 
 #: ``metric=`` values of :func:`similarity`.
 METRICS = kernels.METRICS
@@ -718,8 +719,6 @@ def _check_choice(metric: str, top_k: Any, threshold: Any, candidates: int, widt
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {', '.join(map(repr, METRICS))}; got "
                          f"{metric!r}")
-    if top_k is not None and threshold is not None:
-        raise ValueError("give top_k= or threshold=, not both")
     if top_k is not None:
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
             raise TypeError(f"top_k must be an integer; got {top_k!r}")
@@ -767,13 +766,15 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     top_k
         Return each row's ``top_k`` best columns: ``(indices, scores)``, both ``(n, top_k)``
         (indices int64), best first (highest score; lowest for hamming), equal scores by the
-        smaller index.
+        smaller index. With ``threshold`` too: the best ``top_k`` of those that meet it
+        ("the 10 best above 0.7"), the places of the missing ones index ``-1`` and score
+        :data:`MISSING_SCORE` of the metric's dtype (NaN; ``-1`` for hamming and counts).
     threshold
-        Return every pair whose score is at least ``threshold`` (at most, for hamming):
-        ``(rows, cols, scores)``, three 1-D arrays in row-then-column order, of lengths known
-        only once computed. Float metrics compare each float32 score with
+        Alone: return every pair whose score is at least ``threshold`` (at most, for
+        hamming): ``(rows, cols, scores)``, three 1-D arrays in row-then-column order, of
+        lengths known only once computed. Float metrics compare each float32 score with
         ``float32(threshold)``. Not under dask's array query planning (its arrays take no
-        unknown lengths).
+        unknown lengths); with ``top_k``, it is.
     exclude_self
         Leave out pairs whose row and column indices are equal (default: ``True`` for all
         pairs, ``False`` for queries against a database); for top-k and threshold.
@@ -789,8 +790,7 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     Raises
     ------
     ValueError
-        An unknown metric, ``top_k`` and ``threshold`` together, ``top_k`` below 1 or above the
-        candidates of a row, a threshold outside the metric's range, inputs of different bit
+        An unknown metric, ``top_k`` below 1 or above the candidates of a row, a threshold outside the metric's range, inputs of different bit
         widths; at compute time, values other than 0 or 1.
     TypeError
         A non-integer ``top_k``, wrong dtypes for ``packed``.
@@ -826,7 +826,7 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
         raise ValueError(f"at most 2**32 - 1 rows per input; got {max(n, m):,}")
     width = wx.shape[1] * wx.dtype.itemsize * 8 if packed else x.shape[1]
     _check_choice(metric, top_k, threshold, m - 1 if exclude_self else m, width)
-    if threshold is not None and _compat.is_array_expression(wx):
+    if threshold is not None and top_k is None and _compat.is_array_expression(wx):
         raise NotImplementedError("similarity(threshold=) makes arrays of lengths known only "
                                   "once computed, which dask's array query planning does "
                                   "not take; turn it off (array.query-planning: False)")
@@ -860,13 +860,15 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
                             metric=metric, dtype=dtype,
                             meta=meta_from_array(counts._meta, ndim=2, dtype=dtype))
     k = None if top_k is None else int(top_k)
-    selection = _Selection(metric, k, None if threshold is None
-                           else _threshold_value(threshold, metric), exclude_self)
+    limit = None if threshold is None else _threshold_value(threshold, metric)
+    # A top-k with a threshold selects the k best and masks those short of it afterwards:
+    # the same blocks, exact.
+    selection = _Selection(metric, k, limit if k is None else None, exclude_self)
     meta2 = meta_from_array(wx._meta, ndim=2, dtype=np.uint64)
     on_device = is_cupy(wx._meta)
     if k is not None and listed_graphs():
         keys = _top_k_chain(wx, wy, pop_x, pop_y, y is None, selection, method, device, meta2)
-        return _decoded(keys, on_device, metric, dtype)
+        return _decoded(keys, on_device, metric, dtype, limit)
     if k is None and listed_graphs():
         return _pairs_parts(_threshold_pairs(wx, wy, pop_x, pop_y, y is None, selection,
                                              method, device, meta2), on_device, metric, dtype)
@@ -886,7 +888,7 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     if k is not None:
         keys = da.blockwise(_merged_keys, "it", kept, "ij", *mirrored, new_axes={"t": k},
                             concatenate=False, k=k, dtype=np.uint64, meta=meta2)
-        return _decoded(keys, on_device, metric, dtype)
+        return _decoded(keys, on_device, metric, dtype, limit)
     merged = da.blockwise(_merged_pairs, "ip", kept, "ij", *mirrored, new_axes={"p": 2},
                           adjust_chunks={"i": lambda _: np.nan}, concatenate=False,
                           dtype=np.uint64, meta=meta2)
@@ -905,15 +907,45 @@ def _pairs_parts(merged: da.Array, on_device: bool, metric: str, dtype: np.dtype
     return tuple(out)
 
 
-def _decoded(keys: da.Array, on_device: bool, metric: str, dtype: np.dtype
-             ) -> tuple[da.Array, da.Array]:
-    """``(indices, scores)`` of best keys ``(n, k)``."""
+def _decoded(keys: da.Array, on_device: bool, metric: str, dtype: np.dtype,
+             limit: Any = None) -> tuple[da.Array, da.Array]:
+    """``(indices, scores)`` of best keys ``(n, k)``; where ``limit`` is given, those that
+    fall short of it masked (:func:`_indices_meeting`, :func:`_scores_meeting`)."""
     meta = keys._meta
-    indices = keys.map_blocks(_placed, kernels.decode_indices, on_device, dtype=np.int64,
+    if limit is None:
+        index_args: tuple[Any, ...] = (kernels.decode_indices, on_device)
+        score_args: tuple[Any, ...] = (kernels.decode_scores, on_device, metric)
+    else:
+        index_args = (_indices_meeting, on_device, metric, limit)
+        score_args = (_scores_meeting, on_device, metric, limit)
+    indices = keys.map_blocks(_placed, *index_args, dtype=np.int64,
                               meta=meta_from_array(meta, ndim=2, dtype=np.int64))
-    scores = keys.map_blocks(_placed, kernels.decode_scores, on_device, metric, dtype=dtype,
+    scores = keys.map_blocks(_placed, *score_args, dtype=dtype,
                              meta=meta_from_array(meta, ndim=2, dtype=dtype))
     return indices, scores
+
+
+#: What a top-k with a threshold puts in the place of a neighbour short of it, by the
+#: metric's score dtype: index ``-1`` and this score.
+MISSING_SCORE = {np.dtype(np.float32): np.float32("nan"), np.dtype(np.int32): np.int32(-1)}
+
+
+def _meets(scores: Any, metric: str, limit: Any) -> Any:
+    return scores <= limit if kernels.lower_is_better(metric) else scores >= limit
+
+
+def _indices_meeting(keys: Any, metric: str, limit: Any) -> Any:
+    """The column indices of best keys, ``-1`` where the score falls short of ``limit``."""
+    indices = kernels.decode_indices(keys)
+    indices[~_meets(kernels.decode_scores(keys, metric), metric, limit)] = -1
+    return indices
+
+
+def _scores_meeting(keys: Any, metric: str, limit: Any) -> Any:
+    """The scores of best keys, :data:`MISSING_SCORE` where one falls short of ``limit``."""
+    scores = kernels.decode_scores(keys, metric)
+    scores[~_meets(scores, metric, limit)] = MISSING_SCORE[scores.dtype]
+    return scores
 
 
 def _placed(block: Any, decode: Any, on_device: bool, *args: Any) -> Any:

@@ -151,6 +151,29 @@ def test_similarity_files_top_k_threshold_and_dense(rng, tmp_path):
         "dense.npy", "fps.npy", "fps01.npy", "pairs.npz", "q.npy", "top.npz"]
 
 
+def test_the_k_best_above_a_threshold_through_the_command_line(rng, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from dask_gpuchunk.cli import main
+
+    fps = random_bits(rng, (97, 200), 0.15)
+    np.save(tmp_path / "fps.npy", np.packbits(fps, axis=1))
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["similarity", "fps.npy", "--packed", "--top-k", "6",
+                                  "--threshold", "0.12", "--chunk-rows", "30", "--device",
+                                  "cpu", "-o", "top.npz"])
+    assert r.exit_code == 0, r.output
+    s = _similarity_reference(fps, fps)
+    np.fill_diagonal(s, -1)
+    order = np.argsort(-s.astype(np.float64), axis=1, kind="stable")[:, :6]
+    best = np.take_along_axis(s, order, axis=1)
+    meets = best >= np.float32(0.12)
+    assert 0 < meets.sum() < meets.size
+    with np.load(tmp_path / "top.npz") as got:
+        np.testing.assert_array_equal(got["indices"], np.where(meets, order, -1))
+        np.testing.assert_array_equal(got["scores"], np.where(meets, best, np.nan))
+
+
 def test_a_similarity_job_warms_up_first_and_a_failed_warm_up_loses_nothing(rng, tmp_path,
                                                                              monkeypatch):
     from dask_gpuchunk import jobs

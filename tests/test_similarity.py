@@ -15,7 +15,7 @@ from helpers import random_bits
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.config import listed_graphs
-from dask_gpuchunk.similarity import METRICS
+from dask_gpuchunk.similarity import METRICS, MISSING_SCORE
 
 QUERY_PLANNING = type(da.ones(1)).__module__.startswith("dask.array._array_expr")
 
@@ -124,6 +124,33 @@ def test_top_k_of_queries_against_a_database_keeps_equal_indices(rng):
     assert (indices.compute()[:10, 0] <= np.arange(10)).all()  # each finds itself (or a twin)
 
 
+@pytest.mark.parametrize("metric, k, threshold", [
+    ("tanimoto", 6, 0.2), ("hamming", 4, 14), ("dice", 9, 0.33), ("counts", 5, 3),
+    ("cosine", 3, 0.0), ("tanimoto", 2, 1.0)])
+@pytest.mark.parametrize("queries", [False, True])
+def test_top_k_with_a_threshold_is_the_best_k_that_meet_it(xp, rng, metric, k, threshold,
+                                                           queries):
+    # "The k best above 0.7": brute force's top k, those short of the threshold masked.
+    x = fingerprints(rng, 71, 130)
+    db = random_bits(rng, (53, 130), 0.1) if queries else x
+    indices, scores = dg.similarity(
+        da.from_array(xp.asarray(x), chunks=(25, 130)),
+        da.from_array(xp.asarray(db), chunks=(19, 130)) if queries else None,
+        metric=metric, top_k=k, threshold=threshold)
+    got_i, got_s = (np.asarray(getattr(a, "get", lambda: a)())
+                    for a in dask.compute(indices, scores))
+    s = reference(x, db, metric)
+    lower = metric == "hamming"
+    want_i, want_s = brute_top_k(s, k, lower, not queries)
+    limit = np.float64(np.float32(threshold)) if s.dtype.kind == "f" else threshold
+    meets = want_s <= limit if lower else want_s >= limit
+    assert 0 < meets.sum() < meets.size or threshold in (0.0, 1.0)
+    np.testing.assert_array_equal(got_i, np.where(meets, want_i, -1))
+    missing = MISSING_SCORE[s.dtype]
+    np.testing.assert_array_equal(got_s, np.where(meets, want_s, missing).astype(s.dtype))
+    assert got_s.dtype == s.dtype
+
+
 @pytest.mark.skipif(QUERY_PLANNING, reason="threshold= is refused under array query planning")
 @pytest.mark.parametrize("metric, threshold, exclude_self", [
     ("tanimoto", 0.3, None), ("hamming", 30, None), ("cosine", 0.2, False)])
@@ -147,7 +174,7 @@ def test_threshold_under_query_planning_is_refused_clearly():
 
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"metric": "euclid"}, ValueError, "metric must be one of"),
-    ({"top_k": 2, "threshold": 0.5}, ValueError, "not both"),
+    ({"top_k": 2, "threshold": 1.5}, ValueError, "from 0 to 1.0"),
     ({"top_k": 0}, ValueError, "between 1 and the 5 candidates"),
     ({"top_k": 6}, ValueError, "between 1 and the 5 candidates"),
     ({"top_k": True}, TypeError, "integer"),
