@@ -50,6 +50,7 @@ from .budget import DeviceBudgetError, cap_device_memory
 from .cluster import collector_paused, connect, local_cluster, parse_memory_limit
 from .config import check_settings
 from .devices import GPUNotAvailableError, _probe_gpus, gpu_available, gpu_count
+from .fingerprint_files import FINGERPRINT_KINDS
 from .gram import METHODS, _compute_capability, resolve_method
 from .partials import partials_in, remove_partials
 from .joining import PlainTransportWarning, write_credentials
@@ -696,9 +697,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
         out = s["output"]
         rate = (f"{s['gb_per_s']:.2f} GB/s moved" if "gb_per_s" in s
                 else f"{s['pairs_per_s']:.3g} pairs/s" if "pairs_per_s" in s
+                else f"{s['molecules_per_s'] or 0:.3g} molecules/s" if "molecules_per_s" in s
                 else f"{s['bit_macs_per_s']:.3g} bit-MAC/s")
         click.echo(f"{s['command']}: {out['path']} {tuple(out['shape'])} {out['dtype']} in "
                    f"{s['seconds']:.2f} s ({rate})")
+    if summary.get("unparsed"):
+        named = ", ".join(summary["unparsed_ids"])
+        click.echo(f"fingerprints: {summary['unparsed']} SMILES RDKit could not parse were "
+                   f"left out (ids {named}{', ...' if summary['unparsed'] > len(summary['unparsed_ids']) else ''})")
     if summary["command"] == "demo":
         c = summary["checked"]
         click.echo(f"demo: {c['multiply_rows']} rows of the product and {c['gram_rows']} rows of "
@@ -846,6 +852,33 @@ def similarity_command(fingerprints: str, queries: str | None, metric: str, top_
         threshold=threshold, packed=packed,
         exclude_self=(not include_self) if queries is None else None, method=method, device=device, chunk_rows=chunk_rows,
         overwrite=overwrite, compression=compression, zarr_format=int(zarr_format)))
+
+
+@main.command("fingerprints")
+@click.argument("smiles", type=click.Path())
+@click.option("-o", "--output", required=True, type=click.Path(),
+              help="An .fps file (fingerprints and the molecules' ids, which the similarity "
+              "job then writes beside its results) or a .npy of the packed words alone.")
+@click.option("--kind", type=click.Choice(list(FINGERPRINT_KINDS)), default="morgan",
+              show_default=True, help="RDKit's fingerprint generator.")
+@click.option("--bits", type=click.IntRange(min=8), default=2048, show_default=True,
+              help="Bits a fingerprint (a multiple of 8).")
+@click.option("--radius", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Morgan's radius (2: ECFP4).")
+@click.option("--overwrite", is_flag=True, help="Replace the output if it exists.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON line summarising the job, and no progress bar.")
+def fingerprints_command(smiles: str, output: str, kind: str, bits: int, radius: int,
+                         overwrite: bool, as_json: bool) -> None:
+    """Fingerprints of the molecules in SMILES (a .smi file: SMILES and id a line) through
+    RDKit (pip install rdkit), in a process per core, packed into OUTPUT for the similarity
+    job: dask-gpuchunk fingerprints mols.smi -o fps.fps, then dask-gpuchunk similarity fps.fps
+    --top-k 10 -o nn.npz (its .npz then holds the ids)."""
+    from .fingerprint_jobs import fingerprints_job
+
+    opts = {**_CLUSTER_DEFAULTS, "in_process": True, "worker_timeout": 60}
+    _run_job(as_json, opts, lambda: fingerprints_job(smiles, output, kind=kind, bits=bits,
+                                                     radius=radius, overwrite=overwrite))
 
 
 @main.command()

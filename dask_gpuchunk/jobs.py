@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import dask
 import numpy as np
@@ -45,6 +45,7 @@ from .devices import (
 )
 from .elementwise import multiply
 from .files import FileReplacedError, InputChangedError, publish
+from .fingerprint_files import Fingerprints, FpsError, read_fps
 from .gram import (
     METHODS,
     bitpack,
@@ -723,6 +724,26 @@ def _check_counting_options(method: str, device: str, chunk_rows: int | None) ->
         raise ValueError(f"chunk rows must be positive, got {chunk_rows}")
 
 
+class _ArrayInfo(NamedTuple):
+    """An in-memory input's shape and dtype, as a file's header gives them."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def is_fps_path(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a chemfp FPS file (``.fps``)."""
+    return os.fspath(path).lower().endswith(".fps")
+
+
+def _read_fps(path: str | os.PathLike) -> Fingerprints:
+    """An ``.fps`` input read whole; :class:`InputError` where it cannot be."""
+    try:
+        return read_fps(path)
+    except (OSError, FpsError) as exc:
+        raise InputError(f"input: {exc}") from None
+
+
 def _bits_header(path: str | os.PathLike, packed: bool, command: str) -> NpyHeader | ZarrInfo:
     """The header of a 0/1 (or, ``packed``, packed-words) input of ``command``, checked: 2-D,
     a dtype the kernels take; :class:`InputError` otherwise."""
@@ -981,7 +1002,13 @@ def similarity_job(
         raise ValueError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
     _check_counting_options(method, device, chunk_rows)
     paths = [fingerprints] if queries is None else [queries, fingerprints]
-    headers = [_bits_header(path, packed, "similarity") for path in paths]
+    fps = {i: _read_fps(path) for i, path in enumerate(paths) if is_fps_path(path)}
+    if fps and len(fps) < len(paths) and not packed:
+        raise InputError("an .fps file holds packed words: give the other input as packed "
+                         "words too (--packed), or as an .fps file")
+    packed = packed or bool(fps)
+    headers = [_ArrayInfo(fps[i].words.shape, fps[i].words.dtype) if i in fps
+               else _bits_header(path, packed, "similarity") for i, path in enumerate(paths)]
     n, m = headers[0].shape[0], headers[-1].shape[0]
     _check_similarity_inputs(paths, headers, packed, top_k, threshold, metric,
                              (queries is None) if exclude_self is None else exclude_self)
@@ -998,8 +1025,12 @@ def similarity_job(
               else n * int(top_k) * 12 if top_k is not None else 0)
     target = _check_output(out, paths, overwrite, nbytes, output)
 
-    def words_of(path: str | os.PathLike, rows: int, on_gpu: bool) -> Any:
-        return _similarity_words(_read(path, chunks=(rows, -1)), packed, device, on_gpu,
+    def words_of(i: int, rows: int, on_gpu: bool) -> Any:
+        import dask.array as da
+
+        read = (da.from_array(fps[i].words, chunks=(rows, -1)) if i in fps
+                else _read(paths[i], chunks=(rows, -1)))
+        return _similarity_words(read, packed, device, on_gpu,
                                  top_k is not None or threshold is not None)
 
     def run(progress: Progress) -> dict[str, Any]:
@@ -1014,13 +1045,13 @@ def similarity_job(
             while rows > MIN_CHUNK_ROWS and max(similarity_block_bytes(
                     rows, width, each, top_k, threshold) for each in methods) > min(budgets):
                 rows //= 2
-        x = words_of(paths[0], rows, bool(budgets))
-        y = None if queries is None else words_of(paths[1], rows, bool(budgets))
+        x = words_of(0, rows, bool(budgets))
+        y = None if queries is None else words_of(1, rows, bool(budgets))
         t0 = time.perf_counter()
         options = dict(metric=metric, top_k=top_k, threshold=threshold,
                        exclude_self=exclude_self, method=method, device=device)
         warm = (h.dtype.str, h.shape[1], packed, queries is not None, bool(budgets),
-                not is_zarr_path(paths[0]))
+                not is_zarr_path(paths[0]) and not fps)
         if distributed_client_active():  # each worker compiles while the words are read
             warming = _start_warmup(_warm_similarity, *warm, **options)  # noqa: F841
         else:
@@ -1043,7 +1074,13 @@ def similarity_job(
             with job_errors(), watching:
                 computed = dask.compute(*_on_host_all(result))
             names = ("indices", "scores") if top_k is not None else ("rows", "cols", "scores")
-            _save_arrays(target, dict(zip(names, computed)), overwrite)
+            arrays = dict(zip(names, computed))
+            # The molecules' ids of .fps inputs: indices, cols index ids; rows query_ids.
+            if len(paths) - 1 in fps:
+                arrays["ids"] = fps[len(paths) - 1].ids
+            if queries is not None and 0 in fps:
+                arrays["query_ids"] = fps[0].ids
+            _save_arrays(target, arrays, overwrite)
             pairs_found = None if top_k is not None else int(computed[0].shape[0])
             if report is not None:
                 report(blocks, blocks)

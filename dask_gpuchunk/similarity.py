@@ -53,6 +53,7 @@ from .backend import is_cupy, run_cpu_kernel
 from .budget import check_fits, run_reserved, working_budget
 from .config import listed_graphs
 from .devices import cluster_workers, gpu_available
+from .fingerprint_files import bit_vector_words, is_bit_vector_list
 from .progress import blocks_done
 from .gram import (
     block_counts,
@@ -742,6 +743,17 @@ def _threshold_value(threshold: float, metric: str) -> Any:
                     else math.ceil(threshold))
 
 
+def _bit_vectors_as_words(x: Any, y: Any, packed: bool) -> tuple[Any, Any, bool]:
+    """Lists of RDKit bit vectors as packed words (``packed`` then true); both inputs such
+    lists, or neither."""
+    given = [is_bit_vector_list(v) for v in (x, y) if v is not None]
+    if not any(given):
+        return x, y, packed
+    if not all(given):
+        raise TypeError("give x and y both as lists of RDKit bit vectors, or neither")
+    return (bit_vector_words(x), None if y is None else bit_vector_words(y), True)
+
+
 def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool = False,
                top_k: int | None = None, threshold: float | None = None,
                exclude_self: bool | None = None, method: str = "auto", device: str = "auto"
@@ -754,7 +766,8 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     x, y
         Dask, NumPy or CuPy arrays, as :func:`dask_gpuchunk.gram` takes them: 0/1 data
         ``(n, bits)`` of a bool or integer dtype, or with ``packed=True`` packed words of an
-        unsigned dtype in any bit order, padding bits zero. ``y=None``: all pairs of ``x``
+        unsigned dtype in any bit order, padding bits zero. Or lists of RDKit bit vectors
+        (``ExplicitBitVect``), packed on the way. ``y=None``: all pairs of ``x``
         (only the blocks on or above the diagonal computed); else ``y`` has ``x``'s bits
         (``packed``: its dtype and width).
     metric
@@ -811,6 +824,7 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     (array([0, 1]), array([1, 0]))
     """
     check_method(method, device)
+    x, y, packed = _bit_vectors_as_words(x, y, packed)
     x = asarray(x)
     y = None if y is None else asarray(y)
     wx = packed_words(x, packed, device, "similarity", "x")
