@@ -798,8 +798,8 @@ def _in_process_by_default(opts: dict[str, Any]) -> bool:
 @main.command("similarity")
 @click.argument("fingerprints", type=click.Path())
 @click.option("--queries", type=click.Path(), default=None,
-              help="Score each row of QUERIES (.npy or .zarr) against FINGERPRINTS; without "
-              "it, all pairs of FINGERPRINTS.")
+              help="Score each row of QUERIES (.npy, .zarr, .fps or FPSim2 .h5) against "
+              "FINGERPRINTS; without it, all pairs of FINGERPRINTS.")
 @click.option("--metric", type=click.Choice(["tanimoto", "jaccard", "dice", "cosine", "hamming",
                                              "counts"]),
               default="tanimoto", show_default=True)
@@ -830,8 +830,9 @@ def similarity_command(fingerprints: str, queries: str | None, metric: str, top_
                        overwrite: bool, compression: str, zarr_format: str, packed: bool,
                        method: str, chunk_rows: int | None, device: str, as_json: bool,
                        use_local_cluster: bool, **opts: Any) -> None:
-    """Similarity of the binary rows in FINGERPRINTS (.npy or .zarr): each row's top K, the
-    pairs over a threshold, or every score, exact, written to OUTPUT.
+    """Similarity of the binary rows in FINGERPRINTS (.npy or .zarr; or chemfp's .fps or an
+    FPSim2 .h5, whose molecules' ids then go into OUTPUT beside the results): each row's top
+    K, the pairs over a threshold, or every score, exact, written to OUTPUT.
 
     Top-k and threshold jobs keep a few bytes a row and spill nothing: with no cluster option
     and one GPU or none, they run in this process (as --in-process); --local-cluster starts a

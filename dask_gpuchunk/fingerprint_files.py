@@ -22,7 +22,8 @@ from .files import publish
 from .io import temporary_output
 
 __all__ = ["FINGERPRINT_KINDS", "FpsError", "Fingerprints", "bit_vector_words",
-           "is_bit_vector_list", "read_fps", "read_smiles", "smiles_fingerprints", "write_fps"]
+           "is_bit_vector_list", "read_fpsim2", "read_fps", "read_smiles",
+           "smiles_fingerprints", "write_fps"]
 
 #: The fingerprints :func:`smiles_fingerprints` makes (RDKit's generators).
 FINGERPRINT_KINDS = ("morgan", "rdkit", "atompair", "torsion")
@@ -32,7 +33,8 @@ _MOLECULES_PER_CALL = 20_000
 
 
 class FpsError(ValueError):
-    """An FPS file that cannot be read: names the file, the line and what is wrong."""
+    """An FPS (or FPSim2) file that cannot be read: names the file, the line and what is
+    wrong."""
 
 
 class Fingerprints(NamedTuple):
@@ -129,6 +131,45 @@ def read_fps(path: str | os.PathLike) -> Fingerprints:
     ids = np.array([line[width + 1:].split(b"\t")[0].decode("utf-8") for line in data])
     return Fingerprints(np.frombuffer(words, np.uint8).reshape(len(data), width // 2).copy(),
                         ids, bits)
+
+
+#: Each byte's bits in reverse order.
+_REVERSED_BITS = np.array([int(f"{b:08b}"[::-1], 2) for b in range(256)], dtype=np.uint8)
+
+#: Rows of an FPSim2 table read at once.
+_FPSIM2_ROWS = 1 << 16
+
+
+def read_fpsim2(path: str | os.PathLike) -> Fingerprints:
+    """An FPSim2 database (``.h5``, PyTables: ``pip install tables``, which FPSim2 needs too):
+    its fingerprints in FPS bit order (FPSim2 keeps bit ``i`` of a fingerprint at bit
+    ``63 - i % 64`` of its word ``i // 64``) and its ``fp_id`` as the ids, in the file's row
+    order (FPSim2 sorts its rows by popcount)."""
+    try:
+        import tables
+    except ImportError:
+        raise ImportError("reading an FPSim2 .h5 needs PyTables: pip install tables") from None
+    try:
+        with tables.open_file(os.fspath(path), mode="r") as f:
+            table = f.root.fps
+            names = [n for n in table.colnames if n[:1] == "f" and n[1:].isdigit()]
+            if not names or "fp_id" not in table.colnames:
+                raise FpsError(f"{path} is not an FPSim2 database: its fps table has no "
+                               "fp_id and f1, f2, ... columns")
+            names.sort(key=lambda n: int(n[1:]))
+            config = f.root.config[:] if "config" in f.root else []
+            words = np.empty((table.nrows, 8 * len(names)), dtype=np.uint8)
+            ids = np.empty(table.nrows, dtype=np.int64)
+            for start in range(0, table.nrows, _FPSIM2_ROWS):
+                rows = table.read(start, min(start + _FPSIM2_ROWS, table.nrows))
+                stacked = np.stack([rows[n] for n in names], axis=1).astype(">u8")
+                words[start:start + len(rows)] = _REVERSED_BITS[stacked.view(np.uint8)]
+                ids[start:start + len(rows)] = rows["fp_id"]
+    except (tables.HDF5ExtError, tables.NoSuchNodeError, OSError) as exc:
+        raise FpsError(f"{path} is not an FPSim2 database ({exc})") from None
+    params = config[1] if len(config) > 1 and isinstance(config[1], dict) else {}
+    bits = int(params.get("fpSize", params.get("nBits", 64 * len(names))))
+    return Fingerprints(words, ids, bits)
 
 
 def write_fps(path: str | os.PathLike, fingerprints: Fingerprints, *, type_: str = "",

@@ -45,7 +45,7 @@ from .devices import (
 )
 from .elementwise import multiply
 from .files import FileReplacedError, InputChangedError, publish
-from .fingerprint_files import Fingerprints, FpsError, read_fps
+from .fingerprint_files import Fingerprints, FpsError, read_fps, read_fpsim2
 from .gram import (
     METHODS,
     bitpack,
@@ -732,15 +732,17 @@ class _ArrayInfo(NamedTuple):
 
 
 def is_fps_path(path: str | os.PathLike) -> bool:
-    """Whether ``path`` names a chemfp FPS file (``.fps``)."""
-    return os.fspath(path).lower().endswith(".fps")
+    """Whether ``path`` names a fingerprint file with ids: chemfp's FPS (``.fps``) or an
+    FPSim2 database (``.h5``)."""
+    return os.fspath(path).lower().endswith((".fps", ".h5"))
 
 
 def _read_fps(path: str | os.PathLike) -> Fingerprints:
-    """An ``.fps`` input read whole; :class:`InputError` where it cannot be."""
+    """An ``.fps`` or FPSim2 ``.h5`` input read whole; :class:`InputError` where it cannot
+    be."""
     try:
-        return read_fps(path)
-    except (OSError, FpsError) as exc:
+        return (read_fpsim2 if os.fspath(path).lower().endswith(".h5") else read_fps)(path)
+    except (OSError, FpsError, ImportError) as exc:
         raise InputError(f"input: {exc}") from None
 
 
@@ -1004,8 +1006,8 @@ def similarity_job(
     paths = [fingerprints] if queries is None else [queries, fingerprints]
     fps = {i: _read_fps(path) for i, path in enumerate(paths) if is_fps_path(path)}
     if fps and len(fps) < len(paths) and not packed:
-        raise InputError("an .fps file holds packed words: give the other input as packed "
-                         "words too (--packed), or as an .fps file")
+        raise InputError("an .fps or FPSim2 .h5 file holds packed words: give the other input "
+                         "as packed words too (--packed), or as such a file")
     packed = packed or bool(fps)
     headers = [_ArrayInfo(fps[i].words.shape, fps[i].words.dtype) if i in fps
                else _bits_header(path, packed, "similarity") for i, path in enumerate(paths)]

@@ -99,3 +99,54 @@ def test_lists_of_bit_vectors_score_as_rdkit_scores_them():
         dg.similarity(queries, np.zeros((3, 2048), np.uint8))
     with pytest.raises(ValueError, match="different widths"):
         ff.bit_vector_words([fps[0], DataStructs.ExplicitBitVect(64)])
+
+
+def _fpsim2_database(path, smiles: list[str]) -> None:
+    """An FPSim2 database of ``smiles`` (Morgan radius 2, 2048 bits), ids 1, 2, ..."""
+    pytest.importorskip("FPSim2")
+    from FPSim2.io import create_db_file
+
+    create_db_file([[s, i + 1] for i, s in enumerate(smiles)], str(path), mol_format="smiles",
+                   fp_type="Morgan", fp_params={"radius": 2, "fpSize": 2048})
+
+
+def test_an_fpsim2_database_reads_as_rdkits_fingerprints_with_its_ids(tmp_path):
+    smiles = smiles_set()[::5]
+    _fpsim2_database(tmp_path / "db.h5", smiles)
+    db = ff.read_fpsim2(tmp_path / "db.h5")
+    words, _ = ff.smiles_fingerprints(smiles, processes=1)
+    assert db.num_bits == 2048 and sorted(db.ids.tolist()) == list(range(1, len(smiles) + 1))
+    assert db.ids.tolist() != sorted(db.ids.tolist())  # FPSim2 sorts its rows by popcount
+    np.testing.assert_array_equal(db.words, words[db.ids - 1])
+    (tmp_path / "not.h5").write_bytes(b"\x89HDF\r\n\x1a\nnot really")
+    with pytest.raises(ff.FpsError, match="not an FPSim2 database"):
+        ff.read_fpsim2(tmp_path / "not.h5")
+
+
+def test_the_k_best_above_a_threshold_agree_with_fpsim2s_cpu_engine(tmp_path):
+    # FPSim2's top_k(query, k, threshold) and similarity(query, threshold), as chemists run
+    # them, against dg.similarity of the same database's words.
+    smiles = smiles_set()
+    _fpsim2_database(tmp_path / "db.h5", smiles)
+    from FPSim2 import FPSim2Engine
+
+    engine = FPSim2Engine(str(tmp_path / "db.h5"))
+    db = ff.read_fpsim2(tmp_path / "db.h5")
+    queries = smiles[::250]
+    words, _ = ff.smiles_fingerprints(queries, processes=1)
+    indices, scores = (a.compute() for a in dg.similarity(words, db.words, packed=True,
+                                                           top_k=8, threshold=0.35))
+    _, _, pair_scores = (a.compute() for a in dg.similarity(words, db.words, packed=True,
+                                                              threshold=0.35))
+    assert 0 < (indices >= 0).sum() < indices.size
+    found = 0
+    for q, query in enumerate(queries):
+        theirs = engine.top_k(query, 8, 0.35)
+        ours = [(int(db.ids[i]), float(s)) for i, s in zip(indices[q], scores[q]) if i >= 0]
+        # the same scores best first; the same molecules where a score is not tied at the end
+        np.testing.assert_allclose([s for _, s in ours], theirs["coeff"], rtol=1e-6)
+        last = theirs["coeff"][-1] if len(theirs) else None
+        assert ({i for i, s in ours if s != last}
+                == {int(m) for m, c in zip(theirs["mol_id"], theirs["coeff"]) if c != last})
+        found += len(engine.similarity(query, 0.35))
+    assert found == len(pair_scores)

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from dask_gpuchunk.cli import main
+from dask_gpuchunk.fingerprint_files import read_fpsim2
 
 pytest.importorskip("rdkit")
 from rdkit import Chem, DataStructs  # noqa: E402
@@ -59,3 +60,30 @@ def test_fingerprints_into_a_npy_and_bad_options(tmp_path, monkeypatch):
     r = CliRunner().invoke(main, ["fingerprints", "none.smi", "-o", "x.fps"])
     assert r.exit_code == 3 and "no such file" in r.output, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.smi", "w.npy"]
+
+
+def test_fps_queries_against_an_fpsim2_database(tmp_path, monkeypatch):
+    from test_fingerprint_files import _fpsim2_database
+
+    smiles = smiles_set()[::3]
+    _fpsim2_database(tmp_path / "db.h5", smiles)
+    (tmp_path / "q.smi").write_text("".join(f"{s} Q{i}\n" for i, s in enumerate(smiles[::40])))
+    monkeypatch.chdir(tmp_path)
+    assert CliRunner().invoke(main, ["fingerprints", "q.smi", "-o", "q.fps"]).exit_code == 0
+    r = CliRunner().invoke(main, ["similarity", "db.h5", "--queries", "q.fps", "--top-k", "1",
+                                  "--device", "cpu", "-o", "nn.npz"])
+    assert r.exit_code == 0, r.output
+    with np.load(tmp_path / "nn.npz") as got:
+        # each query is in the database: its best is itself, or a molecule of equal bits
+        # (the same molecule written another way) with a smaller row in the database
+        best = got["indices"][:, 0]
+        assert got["query_ids"].tolist() == [f"Q{i}" for i in range(len(smiles[::40]))]
+        np.testing.assert_array_equal(got["scores"][:, 0], 1.0)
+        db = read_fpsim2(tmp_path / "db.h5")
+        rows_of = {int(i): r for r, i in enumerate(db.ids)}
+        for q, row in enumerate(best):
+            itself = rows_of[q * 40 + 1]
+            assert row <= itself and (db.words[row] == db.words[itself]).all()
+    r = CliRunner().invoke(main, ["similarity", "db.h5", "--queries", "q.smi", "--top-k", "1",
+                                  "-o", "x.npz"])
+    assert r.exit_code == 3, r.output
