@@ -54,6 +54,7 @@ processes that import this file again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -61,6 +62,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -480,6 +482,31 @@ def _cli_runs(path: Path, sizes: list[int | None], args: argparse.Namespace, sam
     return result
 
 
+def _protocol_options(args: Any) -> dict[str, Any]:
+    """dg.local_cluster's transport options for ``--protocol`` (and the similarity tool's
+    ``--tls no``)."""
+    protocol = getattr(args, "protocol", None)
+    if protocol == "ucx":
+        return {"protocol": "ucx"}
+    if protocol == "tcp" or getattr(args, "tls", "yes") == "no":
+        return {"secure": False}
+    return {}
+
+
+@contextlib.contextmanager
+def _transport(args: Any) -> Iterator[None]:
+    """``--sharing off``: the package's own sharing between a node's workers off while the
+    cluster starts (dg.local_cluster hands the settings to its workers)."""
+    if getattr(args, "sharing", "on") == "on":
+        yield
+        return
+    import dask
+
+    with dask.config.set({"gpuchunk.share-reads": False,
+                          "gpuchunk.share-device-chunks": False}):
+        yield
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=65536)
@@ -503,6 +530,11 @@ def main() -> None:
                              "sampler; set DASK_DISTRIBUTED__WORKER__PROFILE__INTERVAL finer)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the input file, and reuse one this tool kept before")
+    parser.add_argument("--protocol", default=None, choices=["tls", "tcp", "ucx"],
+                        help="the local cluster's transport (default: dg.local_cluster's, TLS)")
+    parser.add_argument("--sharing", default="on", choices=["on", "off"],
+                        help="off: gpuchunk.share-reads and share-device-chunks off, as between "
+                             "workers of two hosts (nothing shared through CUDA IPC or files)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/gram-scaling"))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--cli", action="store_true",
@@ -547,7 +579,8 @@ def main() -> None:
     result: dict = {"rows": args.rows, "bits": args.bits, "chunk_rows": args.chunk_rows,
                     "gpus_visible": gpus_visible, "saturation": args.saturation,
                     "threads_per_gpu": args.threads_per_gpu,
-                    "aliases_resolved": not args.keep_aliases, "runs": {}}
+                    "aliases_resolved": not args.keep_aliases, "protocol": args.protocol,
+                    "sharing": args.sharing, "runs": {}}
     if args.gpus and gpus_visible:
         sizes = sorted({int(g) for g in args.gpus.split(",")} | {1})
         if sizes[-1] > gpus_visible:
@@ -558,7 +591,8 @@ def main() -> None:
         options = ({"gpus": size, "threads_per_gpu": args.threads_per_gpu} if gpus_visible
                    else {"n_workers": size, "threads_per_worker": 1})
         t0 = time.perf_counter()
-        with dg.local_cluster(dashboard_address=None, **options) as client:
+        with _transport(args), dg.local_cluster(dashboard_address=None,
+                                                **_protocol_options(args), **options) as client:
             started = time.perf_counter() - t0
             if args.saturation is not None and math.isfinite(float(args.saturation)):
                 # dg.local_cluster keeps a configured value only where it differs from

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gram_scaling import _timed
+from gram_scaling import _protocol_options, _timed, _transport
 
 import dask_gpuchunk as dg
 
@@ -173,6 +173,11 @@ def main() -> None:
     parser.add_argument("--gpus", default=None,
                         help="cluster sizes, comma-separated (default: 1 and every GPU)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--protocol", default=None, choices=["tls", "tcp", "ucx"],
+                        help="the local cluster's transport (default: dg.local_cluster's, TLS)")
+    parser.add_argument("--sharing", default="on", choices=["on", "off"],
+                        help="off: gpuchunk.share-reads and share-device-chunks off, as between "
+                             "workers of two hosts (nothing shared through CUDA IPC or files)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/similarity-scaling"))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tls", default="yes", choices=["yes", "no"],
@@ -190,7 +195,8 @@ def main() -> None:
     result: dict[str, Any] = {"rows": args.rows, "bits": args.bits, "chunk_rows": args.chunk_rows,
                               "top_k": args.top_k, "threshold": args.threshold,
                               "multiply_gb": args.multiply_gb, "tls": args.tls,
-                              "words": args.words, "runs": {}}
+                              "words": args.words, "protocol": args.protocol,
+                              "sharing": args.sharing, "runs": {}}
     if "top-k" in ops or "threshold" in ops:
         t0 = time.perf_counter()
         fps = write_fingerprints(fps_path, args.rows, args.bits, args.density, seed=11)
@@ -221,8 +227,8 @@ def main() -> None:
     for size in sizes:
         options = ({"gpus": size} if gpus_visible
                    else {"n_workers": size, "threads_per_worker": 1})
-        with dg.local_cluster(dashboard_address=None, secure=args.tls == "yes",
-                              **options) as client:
+        with _transport(args), dg.local_cluster(dashboard_address=None,
+                                                **_protocol_options(args), **options) as client:
             runs: dict[str, Any] = {"workers": len(client.scheduler_info()["workers"])}
             if "top-k" in ops:
                 runs["top-k"] = _top_k(client, fps_path, args, sample, expected)
