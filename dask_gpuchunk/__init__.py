@@ -23,7 +23,7 @@ from .devices import GPUNotAvailableError, gpu_available, gpu_count
 from .elementwise import ElementwiseOp, elementwise, multiply
 from .gram import bitpack, gram
 from .io import from_npy, to_npy
-from .similarity import similarity
+from .similarity import Neighbours, Pairs, similarity
 from .user_kernels import GufuncOp, gufunc, map_blocks
 from .zarr_files import from_zarr, to_zarr
 
@@ -50,6 +50,8 @@ __all__ = [
     "multiply",
     "placement_decisions",
     "similarity",
+    "Neighbours",
+    "Pairs",
     "to_npy",
     "to_zarr",
 ]

@@ -29,6 +29,7 @@ import numbers
 import warnings
 from typing import Any, NamedTuple
 
+import dask
 import dask.array as da
 import numpy as np
 from dask.array.core import PerformanceWarning
@@ -69,8 +70,8 @@ from .io import npy_reader_of
 from .node_shared import node_shared_refs
 from .resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 
-__all__ = ["METRICS", "MISSING_SCORE", "block_bytes", "compile_selection_ahead",
-           "similarity"]
+__all__ = ["METRICS", "MISSING_SCORE", "Neighbours", "Pairs", "block_bytes",
+           "compile_selection_ahead", "similarity"]
 
 #: ``metric=`` values of :func:`similarity`.
 METRICS = kernels.METRICS
@@ -796,9 +797,13 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
 
     Returns
     -------
-    dask.array.Array or tuple of them
+    dask.array.Array, Neighbours or Pairs
         Neither ``top_k`` nor ``threshold``: the dense scores ``(n, m)`` (float32; int32 for
-        hamming and counts), chunked as the Gram. CuPy chunks for CuPy input.
+        hamming and counts), chunked as the Gram. ``top_k``: :class:`Neighbours` ``(indices,
+        scores)``; ``threshold`` alone: :class:`Pairs` ``(rows, cols, scores)``; named tuples
+        of dask arrays whose ``.compute()`` computes them together, in one pass over the
+        blocks (computing one and then another runs every block again). CuPy chunks for CuPy
+        input.
 
     Raises
     ------
@@ -816,11 +821,11 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     array([[1.       , 0.6666667, 0.       ],
            [0.6666667, 1.       , 0.       ],
            [0.       , 0.       , 1.       ]], dtype=float32)
-    >>> indices, scores = similarity(fps, top_k=1)
-    >>> indices.compute().ravel(), scores.compute().ravel()
+    >>> indices, scores = similarity(fps, top_k=1).compute()
+    >>> indices.ravel(), scores.ravel()
     (array([1, 0, 0]), array([0.6666667, 0.6666667, 0.       ], dtype=float32))
-    >>> rows, cols, scores = similarity(fps, threshold=0.5)
-    >>> rows.compute(), cols.compute()
+    >>> rows, cols, scores = similarity(fps, threshold=0.5).compute()
+    >>> rows, cols
     (array([0, 1]), array([1, 0]))
     """
     check_method(method, device)
@@ -909,8 +914,53 @@ def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool 
     return _pairs_parts(merged, on_device, metric, dtype)
 
 
+class Neighbours(NamedTuple):
+    """Each row's best columns, ``(n, k)`` each, best first: what ``similarity(top_k=)``
+    returns. ``.compute()`` computes both in one pass over the blocks (as
+    ``dask.compute(*result)``); computing ``indices`` and then ``scores`` apart runs every
+    block twice.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> fps = np.array([[1, 1, 0, 1], [1, 1, 0, 0], [0, 0, 1, 0]], dtype=np.uint8)
+    >>> found = similarity(fps, top_k=1).compute()
+    >>> found.indices.ravel(), found.scores.ravel()
+    (array([1, 0, 0]), array([0.6666667, 0.6666667, 0.       ], dtype=float32))
+    """
+
+    indices: Any
+    scores: Any
+
+    def compute(self, **kwargs: Any) -> Neighbours:
+        """Both, computed together (``kwargs``: :func:`dask.compute`'s)."""
+        return Neighbours(*dask.compute(*self, **kwargs))
+
+    def persist(self, **kwargs: Any) -> Neighbours:
+        """Both, persisted together (``kwargs``: :func:`dask.persist`'s)."""
+        return Neighbours(*dask.persist(*self, **kwargs))
+
+
+class Pairs(NamedTuple):
+    """The pairs that meet a threshold, in row-then-column order: what
+    ``similarity(threshold=)`` returns. ``.compute()`` computes the three in one pass over
+    the blocks; computing them apart runs every block again for each."""
+
+    rows: Any
+    cols: Any
+    scores: Any
+
+    def compute(self, **kwargs: Any) -> Pairs:
+        """The three, computed together (``kwargs``: :func:`dask.compute`'s)."""
+        return Pairs(*dask.compute(*self, **kwargs))
+
+    def persist(self, **kwargs: Any) -> Pairs:
+        """The three, persisted together (``kwargs``: :func:`dask.persist`'s)."""
+        return Pairs(*dask.persist(*self, **kwargs))
+
+
 def _pairs_parts(merged: da.Array, on_device: bool, metric: str, dtype: np.dtype
-                 ) -> tuple[da.Array, da.Array, da.Array]:
+                 ) -> Pairs:
     """``(rows, cols, scores)`` of the merged pairs ``(nan, 2)`` of each row chunk."""
     out = []
     for part, part_dtype in enumerate((np.int64, np.int64, dtype)):
@@ -918,11 +968,11 @@ def _pairs_parts(merged: da.Array, on_device: bool, metric: str, dtype: np.dtype
                                      drop_axis=1, dtype=part_dtype,
                                      meta=meta_from_array(merged._meta, ndim=1,
                                                           dtype=part_dtype)))
-    return tuple(out)
+    return Pairs(*out)
 
 
 def _decoded(keys: da.Array, on_device: bool, metric: str, dtype: np.dtype,
-             limit: Any = None) -> tuple[da.Array, da.Array]:
+             limit: Any = None) -> Neighbours:
     """``(indices, scores)`` of best keys ``(n, k)``; where ``limit`` is given, those that
     fall short of it masked (:func:`_indices_meeting`, :func:`_scores_meeting`)."""
     meta = keys._meta
@@ -936,7 +986,7 @@ def _decoded(keys: da.Array, on_device: bool, metric: str, dtype: np.dtype,
                               meta=meta_from_array(meta, ndim=2, dtype=np.int64))
     scores = keys.map_blocks(_placed, *score_args, dtype=dtype,
                              meta=meta_from_array(meta, ndim=2, dtype=dtype))
-    return indices, scores
+    return Neighbours(indices, scores)
 
 
 #: What a top-k with a threshold puts in the place of a neighbour short of it, by the

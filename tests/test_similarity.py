@@ -113,6 +113,34 @@ def test_top_k_matches_brute_force_with_ties(rng, metric, k):
     assert got_s.dtype == reference(x, x, metric).dtype
 
 
+@pytest.mark.parametrize("mode", ["top_k", "threshold"])
+def test_the_results_compute_together_in_one_pass(rng, mode):
+    if mode == "threshold" and QUERY_PLANNING:
+        pytest.skip("threshold= is refused under array query planning")
+    from dask.callbacks import Callback
+
+    x = da.from_array(fingerprints(rng, 90, 64), chunks=(20, 64))
+    options = {"top_k": 3} if mode == "top_k" else {"threshold": 0.2}
+    counted: list[int] = []
+
+    def tasks_run(compute) -> int:
+        counted.clear()
+        with Callback(pretask=lambda key, dsk, state: counted.append(1)):
+            compute()
+        return len(counted)
+
+    result = dg.similarity(x, **options)
+    assert isinstance(result, dg.Neighbours if mode == "top_k" else dg.Pairs)
+    together = tasks_run(result.compute)
+    apart = tasks_run(lambda: [part.compute() for part in result])
+    blocks = 5 * 6 // 2  # the blocks on and above the diagonal of 5 x 5 chunks
+    assert apart - together >= blocks * (len(result) - 1), (together, apart)
+    computed = result.compute()
+    for got, part in zip(computed, result):
+        np.testing.assert_array_equal(got, part.compute())
+    assert type(computed) is type(result) and type(result.persist()) is type(result)
+
+
 def test_top_k_of_queries_against_a_database_keeps_equal_indices(rng):
     x = fingerprints(rng, 30, 99)
     db = np.concatenate([x[:10], random_bits(rng, (47, 99), 0.1)])  # queries 0-9 in it
