@@ -19,12 +19,15 @@ exception.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numba
 import numpy as np
 import pytest
 from helpers import DTYPES
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dask_gpuchunk._kernels.elementwise import arg_type
 from dask_gpuchunk._kernels.numpy_ops import namespace
@@ -233,8 +236,8 @@ def _assert_complex_close(ours, expected, a, b, what):
     assert np.all(diff <= 8 * eps * scale[both]), what
 
 
-def _check_pair(x: str, y: str, target: str) -> None:
-    a, b = operand(x, 1), operand(y, 2)
+def _check_pair(x: str, y: str, target: str, seeds: tuple[int, int] = (1, 2)) -> None:
+    a, b = operand(x, seeds[0]), operand(y, seeds[1])
     translations = {}
     expected_arrays = {}
     for name, func in EXPRESSIONS.items():
@@ -284,9 +287,31 @@ def _id(pair):
     return f"{pair[0]}-{pair[1]}"
 
 
-@pytest.mark.parametrize("pair", PAIRS, ids=_id)
+#: The pairs numba's CPU target compiles on every run (a compile each, ~0.5 s): every dtype
+#: with itself and with a Python int and float, the pairs of Python numbers, and pairs whose
+#: promotion changes kind or width. Every pair runs in the simulator (no compile; the same
+#: translation) and on the GPU; the other CPU pairs are drawn by hypothesis, a different few
+#: each run (DGC_ALL_PAIRS=1 compiles them all: 278 pairs, ~2.5 minutes on 2 cores).
+CORE_PAIRS = sorted({*((x, x) for x in DTYPES), *((x, p) for x in DTYPES
+                                                   for p in ("py-int", "py-float")),
+                     *PYTHON_PAIRS, ("int8", "uint64"), ("uint64", "int8"), ("uint8", "int8"),
+                     ("bool", "float32"), ("int64", "float32"), ("uint32", "int64"),
+                     ("int32", "float64"), ("complex64", "float64"), ("float32", "complex128"),
+                     ("py-complex", "float32"), ("bool", "py-complex"), ("int16", "uint16")})
+ALL_PAIRS_ON_CPU = os.environ.get("DGC_ALL_PAIRS", "") not in ("", "0")
+
+
+@pytest.mark.parametrize("pair", PAIRS if ALL_PAIRS_ON_CPU else CORE_PAIRS, ids=_id)
 def test_cpu_matches_numpy(pair):
     _check_pair(*pair, "cpu")
+
+
+@settings(max_examples=12, deadline=None, derandomize=False,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(pair=st.sampled_from([p for p in PAIRS if p not in CORE_PAIRS]),
+       seeds=st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)))
+def test_cpu_matches_numpy_on_drawn_pairs_and_values(pair, seeds):
+    _check_pair(*pair, "cpu", seeds)
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=_id)
@@ -303,5 +328,6 @@ def test_gpu_matches_numpy(pair):
 
 def test_the_matrix_covers_every_dtype_and_python_number():
     seen = {x for pair in PAIRS for x in pair}
-    assert seen == set(OPERANDS)
+    assert seen == set(OPERANDS) == {x for pair in CORE_PAIRS for x in pair}
+    assert set(CORE_PAIRS) <= set(PAIRS)
     assert len(PAIRS) == len(DTYPES) * (len(DTYPES) + 2 * len(PYTHON)) + len(PYTHON_PAIRS)
