@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import random_bits
+from helpers import bit_products, random_bits
 
 import dask_gpuchunk as dg
 from dask_gpuchunk import budget, jobs
@@ -83,7 +83,7 @@ def test_gram_job_takes_fewer_rows_per_chunk_where_blocks_would_not_fit(rng, tmp
     # 4096 rows: 69 MB a block; halved down to 256 rows (0.39 MB), the first that fits.
     assert summary["chunk_rows"] == 256 and summary["layout"] == "blocks"
     np.testing.assert_array_equal(np.load(tmp_path / "g.npy"),
-                                  bits.astype(np.int64) @ bits.T.astype(np.int64))
+                                  bit_products(bits, bits))
     summary = jobs.gram_job(tmp_path / "packed.npy", tmp_path / "g.npy", packed=True,
                             method="popcount", device="auto", overwrite=True)
     monkeypatch.setattr(jobs, "_budgets_where_it_runs", lambda: [2**40])
@@ -223,7 +223,7 @@ def test_gram_under_a_cap_is_exact_and_refuses_blocks_that_cannot_fit(rng, devic
     bits = random_bits(rng, (3000, 4000), 0.5)
     words = np.packbits(bits, axis=1)
     g = dg.gram(dg.asarray(words, chunks=(1000, -1)), packed=True).compute()
-    np.testing.assert_array_equal(g, bits.astype(np.int64) @ bits.T.astype(np.int64))
+    np.testing.assert_array_equal(g, bit_products(bits, bits))
     big = np.zeros((20_000, 8), np.uint8)
     with pytest.raises(DeviceBudgetError, match="rows"):
         dg.gram(dg.asarray(big, chunks=(20_000, -1)), packed=True, method="int8")
@@ -280,4 +280,4 @@ def test_gram_command_under_a_cap_reports_the_peak(rng, tmp_path):
     assert all(m["peak_process"] is None or m["peak_process"] > 0 for m in memory), memory
     g = np.load(tmp_path / "g.npy", mmap_mode="r")
     rows = rng.choice(4000, 10, replace=False)
-    np.testing.assert_array_equal(g[rows], bits[rows].astype(np.int64) @ bits.T.astype(np.int64))
+    np.testing.assert_array_equal(g[rows], bit_products(bits[rows], bits))

@@ -15,7 +15,7 @@ import dask
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import random_bits
+from helpers import bit_products, random_bits
 
 from dask_gpuchunk.cli import main
 
@@ -51,7 +51,7 @@ def test_multiply_and_gram_on_a_local_cluster(inputs):
 
     # The CPU's default layout (each slab's strip from the diagonal, also written transposed)
     # and dask's blocks give the same file.
-    expected = bits.astype(np.int64) @ bits.T
+    expected = bit_products(bits, bits)
     for layout, chosen in (("auto", "upper"), ("blocks", "blocks")):
         r = run_cli("gram", str(d / "bits.npy"), "-o", str(d / f"g-{layout}.npy"),
                     "--chunk-rows", "128", "--layout", layout, "--json")
@@ -65,7 +65,7 @@ def test_gram_of_packed_words_and_in_row_slabs(inputs):
     # Apart from the test above, so that pytest-xdist runs the two side by side: each CLI run
     # starts a process and its cluster.
     d, _, _, bits = inputs
-    expected = bits.astype(np.int64) @ bits.T
+    expected = bit_products(bits, bits)
     r = run_cli("gram", str(d / "packed.npy"), "-o", str(d / "g2.npy"), "--packed")
     assert r.returncode == 0, r.stderr
     assert "gram:" in r.stdout and "bit-MAC/s" in r.stdout
@@ -137,7 +137,7 @@ def test_jobs_on_a_cluster_joined_through_a_scheduler_file(inputs, scheduler_and
     r = run_cli("gram", str(d / "bits.npy"), "-o", str(d / "g.npy"), "--chunk-rows", "100",
                 "--scheduler-file", str(sched_file))
     assert r.returncode == 0, r.stderr
-    np.testing.assert_array_equal(np.load(d / "g.npy"), bits.astype(np.int64) @ bits.T)
+    np.testing.assert_array_equal(np.load(d / "g.npy"), bit_products(bits, bits))
     # GPU work is checked where it runs, once joined (a batch job's submitting host may have
     # no GPU where its workers do): these workers have none, and say so.
     for args in (["gram", str(d / "bits.npy"), "-o", str(d / "g-bmma.npy"), "--method", "bmma"],
@@ -553,7 +553,7 @@ def test_gram_command_on_the_gpu(rng, tmp_path, layout):
     assert summary["layout"] == ("rows" if layout == "auto" else layout)
     g = np.load(tmp_path / "g.npy")
     rows = rng.choice(3000, 10, replace=False)
-    expected = bits[rows].astype(np.int64) @ bits.T.astype(np.int64)
+    expected = bit_products(bits[rows], bits)
     np.testing.assert_array_equal(g[rows], expected)
 
 
@@ -739,7 +739,7 @@ def test_similarity_top_k_through_the_command_line(rng, tmp_path):
     assert json.loads(r.stdout.strip().splitlines()[-1])["where"]["cluster"] == "LocalCluster"
     with np.load(tmp_path / "top.npz") as got:
         assert all(np.array_equal(got[name], in_process[name]) for name in in_process)
-    c = fps.astype(np.int64) @ fps.T
+    c = bit_products(fps, fps)
     a = fps.sum(axis=1)
     s = np.float32(c) / np.float32(a[:, None] + a[None, :] - c)
     np.fill_diagonal(s, -1)
@@ -775,7 +775,7 @@ def test_packed_bytes_without_packed_exit_3_naming_it_and_following_it_is_exact(
     r = CliRunner().invoke(main, ["similarity", "fps.npy", "--top-k", "3", "-o", "top.npz",
                                   "--in-process", "--packed"])  # the hint, followed
     assert r.exit_code == 0, r.output
-    c = fps.astype(np.int64) @ fps.T
+    c = bit_products(fps, fps)
     a = fps.sum(axis=1)
     s = np.float32(c) / np.float32(a[:, None] + a[None, :] - c)
     np.fill_diagonal(s, -1)
@@ -796,7 +796,7 @@ def test_a_job_in_process_needs_no_cluster_and_refuses_cluster_options(rng, tmp_
     assert r.exit_code == 0, r.output
     summary = json.loads(r.output.strip().splitlines()[-1])
     assert summary["where"]["cluster"] == "local threads"
-    c = fps.astype(np.int64) @ fps.T
+    c = bit_products(fps, fps)
     a = fps.sum(axis=1)
     s = np.float32(2 * c) / np.float32(a[:, None] + a[None, :])
     np.fill_diagonal(s, -1)

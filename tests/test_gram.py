@@ -11,7 +11,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask.array.utils import assert_eq
-from helpers import random_bits
+from helpers import bit_products, random_bits
 
 import dask_gpuchunk as dg
 from dask_gpuchunk import jobs
@@ -188,7 +188,7 @@ def test_the_hint_for_packed_bytes_names_packed_first_and_following_it_is_exact(
     with pytest.raises(BitValueError, match=r"look like packed bits .*pass packed=True") as err:
         dg.gram(x).compute()
     assert err.value.looks_packed and "--packed" in err.value.hint("--packed")
-    expected = bits.astype(np.int64) @ bits.T
+    expected = bit_products(bits, bits)
     assert_eq(dg.gram(x, packed=True), expected.astype(np.int32))  # the hint, followed
     # Its other branch (each byte one bit) gives another matrix: named second, never first.
     assert not np.array_equal(dg.gram((x != 0).astype("uint8")).compute(), expected)
@@ -202,7 +202,7 @@ def test_the_hint_for_values_of_signed_integers_converts_and_following_it_is_exa
         dg.gram(x).compute()
     assert not err.value.looks_packed and "packed" not in str(err.value)
     assert_eq(dg.gram((x != 0).astype("uint8")),
-              (bits.astype(np.int64) @ bits.T).astype(np.int32))  # the hint, followed
+              (bit_products(bits, bits)).astype(np.int32))  # the hint, followed
 
 
 @pytest.mark.parametrize(

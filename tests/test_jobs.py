@@ -14,7 +14,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask.utils import key_split
-from helpers import random_bits
+from helpers import bit_products, random_bits
 
 from dask_gpuchunk.jobs import gram_files, multiply_files
 
@@ -36,7 +36,7 @@ def test_gram_files_of_packed_words_in_row_slabs(rng, tmp_path):
     summary = gram_files(tmp_path / "packed.npy", tmp_path / "g.npy", packed=True,
                          chunk_rows=70, layout="rows", device="cpu")
     assert summary["layout"] == "rows" and summary["chunks"] == -(-300 // 70)
-    np.testing.assert_array_equal(np.load(tmp_path / "g.npy"), bits.astype(np.int64) @ bits.T)
+    np.testing.assert_array_equal(np.load(tmp_path / "g.npy"), bit_products(bits, bits))
 
 
 @pytest.mark.parametrize("layout", ["rows", "upper"])
@@ -79,7 +79,7 @@ def test_gram_on_the_cpu_holds_strips_not_the_output(rng, tmp_path):
 
     bits = random_bits(rng, (3001, 100), 0.4)
     np.save(tmp_path / "bits.npy", bits)
-    expected = bits.astype(np.int64) @ bits.T
+    expected = bit_products(bits, bits)
     output_bytes = expected.size * 4
     gram_files(tmp_path / "bits.npy", tmp_path / "warm.npy", chunk_rows=150, device="cpu",
                layout="rows")  # numba's compilation is traced too: done before measuring
@@ -99,7 +99,7 @@ def test_gram_on_the_cpu_holds_strips_not_the_output(rng, tmp_path):
 
 
 def _similarity_reference(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    c = x.astype(np.int64) @ y.T.astype(np.int64)
+    c = bit_products(x, y)
     a, b = x.sum(axis=1)[:, None], y.sum(axis=1)[None, :]
     den = np.float32(a + b - c)
     return np.float32(c) / np.where(den == 0, np.float32(1), den)
@@ -261,7 +261,7 @@ def test_similarity_files_on_the_gpu(rng, tmp_path):
         np.testing.assert_array_equal(got["scores"], np.take_along_axis(s, order, axis=1))
     similarity_job(tmp_path / "fps.npy", tmp_path / "dense.npy", packed=True, metric="dice",
                    chunk_rows=300, device="gpu")(None)
-    c = fps.astype(np.int64) @ fps.T
+    c = bit_products(fps, fps)
     a = fps.sum(axis=1)
     dice = np.float32(2 * c) / np.float32(a[:, None] + a[None, :])
     np.testing.assert_array_equal(np.load(tmp_path / "dense.npy"), dice)

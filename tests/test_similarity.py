@@ -11,7 +11,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
-from helpers import random_bits
+from helpers import bit_products, random_bits
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.config import listed_graphs
@@ -22,7 +22,7 @@ QUERY_PLANNING = type(da.ones(1)).__module__.startswith("dask.array._array_expr"
 
 def reference(x: np.ndarray, y: np.ndarray, metric: str) -> np.ndarray:
     """The metric's formula (dask_gpuchunk._kernels.similarity) on exact int64 counts."""
-    c = x.astype(np.int64) @ y.T.astype(np.int64)
+    c = bit_products(x, y)
     a = x.sum(axis=1, dtype=np.int64)[:, None]
     b = y.sum(axis=1, dtype=np.int64)[None, :]
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -8,7 +8,7 @@ import os
 import dask.array as da
 import numpy as np
 import pytest
-from helpers import DTYPES, random_array, random_bits
+from helpers import DTYPES, bit_products, random_array, random_bits
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.jobs import gram_files, multiply_files
@@ -129,7 +129,7 @@ def test_the_jobs_take_and_write_zarr(rng, tmp_path):
     bits = random_bits(rng, (301, 1043), 0.4)
     zarr.create_array(str(tmp_path / "bits.zarr"), shape=bits.shape, chunks=(64, 300),
                       dtype=bits.dtype)[:] = bits
-    expected = bits.astype(np.int64) @ bits.T
+    expected = bit_products(bits, bits)
     for layout in ("rows", "upper", "blocks"):
         summary = gram_files(tmp_path / "bits.zarr", tmp_path / f"G-{layout}.zarr",
                              chunk_rows=70, layout=layout, device="cpu")
@@ -163,7 +163,7 @@ def test_the_gram_job_cuts_equal_slabs_for_a_store(rng, tmp_path, monkeypatch):
     stored = zarr.open_array(str(tmp_path / "G.zarr"), mode="r")
     assert stored.chunks == (101, 101)
     np.testing.assert_array_equal(stored[:], np.load(tmp_path / "G.npy"))
-    np.testing.assert_array_equal(stored[:], bits.astype(np.int64) @ bits.T)
+    np.testing.assert_array_equal(stored[:], bit_products(bits, bits))
 
 
 def test_to_zarr_of_device_or_host_chunks(xp, rng, tmp_path):
@@ -183,4 +183,4 @@ def test_the_gram_job_to_zarr_on_the_gpu(rng, tmp_path, layout):
                          chunk_rows=512, layout=layout, device="gpu")
     assert summary["layout"] == ("rows" if layout == "auto" else "blocks")
     np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "G.zarr"), mode="r")[:],
-                                  bits.astype(np.int64) @ bits.T)
+                                  bit_products(bits, bits))

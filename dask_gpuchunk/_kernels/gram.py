@@ -52,7 +52,9 @@ GPU_METHODS: tuple[str, ...] = ("int8", "bmma", "wgmma")
 
 
 def reference_gram(bits: np.ndarray) -> np.ndarray:
-    """``A · Aᵀ`` of 0/1 data with NumPy's int64 matmul, as ``int32`` (what tests compare with).
+    """``A · Aᵀ`` of 0/1 data, as ``int32`` (what tests compare with): a float64 matmul (BLAS;
+    NumPy's int64 matmul has none, 2,400 x 4,096 bits took 25 s), exact, every count being
+    a whole number below 2**53.
 
     Examples
     --------
@@ -60,7 +62,7 @@ def reference_gram(bits: np.ndarray) -> np.ndarray:
     array([[2, 2],
            [2, 3]], dtype=int32)
     """
-    a = np.asarray(bits).astype(np.int64)
+    a = np.asarray(bits).astype(np.float64)
     return (a @ a.T).astype(np.int32)
 
 
