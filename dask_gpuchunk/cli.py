@@ -696,7 +696,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     for s in parts:
         out = s["output"]
         rate = (f"{s['gb_per_s']:.2f} GB/s moved" if "gb_per_s" in s
-                else f"{s['pairs_per_s']:.3g} pairs/s" if "pairs_per_s" in s
+                else f"{s['pairs_per_s']:.3g} unique pairs/s" if "pairs_per_s" in s
                 else f"{s['molecules_per_s'] or 0:.3g} molecules/s" if "molecules_per_s" in s
                 else f"{s['bit_macs_per_s']:.3g} bit-MAC/s")
         click.echo(f"{s['command']}: {out['path']} {tuple(out['shape'])} {out['dtype']} in "

@@ -1100,7 +1100,8 @@ def similarity_job(
             "pairs_found": pairs_found,
             "chunk_rows": rows,
             "seconds": seconds,
-            "pairs_per_s": (n * (n - 1) if queries is None else n * m) / seconds
+            # unique pairs: all pairs once each, n (n - 1) / 2; queries x database n m
+            "pairs_per_s": (n * (n - 1) / 2 if queries is None else n * m) / seconds
             if seconds else None,
         }
 

@@ -8,8 +8,9 @@ Tanimoto about 0.9), so that the threshold finds pairs (random rows at this dens
 0.04 against each other). The queries are database rows with 2 % of their bits flipped. On a
 GPU the words sit on the device, in chunks of ``chunk_rows`` rows, as a user's persisted array.
 
-Rows, one table, one run (each rate is pairs scored per second, ``n * (n - 1) / t`` for all
-pairs, ``queries * n / t`` for queries x database):
+Rows, one table, one run (each rate is unique pairs scored per second: ``n * (n - 1) / 2 / t``
+for all pairs, each unordered pair once, as the kernels score it; ``queries * n / t`` for
+queries x database and the peers' rows, which score every pair they are given):
 
 * ours: all-pairs top-k and threshold, queries x database top-k and threshold, through
   ``dg.similarity`` (the default method: the selection in the bmma kernel's epilogue where the
@@ -187,7 +188,7 @@ def run(
             _sync(gpu)
         return once
 
-    all_pairs, cross = float(n) * (n - 1), float(queries) * n
+    all_pairs, cross = float(n) * (n - 1) / 2, float(queries) * n  # unique pairs
     exclude = sample[:, None]
     rows = [  # name, pairs scored, what to compute, its check, whether it finds pairs
         (f"ours all-pairs top-{k} ({where})", all_pairs, computed(x, top_k=k),
@@ -388,7 +389,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [machine_line(m),
              f"workload: {w['n']:,} fingerprints of {w['bits']} bits (density {w['density']}), "
              f"{w['queries']:,} queries, {w['chunk_rows']:,}-row chunks, top-{w['k']}, "
-             f"threshold {w['threshold']}; Tanimoto"]
+             f"threshold {w['threshold']}; Tanimoto; pairs/s are unique pairs (all pairs: "
+             "n (n - 1) / 2)"]
     if "ceiling_pairs_per_s" in lim:
         lines.append(f"limit: bmma kernel {lim['bmma_bit_macs_per_s']:.3g} bit-MAC/s on a long-K "
                      f"Gram = {lim['ceiling_pairs_per_s']:.3g} pairs/s at {w['bits']} bits")

@@ -44,8 +44,11 @@ def test_every_row_runs_and_passes_its_exact_check_on_this_machine():
     assert len(found) == (0 if QUERY_PLANNING else 2) and min(found, default=1) > 0
     assert entries["peer NumPy bitwise_count + top-k (host, one thread)"]["seconds"]
     assert all(e["extra"]["pairs_per_s"] > 0 for e in entries.values() if e["seconds"])
+    top = entries["ours all-pairs top-4 (host)"]["extra"]
+    assert top["pairs"] == 2500 * 2499 / 2  # unique pairs
+    assert entries["ours queries x database top-4 (host)"]["extra"]["pairs"] == 150 * 2500
     table = format_table(report)
-    assert "pairs/s" in table and "ours all-pairs top-4 (host)" in table
+    assert "pairs/s" in table and "unique pairs" in table and "ours all-pairs top-4 (host)" in table
 
 
 def test_the_checks_catch_a_wrong_neighbour_or_a_missing_pair():
