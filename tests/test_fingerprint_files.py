@@ -150,3 +150,22 @@ def test_the_k_best_above_a_threshold_agree_with_fpsim2s_cpu_engine(tmp_path):
                 == {int(m) for m, c in zip(theirs["mol_id"], theirs["coeff"]) if c != last})
         found += len(engine.similarity(query, 0.35))
     assert found == len(pair_scores)
+
+
+def test_fpsim2_databases_we_write_are_read_back_and_searched_by_fpsim2(rng, tmp_path):
+    pytest.importorskip("FPSim2")
+    from FPSim2 import FPSim2Engine
+
+    words = np.packbits(random_bits(rng, (300, 2048), 0.08), axis=1, bitorder="little")
+    ids = np.arange(1000, 1300)
+    ff.write_fpsim2(tmp_path / "db.h5", ff.Fingerprints(words, ids, 2048))
+    back = ff.read_fpsim2(tmp_path / "db.h5")
+    order = np.argsort(back.ids)
+    np.testing.assert_array_equal(back.ids[order], ids)
+    np.testing.assert_array_equal(back.words[order], words)
+    query = DataStructs.ExplicitBitVect(2048)
+    query.SetBitsFromList(np.flatnonzero(np.unpackbits(words[7], bitorder="little")).tolist())
+    theirs = FPSim2Engine(str(tmp_path / "db.h5")).top_k(query, 5, 0.0)
+    ours = dg.similarity(words[7:8], words, packed=True, top_k=5).compute()
+    np.testing.assert_allclose(theirs["coeff"], ours.scores[0], rtol=1e-6)
+    assert theirs["mol_id"][0] == 1007 and ours.indices[0, 0] == 7

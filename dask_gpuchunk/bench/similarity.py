@@ -21,6 +21,8 @@ queries x database and the peers' rows, which score every pair they are given):
   exact below 2**24, then the Tanimoto formula and a top-k by ``argpartition``), NumPy on the host
   (``bitwise_count`` of the words, the formula, ``argpartition``), RDKit's
   ``BulkTanimotoSimilarity`` (one query against a list, one CPU thread) where RDKit is installed;
+  FPSim2's CPU engine (``top_k`` of each query over an FPSim2 database of the same
+  fingerprints, one thread) where FPSim2 is installed;
 * limit: our bmma kernel's 1-bit tensor-core rate on a long-K Gram (bit-MAC/s), divided by the
   bits of a pair: the pairs per second no kernel of ours can pass on this GPU.
 
@@ -298,6 +300,7 @@ def _peers(bench: _Bench, table: str, words: np.ndarray, query_words: np.ndarray
     if e is not None:
         e.extra["pairs"] = float(len(qn)) * len(db)
     _rdkit_peer(bench, table, db, q, truth)
+    _fpsim2_peer(bench, table, db, q, k, truth)
 
 
 def _same(got: np.ndarray, want: np.ndarray, who: str) -> None:
@@ -366,6 +369,55 @@ def _rdkit_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray,
                                         "RDKit"))
     if e is not None:
         e.extra["pairs"] = float(len(queries)) * len(fps)
+
+
+def _fpsim2_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: int,
+                 truth: np.ndarray) -> None:
+    """FPSim2's CPU engine as chemists run it: ``top_k(query, k, threshold=0)`` per query over
+    an FPSim2 database of the same fingerprints (written by
+    :func:`dask_gpuchunk.fingerprint_files.write_fpsim2`), one thread; its top scores checked
+    against the exact ones."""
+    name = "peer FPSim2 CPU engine top-k (host, one thread)"
+    if not bench.want(name):
+        return
+    import tempfile
+
+    from ..fingerprint_files import Fingerprints, write_fpsim2
+
+    try:
+        from FPSim2 import FPSim2Engine
+        from rdkit import DataStructs
+    except ImportError as exc:
+        bench.add(Entry(table, name, "peer", skipped=f"FPSim2 or RDKit not importable ({exc})"))
+        return
+    bits = db.shape[1] * 8
+    fps_order = np.packbits(np.unpackbits(db, axis=1), axis=1, bitorder="little")
+
+    def vector(w: np.ndarray) -> Any:
+        v = DataStructs.ExplicitBitVect(bits)
+        v.SetBitsFromList(np.flatnonzero(np.unpackbits(w)).tolist())
+        return v
+
+    queries = [vector(w) for w in q[:8]]
+    held: list[Any] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/db.h5"
+        write_fpsim2(path, Fingerprints(fps_order, np.arange(len(db)), bits),
+                     fp_params={"radius": 2, "fpSize": bits})
+        engine = FPSim2Engine(path)
+
+        def once() -> None:
+            held[:] = [[engine.top_k(v, k, 0.0) for v in queries]]
+
+        def check() -> None:
+            want = -np.sort(-truth, axis=1)[:, :k]
+            got = [found["coeff"][:k] for found in held[0][:4]]
+            if not all(np.allclose(g, w[:len(g)], rtol=1e-6) for g, w in zip(got, want)):
+                raise AssertionError("FPSim2: top scores differ from the exact ones")
+
+        e = bench.timed(table, name, once, repeat=1, check=check)
+        if e is not None:
+            e.extra["pairs"] = float(len(queries)) * len(db)
 
 
 def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> dict[str, Any]:
