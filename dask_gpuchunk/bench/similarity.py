@@ -22,7 +22,8 @@ queries x database and the peers' rows, which score every pair they are given):
   (``bitwise_count`` of the words, the formula, ``argpartition``), RDKit's
   ``BulkTanimotoSimilarity`` (one query against a list, one CPU thread) where RDKit is installed;
   FPSim2's CPU engine (``top_k`` of each query over an FPSim2 database of the same
-  fingerprints, one thread) where FPSim2 is installed;
+  fingerprints, one thread) where FPSim2 is installed; FAISS's exact binary index (Hamming
+  top-k; ``GpuIndexBinaryFlat`` on a GPU, ``IndexBinaryFlat`` on the host) where FAISS is;
 * limit: our bmma kernel's 1-bit tensor-core rate on a long-K Gram (bit-MAC/s), divided by the
   bits of a pair: the pairs per second no kernel of ours can pass on this GPU.
 
@@ -170,6 +171,8 @@ def run(
     # The sampled rows' and queries' exact scores in one pass over the database.
     truth, q_truth = np.split(tanimoto_rows(words, np.concatenate(
         [words[sample], query_words[q_sample]])), [len(sample)])
+    q_hamming = np.array([np.bitwise_count(words ^ row).sum(axis=1, dtype=np.int64)
+                          for row in query_words[q_sample]]).reshape(len(q_sample), len(words))
     limits: dict[str, float] = {}
     if gpu:
         import cupy
@@ -203,6 +206,11 @@ def run(
         (f"ours queries x database threshold {threshold} ({where})", cross,
          computed(qx, x, threshold=threshold),
          lambda got: _check_pairs(got, q_truth, q_sample, threshold, None), True),
+        # Hamming, best = nearest: beside FAISS's binary index (checked as negated scores)
+        (f"ours queries x database Hamming top-{k} ({where})", cross,
+         computed(qx, x, top_k=k, metric="hamming"),
+         lambda got: _check_top_k(got[0], -np.asarray(getattr(got[1], "get", lambda: got[1])()),
+                                  -q_hamming, q_sample, k, None), False),
     ]
     for name, pairs, once, check, finds_pairs in rows:
         e = bench.timed(table, name, once, check=lambda check=check: check(held[0]))
@@ -301,6 +309,7 @@ def _peers(bench: _Bench, table: str, words: np.ndarray, query_words: np.ndarray
         e.extra["pairs"] = float(len(qn)) * len(db)
     _rdkit_peer(bench, table, db, q, truth)
     _fpsim2_peer(bench, table, db, q, k, truth)
+    _faiss_peer(bench, table, db, query_words[:2048] if gpu and len(query_words) else q, k, gpu)
 
 
 def _same(got: np.ndarray, want: np.ndarray, who: str) -> None:
@@ -418,6 +427,43 @@ def _fpsim2_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: in
         e = bench.timed(table, name, once, repeat=1, check=check)
         if e is not None:
             e.extra["pairs"] = float(len(queries)) * len(db)
+
+
+def _faiss_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: int,
+                gpu: bool) -> None:
+    """FAISS's exact binary index: the ``k`` nearest by Hamming distance of each query,
+    ``GpuIndexBinaryFlat`` where FAISS has GPUs and this run has one, else ``IndexBinaryFlat``
+    on the host; its distances checked against the exact ones (our ``metric="hamming"``)."""
+    try:
+        import faiss
+    except ImportError as exc:
+        bench.add(Entry(table, "peer FAISS binary flat index, Hamming top-k", "peer",
+                        skipped=f"FAISS not importable ({exc})"))
+        return
+    on_gpu = gpu and hasattr(faiss, "GpuIndexBinaryFlat")
+    name = ("peer FAISS GpuIndexBinaryFlat, Hamming top-k (device)" if on_gpu
+            else "peer FAISS IndexBinaryFlat, Hamming top-k (host)")
+    if not bench.want(name):
+        return
+    bits = db.shape[1] * 8
+    index = (faiss.GpuIndexBinaryFlat(faiss.StandardGpuResources(), bits) if on_gpu
+             else faiss.IndexBinaryFlat(bits))
+    index.add(np.ascontiguousarray(db))
+    queries = np.ascontiguousarray(q)
+    held: list[Any] = []
+
+    def once() -> None:
+        held[:] = [index.search(queries, k)]
+
+    def check() -> None:
+        distances = held[0][0][:4]
+        exact = np.bitwise_count(db[None, :, :] ^ queries[:4, None, :]).sum(axis=2)
+        if not np.array_equal(distances, np.sort(exact, axis=1)[:, :k]):
+            raise AssertionError("FAISS: Hamming distances differ from the exact ones")
+
+    e = bench.timed(table, name, once, repeat=1, check=check)
+    if e is not None:
+        e.extra["pairs"] = float(len(queries)) * len(db)
 
 
 def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> dict[str, Any]:

@@ -32,7 +32,7 @@ def test_every_row_runs_and_passes_its_exact_check_on_this_machine():
                  threshold=0.6, peer_rows=900, repeat=1, log=lambda s: None)
     entries = {e["name"]: e for e in report["entries"]}
     ours = [e for e in entries.values() if e["kind"] == "ours"]
-    assert len(ours) == 5
+    assert len(ours) == 6
     for e in ours:
         if QUERY_PLANNING and "threshold" in e["name"]:  # refused there, and said why
             assert "query planning" in e["skipped"], e
@@ -45,6 +45,8 @@ def test_every_row_runs_and_passes_its_exact_check_on_this_machine():
     assert entries["peer NumPy bitwise_count + top-k (host, one thread)"]["seconds"]
     fpsim2 = entries["peer FPSim2 CPU engine top-k (host, one thread)"]
     assert fpsim2["seconds"] or "not importable" in fpsim2["skipped"], fpsim2
+    faiss = [e for name, e in entries.items() if name.startswith("peer FAISS")]
+    assert len(faiss) == 1 and (faiss[0]["seconds"] or "not importable" in faiss[0]["skipped"])
     assert all(e["extra"]["pairs_per_s"] > 0 for e in entries.values() if e["seconds"])
     top = entries["ours all-pairs top-4 (host)"]["extra"]
     assert top["pairs"] == 2500 * 2499 / 2  # unique pairs
