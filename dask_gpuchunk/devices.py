@@ -7,7 +7,7 @@ numba's CUDA simulator does not count (it runs kernels, not chunk pipelines).
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Literal, get_args
 
 __all__ = [
     "DEVICES",
@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 Device = Literal["auto", "gpu", "cpu"]
-DEVICES: tuple[str, ...] = ("auto", "gpu", "cpu")
+DEVICES: tuple[str, ...] = get_args(Device)
 
 
 class GPUNotAvailableError(RuntimeError):

@@ -43,7 +43,13 @@ from .arrays import asarray, is_array_like, refuse_masked
 from .backend import device_call, input_kind, is_cupy, run_elementwise
 from .budget import check_fits
 from .config import listed_graphs, map_blocks_prefix
-from .devices import check_device, check_device_for_graph, check_device_name, gpu_available
+from .devices import (
+    Device,
+    check_device,
+    check_device_for_graph,
+    check_device_name,
+    gpu_available,
+)
 from .io import npy_reader_of
 from .resident import row_bounds
 
@@ -264,7 +270,7 @@ class ElementwiseOp:
                             f"{'s' if len(inferred) != 1 else ''}; dtype= gives {len(self.dtype)}")
         return self.dtype, tupled
 
-    def __call__(self, *args: Any, device: str = "auto", out: Any = None,
+    def __call__(self, *args: Any, device: Device = "auto", out: Any = None,
                  reduce: Any = None) -> Any:
         """Apply the operation; see :func:`elementwise` for the arguments."""
         if any(_is_xarray(a) for a in args):

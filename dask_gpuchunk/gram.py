@@ -34,6 +34,7 @@ from dask.task_spec import Task, TaskRef
 from . import backend, config
 from ._kernels import bitpack as bits
 from ._kernels import gram as kernels
+from ._kernels.gram import Method
 from ._kernels.bmma import BMMA_MIN_CC, TILE, bmma_cuda
 from ._kernels.wgmma import WGMMA_CC, wgmma_cuda
 from ._kernels.launch import numba_stream
@@ -41,6 +42,7 @@ from .arrays import asarray
 from .budget import check_fits
 from .config import listed_graphs
 from .devices import (
+    Device,
     GPUNotAvailableError,
     check_device_for_graph,
     distributed_client_active,
@@ -105,7 +107,7 @@ def _bitpack_block(block: Any, device: str, block_info: dict | None = None) -> A
     return backend.run_chunk(work, inputs, device)
 
 
-def bitpack(x: Any, *, device: str = "auto") -> da.Array:
+def bitpack(x: Any, *, device: Device = "auto") -> da.Array:
     """Pack 0/1 data ``(n, k)`` into ``uint64`` words ``(n, ceil(k / 64))``, chunk by chunk.
 
     Bit ``j`` of word ``w`` is column ``64 w + j``; padding bits are zero. Column chunks are
@@ -395,7 +397,8 @@ def _mirrored(block: Any, above: Any) -> Any:
     return block if block is not None else _transposed(above)
 
 
-def gram(x: Any, *, packed: bool = False, method: str = "auto", device: str = "auto") -> da.Array:
+def gram(x: Any, *, packed: bool = False, method: Method = "auto",
+         device: Device = "auto") -> da.Array:
     """The exact Gram matrix ``C = A · Aᵀ`` of 0/1 data ``A`` ``(n, k)``, as ``int32`` ``(n, n)``.
 
     Parameters
@@ -474,7 +477,7 @@ def packed_words(x: Any, packed: bool, device: str, what: str = "gram", name: st
     return bitpack(x, device="cpu" if device == "cpu" else "auto")
 
 
-def block_counts(a: Any, b: Any, method: str = "auto", device: str = "auto") -> Any:
+def block_counts(a: Any, b: Any, method: Method = "auto", device: Device = "auto") -> Any:
     """``popcount(a & b)`` of every row of ``a`` with every row of ``b`` (packed words, the
     same width): one ``int32`` block ``(len(a), len(b))``, where the chunk dispatch sends it
     (as :func:`gram`'s blocks).

@@ -53,7 +53,9 @@ from .arrays import asarray
 from .backend import is_cupy, run_cpu_kernel
 from .budget import check_fits, run_reserved, working_budget
 from .config import listed_graphs
-from .devices import cluster_workers, gpu_available
+from ._kernels.gram import Method
+from ._kernels.similarity import Metric
+from .devices import Device, cluster_workers, gpu_available
 from .fingerprint_files import bit_vector_words, is_bit_vector_list
 from .progress import blocks_done
 from .gram import (
@@ -755,9 +757,10 @@ def _bit_vectors_as_words(x: Any, y: Any, packed: bool) -> tuple[Any, Any, bool]
     return (bit_vector_words(x), None if y is None else bit_vector_words(y), True)
 
 
-def similarity(x: Any, y: Any = None, *, metric: str = "tanimoto", packed: bool = False,
+def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bool = False,
                top_k: int | None = None, threshold: float | None = None,
-               exclude_self: bool | None = None, method: str = "auto", device: str = "auto"
+               exclude_self: bool | None = None, method: Method = "auto",
+               device: Device = "auto"
                ) -> Any:
     """Similarity of binary rows, exact, from the bit-packed Gram: all pairs of ``x``, or
     each row of ``x`` (queries) against each row of ``y`` (database).

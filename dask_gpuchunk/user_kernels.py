@@ -30,7 +30,7 @@ from ._kernels.user_functions import (
 )
 from .arrays import asarray
 from .backend import ChunkWork, DeviceLaunch, is_cupy, run_chunk
-from .devices import check_device_for_graph, distributed_client_active, gpu_available
+from .devices import Device, check_device_for_graph, distributed_client_active, gpu_available
 
 __all__ = ["GufuncOp", "map_blocks", "gufunc"]
 
@@ -177,7 +177,7 @@ def _kernel_block(*blocks: Any, block_info: dict | None = None, user: _UserKerne
 def map_blocks(kernel: Any, *arrays: Any, dtype: Any, chunks: Any = None,
                drop_axis: Any = None, new_axis: Any = None, launch: Any = None,
                cpu: Callable | None = None, args: Sequence[Any] = (), offsets: Any = False,
-               device: str = "auto", name: str | None = None) -> da.Array:
+               device: Device = "auto", name: str | None = None) -> da.Array:
     """Run a numba ``@cuda.jit`` kernel over the blocks of Dask arrays.
 
     Each block of the result is one launch: ``kernel(*input_blocks, out, *args)`` (with
@@ -398,7 +398,7 @@ class GufuncOp:
         raise TypeError(f"gufunc {self.__name__!r} has no loop for inputs "
                         f"({', '.join(d.name for d in given)}); its loops take: {have}")
 
-    def __call__(self, *arrays: Any, device: str = "auto") -> Any:
+    def __call__(self, *arrays: Any, device: Device = "auto") -> Any:
         """Apply the gufunc; see :func:`gufunc`."""
         check_device_for_graph(device)
         dask_arrays = _as_dask(arrays)

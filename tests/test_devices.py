@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import dask_gpuchunk as dg
 from dask_gpuchunk.devices import GPUNotAvailableError, check_device, gpu_available, gpu_count
 
 
@@ -28,3 +29,21 @@ def test_gpu_device_matches_visibility():
     else:
         with pytest.raises(GPUNotAvailableError, match="Use device='auto'"):
             check_device("gpu")
+
+
+def test_the_public_choices_are_typed_as_the_literals_that_list_them():
+    import typing
+
+    from dask_gpuchunk._kernels.gram import METHODS, Method
+    from dask_gpuchunk._kernels.similarity import METRICS, Metric
+    from dask_gpuchunk.devices import DEVICES, Device
+
+    assert typing.get_args(Device) == DEVICES and typing.get_args(Method) == METHODS
+    assert typing.get_args(Metric) == METRICS
+    for func, wanted in [(dg.gram, {"method": Method, "device": Device}),
+                         (dg.bitpack, {"device": Device}),
+                         (dg.similarity, {"metric": Metric, "method": Method, "device": Device}),
+                         (dg.map_blocks, {"device": Device}),
+                         (type(dg.multiply).__call__, {"device": Device})]:
+        hints = typing.get_type_hints(func)
+        assert {name: hints[name] for name in wanted} == wanted, func

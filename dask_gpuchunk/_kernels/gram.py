@@ -24,7 +24,7 @@ No dask here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from .launch import cupy_stream
 __all__ = [
     "GPU_METHODS",
     "METHODS",
+    "Method",
     "TileShape",
     "c_ordered",
     "int8_cuda",
@@ -46,7 +47,8 @@ __all__ = [
 ]
 
 #: Methods of computing a Gram block; ``"auto"`` is resolved by the caller.
-METHODS: tuple[str, ...] = ("auto", "popcount", "int8", "bmma", "wgmma")
+Method = Literal["auto", "popcount", "int8", "bmma", "wgmma"]
+METHODS: tuple[str, ...] = get_args(Method)
 #: Methods that run on a GPU only.
 GPU_METHODS: tuple[str, ...] = ("int8", "bmma", "wgmma")
 

@@ -25,13 +25,13 @@ equal scores order by the smaller column; excluded pairs get :data:`NO_PAIR`, wh
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 from .compiled import compiled_once
 
-__all__ = ["CUDA_TOP_K_MAX", "FLOAT_METRICS", "METRICS", "METRIC_CODES", "NO_PAIR", "RANK_SOURCE",
+__all__ = ["CUDA_TOP_K_MAX", "FLOAT_METRICS", "METRICS", "METRIC_CODES", "Metric", "NO_PAIR", "RANK_SOURCE",
            "best_keys_cuda",
            "decode_indices", "decode_scores", "pairs_at_least_cuda", "rank_limit", "same_ids",
            "swapped_pairs",
@@ -39,7 +39,8 @@ __all__ = ["CUDA_TOP_K_MAX", "FLOAT_METRICS", "METRICS", "METRIC_CODES", "NO_PAI
            "row_popcounts", "score_dtype", "scores", "smallest_keys", "sorted_pairs"]
 
 #: ``metric=`` values.
-METRICS = ("tanimoto", "jaccard", "dice", "cosine", "hamming", "counts")
+Metric = Literal["tanimoto", "jaccard", "dice", "cosine", "hamming", "counts"]
+METRICS: tuple[str, ...] = get_args(Metric)
 #: Metrics whose scores are float32 in [0, 1].
 FLOAT_METRICS = ("tanimoto", "jaccard", "dice", "cosine")
 #: The key of an excluded pair (or of padding): sorts after every real pair.
