@@ -235,7 +235,7 @@ def run(
             limits.update(tensor_core_ceiling())
             if "bmma_bit_macs_per_s" in limits:
                 limits["ceiling_pairs_per_s"] = limits["bmma_bit_macs_per_s"] / bits
-    _peers(bench, table, words, query_words, peer_rows, k, gpu)
+    _peers(bench, table, words, query_words, peer_rows, k, gpu, threshold)
     return _report(bench.entries, limits, n=n, bits=bits, density=density, queries=queries,
                    chunk_rows=chunk_rows, k=k, threshold=threshold, peer_rows=peer_rows)
 
@@ -285,7 +285,7 @@ def tensor_core_ceiling(rows: int = 8192, kbits: int = 65536, repeat: int = 5
 
 
 def _peers(bench: _Bench, table: str, words: np.ndarray, query_words: np.ndarray,
-           peer_rows: int, k: int, gpu: bool) -> None:
+           peer_rows: int, k: int, gpu: bool, threshold: float) -> None:
     db = words[:min(peer_rows, len(words))]
     q = query_words[:64] if len(query_words) else words[:64]
     truth = tanimoto_rows(db, q[:4])
@@ -308,7 +308,7 @@ def _peers(bench: _Bench, table: str, words: np.ndarray, query_words: np.ndarray
     if e is not None:
         e.extra["pairs"] = float(len(qn)) * len(db)
     _rdkit_peer(bench, table, db, q, truth)
-    _fpsim2_peer(bench, table, db, q, k, truth)
+    _fpsim2_peer(bench, table, db, q, k, truth, threshold, gpu)
     _faiss_peer(bench, table, db, query_words[:2048] if gpu and len(query_words) else q, k, gpu)
 
 
@@ -381,23 +381,30 @@ def _rdkit_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray,
 
 
 def _fpsim2_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: int,
-                 truth: np.ndarray) -> None:
-    """FPSim2's CPU engine as chemists run it: ``top_k(query, k, threshold=0)`` per query over
-    an FPSim2 database of the same fingerprints (written by
-    :func:`dask_gpuchunk.fingerprint_files.write_fpsim2`), one thread; its top scores checked
-    against the exact ones."""
-    name = "peer FPSim2 CPU engine top-k (host, one thread)"
-    if not bench.want(name):
+                 truth: np.ndarray, threshold: float, gpu: bool) -> None:
+    """FPSim2 as chemists run it, over an FPSim2 database of the same fingerprints (written by
+    :func:`dask_gpuchunk.fingerprint_files.write_fpsim2`): its CPU engine's ``top_k(query, k,
+    threshold=0)`` per query, one thread, top scores checked against the exact ones; on a GPU
+    its CUDA engine's ``similarity(query, threshold)`` (it has no top-k), the pairs it finds
+    checked against the exact ones. A peer that cannot run says why."""
+    names = {"cpu": "peer FPSim2 CPU engine top-k (host, one thread)",
+             "cuda": f"peer FPSim2 CUDA engine threshold {threshold} (device)"}
+    wanted = [kind for kind, name in names.items()
+              if bench.want(name) and (kind == "cpu" or gpu)]
+    if not wanted:
         return
     import tempfile
 
     from ..fingerprint_files import Fingerprints, write_fpsim2
 
     try:
-        from FPSim2 import FPSim2Engine
         from rdkit import DataStructs
+
+        import FPSim2  # noqa: F401 - its engines are imported below, each where it runs
     except ImportError as exc:
-        bench.add(Entry(table, name, "peer", skipped=f"FPSim2 or RDKit not importable ({exc})"))
+        for kind in wanted:
+            bench.add(Entry(table, names[kind], "peer",
+                            skipped=f"FPSim2 or RDKit not importable ({exc})"))
         return
     bits = db.shape[1] * 8
     fps_order = np.packbits(np.unpackbits(db, axis=1), axis=1, bitorder="little")
@@ -411,22 +418,47 @@ def _fpsim2_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: in
     held: list[Any] = []
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/db.h5"
-        write_fpsim2(path, Fingerprints(fps_order, np.arange(len(db)), bits),
-                     fp_params={"radius": 2, "fpSize": bits})
-        engine = FPSim2Engine(path)
+        try:
+            write_fpsim2(path, Fingerprints(fps_order, np.arange(len(db)), bits),
+                         fp_params={"radius": 2, "fpSize": bits})
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
+            for kind in wanted:
+                bench.add(Entry(table, names[kind], "peer", skipped=f"database: {exc}"[:300]))
+            return
+        if "cpu" in wanted:
+            def top_k() -> None:
+                from FPSim2 import FPSim2Engine
 
-        def once() -> None:
-            held[:] = [[engine.top_k(v, k, 0.0) for v in queries]]
+                engine = held[1] if len(held) > 1 else FPSim2Engine(path)
+                held[:] = [[engine.top_k(v, k, 0.0) for v in queries], engine]
 
-        def check() -> None:
-            want = -np.sort(-truth, axis=1)[:, :k]
-            got = [found["coeff"][:k] for found in held[0][:4]]
-            if not all(np.allclose(g, w[:len(g)], rtol=1e-6) for g, w in zip(got, want)):
-                raise AssertionError("FPSim2: top scores differ from the exact ones")
+            def check_top_k() -> None:
+                want = -np.sort(-truth, axis=1)[:, :k]
+                got = [found["coeff"][:k] for found in held[0][:4]]
+                if not all(np.allclose(g, w[:len(g)], rtol=1e-6) for g, w in zip(got, want)):
+                    raise AssertionError("FPSim2: top scores differ from the exact ones")
 
-        e = bench.timed(table, name, once, repeat=1, check=check)
-        if e is not None:
-            e.extra["pairs"] = float(len(queries)) * len(db)
+            e = bench.timed(table, names["cpu"], top_k, repeat=1, check=check_top_k)
+            if e is not None:
+                e.extra["pairs"] = float(len(queries)) * len(db)
+            held.clear()
+        if "cuda" in wanted:
+            def above() -> None:
+                from FPSim2.FPSim2Cuda import FPSim2CudaEngine
+
+                engine = held[1] if len(held) > 1 else FPSim2CudaEngine(path)
+                held[:] = [[engine.similarity(v, threshold) for v in queries], engine]
+
+            def check_above() -> None:
+                for found, exact in zip(held[0][:4], truth):
+                    want = np.sort(exact[exact >= np.float32(threshold)])
+                    if not np.allclose(np.sort(found["coeff"]), want, rtol=1e-6):
+                        raise AssertionError("FPSim2 CUDA: the pairs found differ from the "
+                                             "exact ones")
+
+            e = bench.timed(table, names["cuda"], above, repeat=1, check=check_above)
+            if e is not None:
+                e.extra["pairs"] = float(len(queries)) * len(db)
 
 
 def _faiss_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: int,
