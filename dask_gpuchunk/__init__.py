@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from .arrays import asarray
 from ._kernels.source_cache import package_version
+from .alias_tasks import resolving_aliases
 from .cluster import connect, local_cluster, placement_decisions
 from .devices import GPUNotAvailableError, gpu_available, gpu_count
 from .elementwise import ElementwiseOp, elementwise, multiply
@@ -49,6 +50,7 @@ __all__ = [
     "map_blocks",
     "multiply",
     "placement_decisions",
+    "resolving_aliases",
     "similarity",
     "Neighbours",
     "Pairs",

@@ -30,7 +30,7 @@ import dask
 
 from . import _compat, config
 
-__all__ = ["install", "optimize_arrays", "resolve_aliases", "resolving_aliases"]
+__all__ = ["optimize_arrays", "resolve_aliases", "resolving_aliases"]
 
 
 def resolve_aliases(graph: Mapping[Hashable, Any], keys: Iterable[Any]) -> dict:
@@ -124,10 +124,3 @@ def resolving_aliases() -> Iterator[None]:
         return
     with dask.config.set(array_optimize=optimize_arrays):
         yield
-
-
-def install() -> None:
-    """Dask arrays computed from now on in this process resolve their aliases, as
-    :func:`resolving_aliases` (for a client that lives as long as the process)."""
-    if _wanted():
-        dask.config.set(array_optimize=optimize_arrays)

@@ -34,7 +34,7 @@ __all__ = [
     "HEADROOM_FRACTION",
     "DeviceBudgetError",
     "budget_report",
-    "cap_device_memory",
+    "cap_device_pool",
     "check_fits",
     "device_capacity",
     "format_bytes",
@@ -103,12 +103,11 @@ def pool_limit_from_env(device_total: int, value: str | None = None) -> int | No
     return limit if limit > 0 else None
 
 
-def cap_device_memory(nbytes: int) -> None:
-    """Cap CuPy's pool at ``nbytes`` in this process and in the processes it starts (cluster
-    workers inherit ``CUPY_GPU_MEMORY_LIMIT``): the GPU then behaves as a card of that size."""
+def cap_device_pool(nbytes: int) -> None:
+    """Cap CuPy's pool of this process at ``nbytes`` (where a GPU is visible). The environment
+    is the caller's: ``CUPY_GPU_MEMORY_LIMIT`` caps the processes it starts too."""
     if nbytes <= 0:
         raise ValueError(f"a device budget must be positive, got {nbytes}")
-    os.environ["CUPY_GPU_MEMORY_LIMIT"] = str(int(nbytes))
 
     if gpu_available():
         import cupy

@@ -46,7 +46,8 @@ import click
 from dask.utils import format_bytes
 
 from . import __version__, jobs
-from .budget import DeviceBudgetError, cap_device_memory
+from .alias_tasks import resolving_aliases
+from .budget import DeviceBudgetError, cap_device_pool
 from .cluster import collector_paused, connect, local_cluster, parse_memory_limit
 from .config import check_settings
 from .devices import GPUNotAvailableError, _probe_gpus, gpu_available, gpu_count
@@ -247,7 +248,10 @@ def _apply_device_budget(value: str | None) -> None:
     except (ValueError, TypeError):
         raise click.BadParameter(f"--device-budget: cannot read {value!r} as a positive size "
                                  "(8GiB, 2GiB)") from None
-    cap_device_memory(nbytes)
+    # This command's own process and the cluster workers it starts (which inherit its
+    # environment): the GPU behaves as a card of that size. Asked for by the option.
+    os.environ["CUPY_GPU_MEMORY_LIMIT"] = str(int(nbytes))
+    cap_device_pool(nbytes)
     click.echo(f"device budget: CuPy's pool capped at {nbytes:,} bytes", err=True)
 
 
@@ -475,7 +479,8 @@ def _started_cluster(opts: dict[str, Any], quiet: bool = False) -> Iterator[Any]
         # The job runs outside that except: its own errors (a ValueError of its arguments, an
         # OSError writing) keep their exit codes instead of reading as the cluster's.
         try:
-            yield client
+            with resolving_aliases():  # the job's graphs, not this process's dask settings
+                yield client
         finally:
             with collector_paused():
                 client.close()

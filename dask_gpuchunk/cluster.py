@@ -31,7 +31,6 @@ import dask
 from dask.utils import parse_bytes
 
 from . import placement
-from .alias_tasks import install as install_alias_resolution
 from .alias_tasks import resolving_aliases
 from .budget import pool_limit_from_env, spill_limit
 from .devices import GPUNotAvailableError, distributed_client_active, gpu_available, gpu_count
@@ -453,9 +452,10 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
     ``address`` (``"tcp://host:8786"``). ``timeout``: seconds to wait for the scheduler.
     ``workers``: wait until at least this many workers have joined (a batch job's workers start
     beside its scheduler and join when they are up), at most ``worker_timeout`` seconds; ``log``
-    hears how many have joined while it waits. From then on, dask arrays computed in this
-    process reach the cluster without the ``Alias`` tasks that dask's fusion leaves
-    (:mod:`dask_gpuchunk.alias_tasks`, ``gpuchunk.resolve-aliases``).
+    hears how many have joined while it waits. Dask arrays computed inside ``with
+    dg.resolving_aliases():`` reach the cluster without the ``Alias`` tasks that dask's fusion
+    leaves (:mod:`dask_gpuchunk.alias_tasks`; ``dg.local_cluster`` does this for its block);
+    nothing of this process's dask settings is changed.
 
     Whoever controls the scheduler runs code in this process: the scheduler file must be a
     small regular file of this user's (or root's) that no one else may write
@@ -499,7 +499,6 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
         client.register_plugin(WorkerSetup())
         if workers > 0:
             wait_for_workers(client, workers, worker_timeout, log)
-        install_alias_resolution()
     except BaseException:
         with collector_paused():
             client.close()

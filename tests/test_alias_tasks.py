@@ -13,7 +13,7 @@ from dask.local import get_sync
 from distributed import get_task_stream
 
 import dask_gpuchunk as dg
-from dask_gpuchunk.alias_tasks import install, optimize_arrays, resolve_aliases, resolving_aliases
+from dask_gpuchunk.alias_tasks import optimize_arrays, resolve_aliases, resolving_aliases
 
 
 classic_only = pytest.mark.skipif(dask.array.array_expr_enabled(), reason="array query "
@@ -111,28 +111,21 @@ def test_a_callers_own_array_optimize_and_the_setting_off_are_respected():
         assert dask.config.get("array_optimize") is mine
     with dask.config.set({"gpuchunk.resolve-aliases": False}), resolving_aliases():
         assert dask.config.get("array_optimize", None) is None
-    with dask.config.set({"gpuchunk.resolve-aliases": False}):
-        install()
-        assert dask.config.get("array_optimize", None) is None
 
 
-def test_install_sets_it_for_the_process():
-    with dask.config.set(array_optimize=None):  # restored afterwards, whatever install sets
-        install()
-        assert dask.config.get("array_optimize") is optimize_arrays
-
-
-def test_connect_resolves_aliases_from_then_on():
+def test_a_joined_cluster_resolves_aliases_inside_the_block_only():
+    # dg.connect changes nothing of this process's dask settings (tests/test_process_settings);
+    # the block resolves the aliases of what is computed inside it.
     from distributed import LocalCluster
 
-    with dask.config.set(array_optimize=None):  # whatever connect sets goes with this block
-        assert dask.config.get("array_optimize", None) is None
-        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
-                          dashboard_address=None) as cluster:
-            client = dg.connect(address=cluster.scheduler_address)
-            try:
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=None) as cluster:
+        client = dg.connect(address=cluster.scheduler_address)
+        try:
+            assert dask.config.get("array_optimize", None) is None
+            with dg.resolving_aliases():
                 assert dask.config.get("array_optimize") is optimize_arrays
                 assert int(client.compute(dask.array.ones(10, chunks=3).sum()).result()) == 10
-            finally:
-                client.close()
-        assert dask.config.get("array_optimize") is optimize_arrays  # not only while open
+            assert dask.config.get("array_optimize", None) is None
+        finally:
+            client.close()
