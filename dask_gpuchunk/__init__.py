@@ -16,6 +16,8 @@ array([[2., 2., 2.],
 
 from __future__ import annotations
 
+from typing import Any
+
 from .arrays import asarray
 from ._kernels.source_cache import package_version
 from .alias_tasks import resolving_aliases
@@ -25,7 +27,7 @@ from .elementwise import ElementwiseOp, elementwise, multiply
 from .gram import bitpack, gram
 from .io import from_npy, to_npy
 from .similarity import Neighbours, Pairs, similarity
-from .user_kernels import GufuncOp, gufunc, map_blocks
+from .user_kernels import GufuncOp, gufunc_op, map_kernel
 from .zarr_files import from_zarr, to_zarr
 
 #: The installed distribution's version (``importlib.metadata``).
@@ -45,9 +47,9 @@ __all__ = [
     "gpu_available",
     "gpu_count",
     "gram",
-    "gufunc",
+    "gufunc_op",
     "local_cluster",
-    "map_blocks",
+    "map_kernel",
     "multiply",
     "placement_decisions",
     "resolving_aliases",
@@ -57,3 +59,18 @@ __all__ = [
     "to_npy",
     "to_zarr",
 ]
+
+
+#: Names of one release ago: dask's map_blocks and gufunc mean other things.
+_RENAMED = {"map_blocks": "map_kernel", "gufunc": "gufunc_op"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        import warnings
+
+        new = _RENAMED[name]
+        warnings.warn(f"dg.{name} is now dg.{new} (dask's {name} means something else); the old "
+                      "name goes in the next release", DeprecationWarning, stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,9 @@
-"""The user's own numba kernels over Dask arrays: ``dg.map_blocks`` and ``dg.gufunc``.
+"""The user's own numba kernels over Dask arrays: ``dg.map_kernel`` and ``dg.gufunc_op``.
 
-:func:`map_blocks` runs a ``@cuda.jit`` kernel once per block: each NumPy block goes to the GPU
+:func:`map_kernel` runs a ``@cuda.jit`` kernel once per block: each NumPy block goes to the GPU
 through the package's pinned staging on the worker's stream, each CuPy block is used where it
 is, both within the device budget (:func:`dask_gpuchunk.backend.run_chunk`, as every operator's
-chunks); a CPU twin (``cpu=``) runs where there is no GPU. :func:`gufunc` runs a numba
+chunks); a CPU twin (``cpu=``) runs where there is no GPU. :func:`gufunc_op` runs a numba
 ``@guvectorize`` function over Dask arrays as :func:`dask.array.apply_gufunc` does, on NumPy
 blocks with the CPU gufunc and on CuPy blocks with the same function compiled for CUDA.
 """
@@ -32,7 +32,7 @@ from .arrays import asarray
 from .backend import ChunkWork, DeviceLaunch, is_cupy, run_chunk
 from .devices import Device, check_device_for_graph, distributed_client_active, gpu_available
 
-__all__ = ["GufuncOp", "map_blocks", "gufunc"]
+__all__ = ["GufuncOp", "gufunc_op", "map_kernel"]
 
 #: The default launch's threads per block for 1-, 2- and 3-dimensional grids.
 DEFAULT_THREADS = {1: (256,), 2: (16, 16), 3: (8, 8, 4)}
@@ -141,7 +141,7 @@ def _cpu_block(cpu: Callable, blocks: Sequence[Any], shape: tuple[int, ...], dty
 
 
 class _UserKernel:
-    """What :func:`map_blocks`' tasks carry: the kernel, its CPU twin and launch. An object
+    """What :func:`map_kernel`' tasks carry: the kernel, its CPU twin and launch. An object
     of its own: dask measures task arguments (``sizeof``), and its numba hook fails on the
     CUDA simulator's kernels."""
 
@@ -154,7 +154,7 @@ class _UserKernel:
 def _kernel_block(*blocks: Any, block_info: dict | None = None, user: _UserKernel,
                   out_dtype: np.dtype, args: tuple, offsets: tuple[int, ...], shaped: bool,
                   device: str, label: str) -> Any:
-    """One block of :func:`map_blocks`, where :func:`~dask_gpuchunk.backend.chunk_site`
+    """One block of :func:`map_kernel`, where :func:`~dask_gpuchunk.backend.chunk_site`
     sends it (``shaped``: the first block only gives the output's blocks; dropped)."""
     kernel, cpu, launch, dtype = user.kernel, user.cpu, user.launch, out_dtype
     blocks = blocks[1:] if shaped else blocks
@@ -164,7 +164,7 @@ def _kernel_block(*blocks: Any, block_info: dict | None = None, user: _UserKerne
     extra = (*args, *(location[axis][0] for axis in offsets))
     where = f"block {tuple(info['chunk-location'])} of {label}"
     no_cpu = (f"{label}: this block runs on the CPU (no GPU here, or device='cpu') and the "
-              "kernel has no CPU twin; give dg.map_blocks a cpu= function")
+              "kernel has no CPU twin; give dg.map_kernel a cpu= function")
     work = ChunkWork(
         where,
         on_cpu=lambda: _cpu_block(cpu, blocks, shape, dtype, extra),
@@ -174,7 +174,7 @@ def _kernel_block(*blocks: Any, block_info: dict | None = None, user: _UserKerne
     return run_chunk(work, blocks, device)
 
 
-def map_blocks(kernel: Any, *arrays: Any, dtype: Any, chunks: Any = None,
+def map_kernel(kernel: Any, *arrays: Any, dtype: Any, chunks: Any = None,
                drop_axis: Any = None, new_axis: Any = None, launch: Any = None,
                cpu: Callable | None = None, args: Sequence[Any] = (), offsets: Any = False,
                device: Device = "auto", name: str | None = None) -> da.Array:
@@ -242,7 +242,7 @@ def map_blocks(kernel: Any, *arrays: Any, dtype: Any, chunks: Any = None,
     ...         for j in range(out.shape[1]):
     ...             out[i, j] = a[i, j] * b[i, j]
     >>> a = da.from_array(np.arange(12.0).reshape(4, 3), chunks=(3, 2))
-    >>> c = map_blocks(product, a, a, dtype=a.dtype, launch=1, cpu=product_on_cpu)
+    >>> c = map_kernel(product, a, a, dtype=a.dtype, launch=1, cpu=product_on_cpu)
     >>> c.compute(scheduler="sync")[3]
     array([ 81., 100., 121.])
     """
@@ -250,20 +250,20 @@ def map_blocks(kernel: Any, *arrays: Any, dtype: Any, chunks: Any = None,
     if not is_cuda_kernel(kernel):
         hint = (" (an elementwise function: use dg.elementwise)"
                 if is_numba_function(kernel) or inspect.isfunction(kernel) else "")
-        raise TypeError(f"dg.map_blocks needs a numba @cuda.jit kernel, got {kernel!r}{hint}")
+        raise TypeError(f"dg.map_kernel needs a numba @cuda.jit kernel, got {kernel!r}{hint}")
     if isinstance(dtype, (tuple, list)):
-        raise TypeError("dg.map_blocks makes one output; dtype= takes one dtype")
+        raise TypeError("dg.map_kernel makes one output; dtype= takes one dtype")
     dtype = check_dtype(dtype, "dtype=")
     check_device_for_graph(device)
     if not arrays:
-        raise TypeError("dg.map_blocks needs at least one array")
+        raise TypeError("dg.map_kernel needs at least one array")
     if cpu is not None and not callable(cpu):
         raise TypeError(f"cpu= must be a function, got {type(cpu).__name__}")
     if cpu is None and (device == "cpu" or (
             not gpu_available() and not distributed_client_active())):
         raise ValueError(f"{label}: its blocks would run on the CPU ("
                          + ("device='cpu'" if device == "cpu" else "no GPU is visible")
-                         + ") and the kernel has no CPU twin; give dg.map_blocks a cpu= "
+                         + ") and the kernel has no CPU twin; give dg.map_kernel a cpu= "
                          "function")
     args = tuple(args)
     dask_arrays = _as_dask(arrays)
@@ -274,7 +274,7 @@ def map_blocks(kernel: Any, *arrays: Any, dtype: Any, chunks: Any = None,
         have = None if func is None else _positional_count(func)
         if have is not None and have != wanted:
             raise TypeError(
-                f"{label}: {what} takes {have} arguments; dg.map_blocks passes {wanted} "
+                f"{label}: {what} takes {have} arguments; dg.map_kernel passes {wanted} "
                 f"({len(dask_arrays)} input block(s), the output"
                 + (f", {len(args)} args" if args else "")
                 + (f", {len(offsets)} offset(s)" if offsets else "") + ")")
@@ -357,7 +357,7 @@ def _check_first_launch(launch: Callable, result: da.Array) -> None:
 
 
 class GufuncOp:
-    """A numba ``@guvectorize`` function over Dask arrays; see :func:`gufunc`."""
+    """A numba ``@guvectorize`` function over Dask arrays; see :func:`gufunc_op`."""
 
     def __init__(self, func: Any) -> None:
         self.func = func
@@ -386,7 +386,7 @@ class GufuncOp:
         ...                     "void(float64[:], float64[:])"], "(n)->()")
         ... def total(x, out):
         ...     out[0] = x.sum()
-        >>> gufunc(total).loop("int32")
+        >>> gufunc_op(total).loop("int32")
         ((dtype('float64'),), (dtype('float64'),))
         """
         given = [np.dtype(d) for d in dtypes]
@@ -399,7 +399,7 @@ class GufuncOp:
                         f"({', '.join(d.name for d in given)}); its loops take: {have}")
 
     def __call__(self, *arrays: Any, device: Device = "auto") -> Any:
-        """Apply the gufunc; see :func:`gufunc`."""
+        """Apply the gufunc; see :func:`gufunc_op`."""
         check_device_for_graph(device)
         dask_arrays = _as_dask(arrays)
         _check_core_dims(self.layout, dask_arrays)
@@ -465,7 +465,7 @@ def _check_core_dims(layout: str, arrays: Sequence[da.Array]) -> None:
                              "multiple chunks; rechunk it into one (x.rechunk({-1: -1}))")
 
 
-def gufunc(func: Any) -> GufuncOp:
+def gufunc_op(func: Any) -> GufuncOp:
     """A numba ``@guvectorize`` function as an operation over Dask arrays.
 
     Core dimensions (the layout's ``(n)``) must be whole in each block, as
@@ -497,7 +497,7 @@ def gufunc(func: Any) -> GufuncOp:
     ...         acc += a[i] * b[i]
     ...     out[0] = acc
     >>> x = da.ones((6, 4), chunks=(2, 4))
-    >>> result = gufunc(dot)(x, 2 * x)  # doctest: +SKIP
+    >>> result = gufunc_op(dot)(x, 2 * x)  # doctest: +SKIP
     >>> result.compute()  # doctest: +SKIP
     array([8., 8., 8., 8., 8., 8.])
     """

@@ -2,7 +2,7 @@
 a row-sliced bit-packed Gram kernel taking a ``row_offset``, and a ``@vectorize`` RK4 half-step
 calling ``@cuda.jit(device=True)`` helpers, each checked against NumPy.
 
-The kernels are written as those users wrote theirs: ``dg.map_blocks`` runs the first two block
+The kernels are written as those users wrote theirs: ``dg.map_kernel`` runs the first two block
 by block (NumPy blocks staged through pinned memory to the GPU, within the device budget), and
 ``dg.elementwise`` takes the ufunc as it is. Where no GPU is visible, the kernels' CPU twins
 (``cpu=``) and the ufunc's CPU target run instead.
@@ -187,7 +187,7 @@ def product(args: argparse.Namespace, rng: np.random.Generator) -> dict[str, flo
     result: dict[str, float] = {}
     a = dg.asarray(rng.random((args.rows, args.cols)), chunks=(args.chunk_rows, -1))
     b = dg.asarray(rng.random((args.rows, args.cols)), chunks=(args.chunk_rows, -1))
-    product = dg.map_blocks(adding_numbers, a, b, dtype=np.float64, launch=1,
+    product = dg.map_kernel(adding_numbers, a, b, dtype=np.float64, launch=1,
                             cpu=adding_numbers_on_cpu)
     t0 = time.perf_counter()
     total = float(product.sum().compute())
@@ -219,7 +219,7 @@ def row_sliced_gram(args: argparse.Namespace, rng: np.random.Generator) -> dict[
     words[:, -1] &= np.uint8(0xFF << (-args.bit_cols % 8) & 0xFF)  # no bits past the last
     packed = da.from_array(words, chunks=-1)
     slabs = tuple(min(args.slab, n - r) for r in range(0, n, args.slab))
-    c = dg.map_blocks(bit_slice_a_at, packed, dtype=np.int32, chunks=(slabs, (n,)),
+    c = dg.map_kernel(bit_slice_a_at, packed, dtype=np.int32, chunks=(slabs, (n,)),
                       launch=bit_launch, offsets=[0], cpu=bit_slice_a_at_on_cpu)
     start, stop = (int(x) if x else None for x in args.gram_rows.split(":"))
     rows = range(n)[start:stop]

@@ -43,7 +43,7 @@ def test_the_public_choices_are_typed_as_the_literals_that_list_them():
     for func, wanted in [(dg.gram, {"method": Method, "device": Device}),
                          (dg.bitpack, {"device": Device}),
                          (dg.similarity, {"metric": Metric, "method": Method, "device": Device}),
-                         (dg.map_blocks, {"device": Device}),
+                         (dg.map_kernel, {"device": Device}),
                          (type(dg.multiply).__call__, {"device": Device})]:
         hints = typing.get_type_hints(func)
         assert {name: hints[name] for name in wanted} == wanted, func

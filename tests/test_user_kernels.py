@@ -1,4 +1,4 @@
-"""The user's own numba kernels over Dask arrays: dg.map_blocks, dg.gufunc, and numba
+"""The user's own numba kernels over Dask arrays: dg.map_kernel, dg.gufunc_op, and numba
 functions and ufuncs given to dg.elementwise."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_map_blocks_cpu_twin_uneven_chunks(rng):
     a = rng.random((23, 9))
     b = rng.random((23, 9)).astype(np.float32)  # NumPy: chunked as the Dask input is
     x = da.from_array(a, chunks=((7, 10, 6), (4, 5)))
-    c = dg.map_blocks(product, x, b, dtype=np.float64, launch=1, cpu=product_on_cpu)
+    c = dg.map_kernel(product, x, b, dtype=np.float64, launch=1, cpu=product_on_cpu)
     assert c.chunks == x.chunks and c.dtype == np.float64
     np.testing.assert_array_equal(c.compute(), a * b)
 
@@ -53,7 +53,7 @@ def test_map_blocks_cpu_twin_uneven_chunks(rng):
 def test_map_blocks_offsets_and_args(rng):
     a = rng.random((11, 13))
     x = da.from_array(a, chunks=(4, 6))
-    c = dg.map_blocks(where_am_i, x, dtype=np.float64, cpu=where_am_i_on_cpu, args=(0.5,),
+    c = dg.map_kernel(where_am_i, x, dtype=np.float64, cpu=where_am_i_on_cpu, args=(0.5,),
                       offsets=True)
     rows, cols = np.indices(a.shape)
     np.testing.assert_array_equal(c.compute(), a + 0.5 * (rows * 1000 + cols))
@@ -83,39 +83,39 @@ def test_map_blocks_row_slabs_of_a_gram(rng):
     bits = rng.integers(0, 2, (19, 40), dtype=np.int32)
     whole = da.from_array(bits, chunks=-1)  # one block: given whole to every output block
     chunks = ((6, 6, 7), (19,))
-    with pytest.raises(TypeError, match="the kernel takes 3 arguments; dg.map_blocks passes 4"):
-        dg.map_blocks(rows_of_gram, whole, dtype=np.int32, chunks=chunks,
+    with pytest.raises(TypeError, match="the kernel takes 3 arguments; dg.map_kernel passes 4"):
+        dg.map_kernel(rows_of_gram, whole, dtype=np.int32, chunks=chunks,
                       cpu=rows_of_gram_on_cpu, offsets=True)
     # x over the columns, y over the rows: the launch says so (the default puts x on rows).
-    c = dg.map_blocks(rows_of_gram, whole, dtype=np.int32, chunks=chunks,
+    c = dg.map_kernel(rows_of_gram, whole, dtype=np.int32, chunks=chunks,
                       cpu=rows_of_gram_on_cpu, offsets=[0], launch=lambda shape: (
                           (-(-shape[1] // 16), -(-shape[0] // 16)), (16, 16)))
     assert c.chunks == chunks
     np.testing.assert_array_equal(c.compute(), bits @ bits.T)
     with pytest.raises(ValueError, match="offsets= takes"):
-        dg.map_blocks(rows_of_gram, whole, dtype=np.int32, chunks=chunks,
+        dg.map_kernel(rows_of_gram, whole, dtype=np.int32, chunks=chunks,
                       cpu=rows_of_gram_on_cpu, offsets=[2])
 
 
 def test_map_blocks_refuses_bad_input_before_any_work(rng):
     x = da.ones((8, 8), chunks=4)
     with pytest.raises(TypeError, match="@cuda.jit kernel.*dg.elementwise"):
-        dg.map_blocks(product_on_cpu, x, x, dtype=float)
-    with pytest.raises(TypeError, match="takes 3 arguments; dg.map_blocks passes 2"):
-        dg.map_blocks(product, x, dtype=float, cpu=product_on_cpu)
+        dg.map_kernel(product_on_cpu, x, x, dtype=float)
+    with pytest.raises(TypeError, match="takes 3 arguments; dg.map_kernel passes 2"):
+        dg.map_kernel(product, x, dtype=float, cpu=product_on_cpu)
     with pytest.raises(ValueError, match="1024"):
-        dg.map_blocks(product, x, x, dtype=float, cpu=product_on_cpu,
+        dg.map_kernel(product, x, x, dtype=float, cpu=product_on_cpu,
                       launch=lambda shape: (1, 2048))
     with pytest.raises(ValueError, match="must return \\(blocks, threads\\)"):
-        dg.map_blocks(product, x, x, dtype=float, cpu=product_on_cpu, launch=lambda shape: 3)
+        dg.map_kernel(product, x, x, dtype=float, cpu=product_on_cpu, launch=lambda shape: 3)
     with pytest.raises(ValueError, match="1, 2 or 3 grid dimensions"):
-        dg.map_blocks(product, x, x, dtype=float, cpu=product_on_cpu, launch=4)
+        dg.map_kernel(product, x, x, dtype=float, cpu=product_on_cpu, launch=4)
     with pytest.raises(ValueError, match="CPU twin"):
-        dg.map_blocks(product, x, x, dtype=float, device="cpu")
+        dg.map_kernel(product, x, x, dtype=float, device="cpu")
     with pytest.raises(TypeError, match="one output"):
-        dg.map_blocks(product, x, x, dtype=(float, float), cpu=product_on_cpu)
+        dg.map_kernel(product, x, x, dtype=(float, float), cpu=product_on_cpu)
     with pytest.raises(ValueError, match="device must be"):
-        dg.map_blocks(product, x, x, dtype=float, cpu=product_on_cpu, device="tpu")
+        dg.map_kernel(product, x, x, dtype=float, cpu=product_on_cpu, device="tpu")
 
 
 def test_default_launch_covers_the_block():
@@ -148,20 +148,20 @@ def dot_and_sum(a, b, dot, total):
 QUERY_PLANNING = bool(dask.config.get("array.query-planning", False))
 
 
-@pytest.mark.skipif(QUERY_PLANNING, reason="dg.gufunc under array query planning: not yet")
+@pytest.mark.skipif(QUERY_PLANNING, reason="dg.gufunc_op under array query planning: not yet")
 def test_gufunc_two_outputs_broadcast_and_cast(rng):
     a = rng.random((3, 10, 6)).astype(np.float32)
     b = rng.random((10, 6)).astype(np.int16)  # cast to float32: the first loop it fits
     x = da.from_array(a, chunks=(2, 4, -1))
-    dot, total = dg.gufunc(dot_and_sum)(x, b)
+    dot, total = dg.gufunc_op(dot_and_sum)(x, b)
     assert dot.dtype == np.float32 and dot.shape == (3, 10) and total.shape == (3, 10, 6)
     ref_dot, ref_total = dot_and_sum(a, b.astype(np.float32))
     np.testing.assert_array_equal(dot.compute(), ref_dot)
     np.testing.assert_array_equal(total.compute(), ref_total)
     with pytest.raises(TypeError, match="no loop for inputs \\(complex64"):
-        dg.gufunc(dot_and_sum)(x.astype(np.complex64), b)
+        dg.gufunc_op(dot_and_sum)(x.astype(np.complex64), b)
     with pytest.raises(ValueError, match="core dimension 'n' of .* has multiple chunks"):
-        dg.gufunc(dot_and_sum)(x.rechunk((2, 4, 3)), b)
+        dg.gufunc_op(dot_and_sum)(x.rechunk((2, 4, 3)), b)
 
 
 # ---- numba functions and ufuncs in dg.elementwise ------------------------------------------
@@ -232,12 +232,12 @@ def test_map_blocks_on_the_gpu_numpy_and_cupy_blocks(rng):
     a = rng.random((301, 17))
     b = rng.random((301, 17))
     x = da.from_array(a, chunks=(100, -1))
-    staged = dg.map_blocks(product, x, b, dtype=np.float64, launch=1, device="gpu")
+    staged = dg.map_kernel(product, x, b, dtype=np.float64, launch=1, device="gpu")
     got = staged.compute()
     assert isinstance(got, np.ndarray)
     np.testing.assert_array_equal(got, a * b)
     xd = da.from_array(cupy.asarray(a), chunks=(64, 9))
-    on_device = dg.map_blocks(where_am_i, xd, dtype=np.float64, args=(0.25,), offsets=True)
+    on_device = dg.map_kernel(where_am_i, xd, dtype=np.float64, args=(0.25,), offsets=True)
     rows, cols = np.indices(a.shape)
     got = on_device.compute()
     assert isinstance(got, cupy.ndarray)
@@ -251,7 +251,7 @@ def test_gufunc_on_cupy_blocks(rng):
     a = rng.random((40, 6))
     b = rng.random((6,))
     x = da.from_array(cupy.asarray(a), chunks=(16, -1))
-    dot, total = dg.gufunc(dot_and_sum)(x, cupy.asarray(b))
+    dot, total = dg.gufunc_op(dot_and_sum)(x, cupy.asarray(b))
     ref_dot, ref_total = dot_and_sum(a, b)
     got = dot.compute()
     assert isinstance(got, cupy.ndarray)
@@ -285,3 +285,12 @@ def test_elementwise_takes_a_cuda_ufunc_and_matches_it(rng):
     np.testing.assert_array_equal(cupy.asnumpy(lazy), expected)
     on_cpu = op(cupy.asnumpy(g), cupy.asnumpy(f), delta, 0.01, device="cpu")
     np.testing.assert_allclose(on_cpu, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("old, new", [("map_blocks", "map_kernel"), ("gufunc", "gufunc_op")])
+def test_the_names_that_shadowed_dasks_still_work_for_a_release_with_a_warning(old, new):
+    with pytest.warns(DeprecationWarning, match=f"dg.{old} is now dg.{new}"):
+        assert getattr(dg, old) is getattr(dg, new)
+    assert old not in dg.__all__ and new in dg.__all__
+    with pytest.raises(AttributeError):
+        dg.no_such_name  # noqa: B018

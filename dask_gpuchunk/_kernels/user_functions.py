@@ -144,13 +144,13 @@ def scalar_function(obj: Any, what: str = "dg.elementwise") -> ScalarFunction:
     device = _cuda_device_flag(obj)
     if device is False:
         raise TypeError(f"{what}: {name!r} is a @cuda.jit kernel, which writes its own outputs; "
-                        "run it over Dask arrays with dg.map_blocks (an elementwise function "
+                        "run it over Dask arrays with dg.map_kernel (an elementwise function "
                         "returns its result)")
     if device is True or _is_cpu_dispatcher(obj):
         return ScalarFunction(obj.py_func, "njit" if device is None else "cuda device")
     kind = type(obj).__name__
     if kind in ("GUFunc", "CUDAGeneralizedUFunc"):
-        raise TypeError(f"{what}: {name!r} is a @guvectorize gufunc; run it with dg.gufunc")
+        raise TypeError(f"{what}: {name!r} is a @guvectorize gufunc; run it with dg.gufunc_op")
     if kind == "DUFunc":
         func = obj._dispatcher.py_func
         loops = _loops_of_types(obj.ufunc.types) if obj._frozen else ()
@@ -211,7 +211,7 @@ def gufunc_parts(obj: Any) -> tuple[types.FunctionType, str, tuple[tuple[tuple[n
         if func is None:
             raise TypeError(f"cannot find the Python function of the CUDA gufunc {name!r}")
         return func, layout, tuple(found)
-    raise TypeError(f"dg.gufunc needs a numba @guvectorize function, got {name!r}")
+    raise TypeError(f"dg.gufunc_op needs a numba @guvectorize function, got {name!r}")
 
 
 def pick_loop(loops: Sequence[Loop], argtypes: Sequence[VType], name: str) -> Loop:

@@ -45,7 +45,7 @@ def test_numba_objects_give_their_python_function():
     assert scalar_function(shifted).func is shifted.py_func
     assert scalar_function(shifted).kind == "cuda device"
     assert is_cuda_kernel(a_kernel) and not is_cuda_kernel(shifted)
-    with pytest.raises(TypeError, match="dg.map_blocks"):
+    with pytest.raises(TypeError, match="dg.map_kernel"):
         scalar_function(a_kernel)
 
     @numba.vectorize
