@@ -48,6 +48,7 @@ from .devices import (
     distributed_client_active,
     gpu_available,
 )
+from .fingerprint_files import bit_vector_words, is_bit_vector_list
 from .io import npy_reader_of
 from .node_shared import node_shared_refs
 from .resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
@@ -407,7 +408,8 @@ def gram(x: Any, *, packed: bool = False, method: Method = "auto",
         Dask, NumPy or CuPy array. ``packed=False``: bool or integer 0/1 data ``(n, k)``, packed
         with :func:`bitpack` first. ``packed=True``: packed words ``(n, m)`` of any unsigned
         dtype in any bit order (``np.packbits(a, axis=1)`` output as it is, or
-        :func:`bitpack`'s); padding bits must be zero.
+        :func:`bitpack`'s); padding bits must be zero. Or a list of RDKit bit vectors
+        (``ExplicitBitVect``), packed on the way.
     packed
         Whether ``x`` already holds packed words.
     method
@@ -466,7 +468,10 @@ def gram(x: Any, *, packed: bool = False, method: Method = "auto",
 def packed_words(x: Any, packed: bool, device: str, what: str = "gram", name: str = "x"
                  ) -> da.Array:
     """The packed words of ``x`` as :func:`gram` takes it: 2-D, words of an unsigned dtype
-    (``packed``) or 0/1 data packed by :func:`bitpack`."""
+    (``packed``) or 0/1 data packed by :func:`bitpack`; a list of RDKit bit vectors packed
+    here."""
+    if is_bit_vector_list(x):
+        x, packed = bit_vector_words(x), True
     x = asarray(x)
     if x.ndim != 2:
         raise ValueError(f"{what} takes 2-D arrays (rows x bits); got {x.ndim}-D shape "

@@ -171,3 +171,11 @@ def test_fpsim2_databases_we_write_are_read_back_and_searched_by_fpsim2(rng, tmp
     ours = dg.similarity(words[7:8], words, packed=True, top_k=5).compute()
     np.testing.assert_allclose(theirs["coeff"], ours.scores[0], rtol=1e-6)
     assert theirs["mol_id"][0] == 1007 and ours.indices[0, 0] == 7
+
+
+def test_the_gram_of_a_list_of_bit_vectors_counts_their_shared_bits():
+    generator = rdFingerprintGenerator.GetMorganGenerator(radius=2, fpSize=1024)
+    mols = [Chem.MolFromSmiles(s) for s in smiles_set()[::97]]
+    bits = np.stack([generator.GetFingerprintAsNumPy(m) for m in mols]).astype(np.float64)
+    got = dg.gram([generator.GetFingerprint(m) for m in mols]).compute()
+    np.testing.assert_array_equal(got, bits @ bits.T)
