@@ -77,6 +77,18 @@ def request_cleanup():
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _assert_nothing_written_through(code: int, err: str, d: Path, victim: Path,
+                                    swapped: list[Path]) -> None:
+    """The job that met a swapped store: exit 4 in one line, the victim and the planted
+    symlinks untouched, nothing published."""
+    assert swapped
+    assert code == 4, err
+    assert "replaced" in err and "\n" not in err, err
+    assert victim.read_text() == "precious"
+    assert not (d / "c.zarr").exists()
+    assert all(os.path.islink(p) for p in (swapped[0] / "c").glob("*/0"))  # theirs, untouched
+
+
 def test_a_swapped_temporary_store_is_never_written_through_nor_published(job, monkeypatch):
     from dask_gpuchunk import zarr_store
 
@@ -97,12 +109,7 @@ def test_a_swapped_temporary_store_is_never_written_through_nor_published(job, m
     monkeypatch.setattr("dask_gpuchunk.zarr_files.write_chunks", swap_first)
     code, err = _run_in(d, monkeypatch, "multiply", "a.zarr", "b.npy", "-o", "c.zarr",
                         "--chunk-size", "2kB")
-    assert swapped
-    assert code == 4, err
-    assert "replaced" in err and "\n" not in err, err
-    assert victim.read_text() == "precious"
-    assert not (d / "c.zarr").exists()
-    assert all(os.path.islink(p) for p in (swapped[0] / "c").glob("*/0"))  # theirs, untouched
+    _assert_nothing_written_through(code, err, d, victim, swapped)
 
 
 def test_a_store_swapped_as_it_is_made_is_never_written_through(job, monkeypatch):
@@ -125,12 +132,7 @@ def test_a_store_swapped_as_it_is_made_is_never_written_through(job, monkeypatch
     code, err = _run_in(d, monkeypatch, "multiply", "a.zarr", "b.npy", "-o", "c.zarr",
                         "--chunk-size", "2kB")
     monkeypatch.setattr(os, "open", real_open)
-    assert swapped
-    assert code == 4, err
-    assert "replaced" in err and "\n" not in err, err
-    assert victim.read_text() == "precious"
-    assert not (d / "c.zarr").exists()
-    assert all(os.path.islink(p) for p in (swapped[0] / "c").glob("*/0"))  # theirs, untouched
+    _assert_nothing_written_through(code, err, d, victim, swapped)
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
