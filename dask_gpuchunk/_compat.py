@@ -18,8 +18,8 @@ import sys
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["ARRAY_EXPR_MODULE", "alias_task_type", "common_blockdim", "device_results_lru",
-           "flatten_keys", "is_array_expression", "parse_gufunc_signature",
+__all__ = ["ARRAY_EXPR_MODULE", "alias_task_type", "common_blockdim", "default_clients",
+           "device_results_lru", "flatten_keys", "forget_default_clients", "is_array_expression", "parse_gufunc_signature",
            "reduce_replicas_policy", "register_cupy_deserializer", "register_device_object",
            "slices_from_chunks",
            "suggestion_key", "worker_threads"]
@@ -129,3 +129,29 @@ def register_cupy_deserializer(deserialize: Callable[[dict[str, Any], list[Any]]
     from distributed.protocol.serialize import dask_deserialize
 
     dask_deserialize.register(cupy.ndarray)(deserialize)
+
+
+def default_clients() -> set[int]:
+    """The ids of the clients distributed keeps as defaults now (``distributed.client.
+    _global_clients``, undocumented; 2026.7.1, 2026.8.0)."""
+    from distributed import client
+
+    return {id(c) for c in list(client._global_clients.values())}
+
+
+def forget_default_clients(keep: set[int]) -> None:
+    """Take every default client but those of ``keep`` (:func:`default_clients`) off
+    distributed's defaults: a ``Client`` that failed to connect registers itself first, and
+    a later ``compute`` without a client then waited on it forever
+    (``distributed.client._del_global_client``; 2026.7.1, 2026.8.0)."""
+    import contextlib
+
+    from distributed import client
+
+    for made in list(client._global_clients.values()):
+        if id(made) not in keep:
+            client._del_global_client(made)
+            # Closed now, briefly: left to its finalizer, it waited 30 s and printed a
+            # traceback as the process ended.
+            with contextlib.suppress(Exception):
+                made.close(timeout=1)

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import _compat
+
 __all__ = ["SCHEDULER_FILE_MAX_BYTES", "PlainTransportWarning", "client_within",
            "read_scheduler_file", "shown", "warn_if_plain", "write_credentials"]
 
@@ -105,16 +107,42 @@ def warn_if_plain(address: str, where: str = "the scheduler") -> None:
                   "batch jobs)", PlainTransportWarning, stacklevel=3)
 
 
+_UNSET = object()
+
+
+def _scheduler_setting() -> Any:
+    """dask's ``scheduler`` setting now (:data:`_UNSET` where there is none)."""
+    import dask
+
+    return dask.config.config.get("scheduler", _UNSET)
+
+
+def _restore_scheduler_setting(value: Any) -> None:
+    """dask's ``scheduler`` setting back to ``value`` (:func:`_scheduler_setting`'s)."""
+    import dask
+
+    if value is _UNSET:
+        dask.config.config.pop("scheduler", None)
+    else:
+        dask.config.config["scheduler"] = value
+
+
 def client_within(make: Callable[[], Any], address: str, seconds: float) -> Any:
     """``make()`` (a ``distributed.Client``), given up after ``seconds`` with ``OSError``; a
     peer that fails the client in any other way than a refused or timed-out connection is an
     ``OSError`` too: it does not answer as a Dask scheduler."""
     made: dict[str, Any] = {}
+    before = _scheduler_setting(), _compat.default_clients()
 
     def run() -> None:
         try:
             made["client"] = make()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            # distributed's Client sets dask's scheduler= and makes itself the default before
+            # it connects, and leaves both when it fails: every later compute of this process
+            # then wanted a client ("no Client active"), or waited on the dead one.
+            _restore_scheduler_setting(before[0])
+            _compat.forget_default_clients(before[1])
             made["error"] = exc
 
     thread = threading.Thread(target=run, name="dask-gpuchunk-join", daemon=True)

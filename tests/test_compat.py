@@ -130,3 +130,18 @@ def test_no_module_but_compat_imports_a_private_name():
                     any(n.split(".")[0] in ENGINES for n in names):
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not found, found
+
+
+def test_default_clients_and_forgetting_one():
+    import dask
+
+    scheduler = dask.config.get("scheduler", None)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=None) as cluster:
+        client = Client(cluster)  # as dg.connect makes one: the default, not a context
+        before = _compat.default_clients()
+        assert id(client) in before
+        _compat.forget_default_clients(before - {id(client)})
+        assert id(client) not in _compat.default_clients()
+        assert client.status in ("closing", "closed")
+    assert dask.config.get("scheduler", None) == scheduler

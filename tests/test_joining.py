@@ -127,12 +127,19 @@ def stranger():
 
 
 def test_a_peer_that_does_not_speak_dask_is_refused_in_time(stranger):
+    import dask
+
+    before = dask.config.get("scheduler", None)
     t0 = time.monotonic()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PlainTransportWarning)
         with pytest.raises(OSError, match="answer as a Dask scheduler"):
             dg.connect(address=stranger, timeout=2)
     assert time.monotonic() - t0 < 30
+    # distributed's failed Client had left scheduler="dask.distributed": every later compute
+    # of the process failed with "no Client active"
+    assert dask.config.get("scheduler", None) == before
+    assert float(dask.array.ones(3, chunks=2).sum().compute()) == 3.0
 
 
 def test_the_job_joining_a_stranger_exits_5_in_one_line(stranger, tmp_path):
