@@ -21,7 +21,7 @@ import numpy as np
 from .files import publish
 from .io import temporary_output
 
-__all__ = ["FINGERPRINT_KINDS", "FpsError", "Fingerprints", "bit_vector_words",
+__all__ = ["FINGERPRINT_KINDS", "FpsError", "Fingerprints", "bit_vector_words", "bit_vectors_as_words",
            "is_bit_vector_list", "read_fpsim2", "read_fps", "read_smiles",
            "smiles_fingerprints", "write_fps", "write_fpsim2"]
 
@@ -74,6 +74,18 @@ def bit_vector_words(vectors: Sequence[Any]) -> np.ndarray:
     hexes = "".join(DataStructs.BitVectToFPSText(v) for v in vectors)
     return np.frombuffer(bytes.fromhex(hexes), dtype=np.uint8).reshape(len(vectors),
                                                                         -(-bits // 8)).copy()
+
+
+def bit_vectors_as_words(x: Any, y: Any, packed: bool) -> tuple[Any, Any, bool]:
+    """An operator's inputs ``x`` and ``y`` (``y`` may be ``None``) with lists of RDKit bit
+    vectors as packed words, and whether they hold packed words now; both such lists, or
+    neither (``TypeError``)."""
+    given = [is_bit_vector_list(v) for v in (x, y) if v is not None]
+    if not any(given):
+        return x, y, packed
+    if not all(given):
+        raise TypeError("give x and y both as lists of RDKit bit vectors, or neither")
+    return bit_vector_words(x), None if y is None else bit_vector_words(y), True
 
 
 def read_fps(path: str | os.PathLike) -> Fingerprints:

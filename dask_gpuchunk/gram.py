@@ -48,7 +48,7 @@ from .devices import (
     distributed_client_active,
     gpu_available,
 )
-from .fingerprint_files import bit_vector_words, is_bit_vector_list
+from .fingerprint_files import bit_vectors_as_words
 from .io import npy_reader_of
 from .node_shared import node_shared_refs
 from .resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
@@ -459,6 +459,7 @@ def gram(x: Any, *, packed: bool = False, method: Method = "auto",
     np.True_
     """
     check_method(method, device)
+    x, _, packed = bit_vectors_as_words(x, None, packed)
     words = packed_words(x, packed, device, "gram")
     if device != "cpu" and gpu_available():
         check_block_fits(words.chunks, words.dtype.itemsize, method)
@@ -468,10 +469,7 @@ def gram(x: Any, *, packed: bool = False, method: Method = "auto",
 def packed_words(x: Any, packed: bool, device: str, what: str = "gram", name: str = "x"
                  ) -> da.Array:
     """The packed words of ``x`` as :func:`gram` takes it: 2-D, words of an unsigned dtype
-    (``packed``) or 0/1 data packed by :func:`bitpack`; a list of RDKit bit vectors packed
-    here."""
-    if is_bit_vector_list(x):
-        x, packed = bit_vector_words(x), True
+    (``packed``) or 0/1 data packed by :func:`bitpack`."""
     x = asarray(x)
     if x.ndim != 2:
         raise ValueError(f"{what} takes 2-D arrays (rows x bits); got {x.ndim}-D shape "

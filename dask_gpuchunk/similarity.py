@@ -56,7 +56,7 @@ from .config import listed_graphs
 from ._kernels.gram import Method
 from ._kernels.similarity import Metric
 from .devices import Device, cluster_workers, gpu_available
-from .fingerprint_files import bit_vector_words, is_bit_vector_list
+from .fingerprint_files import bit_vectors_as_words
 from .progress import blocks_done
 from .gram import (
     block_counts,
@@ -746,17 +746,6 @@ def _threshold_value(threshold: float, metric: str) -> Any:
                     else math.ceil(threshold))
 
 
-def _bit_vectors_as_words(x: Any, y: Any, packed: bool) -> tuple[Any, Any, bool]:
-    """Lists of RDKit bit vectors as packed words (``packed`` then true); both inputs such
-    lists, or neither."""
-    given = [is_bit_vector_list(v) for v in (x, y) if v is not None]
-    if not any(given):
-        return x, y, packed
-    if not all(given):
-        raise TypeError("give x and y both as lists of RDKit bit vectors, or neither")
-    return (bit_vector_words(x), None if y is None else bit_vector_words(y), True)
-
-
 def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bool = False,
                top_k: int | None = None, threshold: float | None = None,
                exclude_self: bool | None = None, method: Method = "auto",
@@ -811,8 +800,9 @@ def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bo
     Raises
     ------
     ValueError
-        An unknown metric, ``top_k`` below 1 or above the candidates of a row, a threshold outside the metric's range, inputs of different bit
-        widths; at compute time, values other than 0 or 1.
+        An unknown metric, ``top_k`` below 1 or above the candidates of a row, a threshold
+        outside the metric's range, inputs of different bit widths; at compute time, values
+        other than 0 or 1.
     TypeError
         A non-integer ``top_k``, wrong dtypes for ``packed``.
 
@@ -832,7 +822,7 @@ def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bo
     (array([0, 1]), array([1, 0]))
     """
     check_method(method, device)
-    x, y, packed = _bit_vectors_as_words(x, y, packed)
+    x, y, packed = bit_vectors_as_words(x, y, packed)
     x = asarray(x)
     y = None if y is None else asarray(y)
     wx = packed_words(x, packed, device, "similarity", "x")

@@ -349,6 +349,15 @@ def _cupy_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: int,
     held.clear()
 
 
+def _bit_vector(words: np.ndarray) -> Any:
+    """An RDKit ``ExplicitBitVect`` of one row of ``np.packbits`` words, as peers take it."""
+    from rdkit import DataStructs
+
+    v = DataStructs.ExplicitBitVect(words.shape[0] * 8)
+    v.SetBitsFromList(np.flatnonzero(np.unpackbits(words)).tolist())
+    return v
+
+
 def _rdkit_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray,
                 truth: np.ndarray) -> None:
     name = "peer RDKit BulkTanimotoSimilarity (CPU, one thread)"
@@ -359,15 +368,8 @@ def _rdkit_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray,
     except ImportError as exc:
         bench.add(Entry(table, name, "peer", skipped=f"RDKit not importable ({exc})"))
         return
-    bits = db.shape[1] * 8
-
-    def vector(w: np.ndarray) -> Any:
-        v = DataStructs.ExplicitBitVect(bits)
-        v.SetBitsFromList(np.flatnonzero(np.unpackbits(w)).tolist())
-        return v
-
-    fps = [vector(w) for w in db]
-    queries = [vector(w) for w in q[:8]]
+    fps = [_bit_vector(w) for w in db]
+    queries = [_bit_vector(w) for w in q[:8]]
     held: list[Any] = []
 
     def once() -> None:
@@ -398,9 +400,8 @@ def _fpsim2_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: in
     from ..fingerprint_files import Fingerprints, write_fpsim2
 
     try:
-        from rdkit import DataStructs
-
         import FPSim2  # noqa: F401 - its engines are imported below, each where it runs
+        import rdkit  # noqa: F401 - the queries are RDKit bit vectors
     except ImportError as exc:
         for kind in wanted:
             bench.add(Entry(table, names[kind], "peer",
@@ -408,13 +409,7 @@ def _fpsim2_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: in
         return
     bits = db.shape[1] * 8
     fps_order = np.packbits(np.unpackbits(db, axis=1), axis=1, bitorder="little")
-
-    def vector(w: np.ndarray) -> Any:
-        v = DataStructs.ExplicitBitVect(bits)
-        v.SetBitsFromList(np.flatnonzero(np.unpackbits(w)).tolist())
-        return v
-
-    queries = [vector(w) for w in q[:8]]
+    queries = [_bit_vector(w) for w in q[:8]]
     held: list[Any] = []
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/db.h5"
