@@ -9,19 +9,20 @@ and newest the package declares, the GPU checks on the GPU machine's). Public, d
 directly where it is needed, not from here.
 
 Checked on: dask and distributed 2026.7.1 (CI's oldest job, the GPU machine) and 2026.8.0
-(CI's newest job); dask-cuda 26.10.0 with zict 3.0.0 (the GPU machine).
+(CI's newest job); dask-cuda 26.10.0 with zict 3.0.0 and distributed-ucxx 0.52.0 (the GPU
+machine).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 __all__ = ["ARRAY_EXPR_MODULE", "alias_task_type", "common_blockdim", "default_clients",
            "device_results_lru", "flatten_keys", "forget_default_clients", "is_array_expression", "parse_gufunc_signature",
            "reduce_replicas_policy", "register_cupy_deserializer", "register_device_object",
-           "slices_from_chunks",
+           "set_ucx_device_allocator", "slices_from_chunks",
            "suggestion_key", "worker_threads"]
 
 #: The module of dask's array expressions (``array.query-planning: True``); 2026.7.1, 2026.8.0.
@@ -155,3 +156,20 @@ def forget_default_clients(keep: set[int]) -> None:
             # traceback as the process ended.
             with contextlib.suppress(Exception):
                 made.close(timeout=1)
+
+
+def set_ucx_device_allocator(allocate: Callable[[int], Any] | None) -> Callable[[int], Any] | None:
+    """Make distributed-ucxx receive device frames into ``allocate(nbytes)`` (any object with
+    ``__cuda_array_interface__``); returns the allocator it replaced, ``None`` where
+    distributed-ucxx is not loaded (the worker talks another protocol). ``allocate=None``
+    reads the current one only. distributed-ucxx keeps it in the module global
+    ``distributed_ucxx.ucxx.device_array``, set once by ``init_once`` when the first UCX comm
+    starts (undocumented; 0.52.0): its own is ``rmm.DeviceBuffer(size=n)``, a ``cudaMalloc``
+    per received chunk outside CuPy's pool unless RMM's pool is CuPy's allocator too."""
+    module = sys.modules.get("distributed_ucxx.ucxx")
+    if module is None or getattr(module, "ucxx", None) is None:  # not initialised here
+        return None
+    previous = module.device_array
+    if allocate is not None:
+        module.device_array = allocate
+    return previous

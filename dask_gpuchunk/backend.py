@@ -109,8 +109,7 @@ class StagingTotals:
     """What :func:`run_staged` (and the chunks that :mod:`dask_gpuchunk.resident` keeps on a GPU,
     and the Gram blocks it returns from there) has moved and spent in this process, summed over
     its threads:
-    ``chunks``; ``h2d_bytes`` and ``d2h_bytes`` (PCIe); ``peer_bytes`` (copied from another
-    GPU of the node, :mod:`dask_gpuchunk.peer_chunks`); ``host_copy_bytes`` and
+    ``chunks``; ``h2d_bytes`` and ``d2h_bytes`` (PCIe); ``host_copy_bytes`` and
     ``host_copy_seconds`` (copies into and out of pinned buffers); ``wait_seconds`` (waiting
     for a device slot and the budget); ``device_seconds`` (holding a slot: the copies and the
     kernel). A cluster's job reads them from each worker before and after it
@@ -125,7 +124,7 @@ class StagingTotals:
     64
     """
 
-    FIELDS = ("chunks", "h2d_bytes", "d2h_bytes", "peer_bytes", "host_copy_bytes",
+    FIELDS = ("chunks", "h2d_bytes", "d2h_bytes", "host_copy_bytes",
               "host_copy_seconds", "wait_seconds", "device_seconds")
 
     def __init__(self) -> None:

@@ -62,21 +62,6 @@ its workers.
     processes at once took 0.26 s against 0.33 s, and the 4-GPU Gram ran as fast either way
     (1.04 / 1.08 s, within the run-to-run spread); a cold file is not measured. A device that
     refuses such registrations reads as with ``False``.
-``gpuchunk.share-reads`` (default ``True``)
-    Where several processes of a node keep the same ``.npy``'s words on their GPUs (the
-    workers of ``dg.local_cluster``, each on its GPU), each chunk is read from the host by one
-    of them and copied to the others' GPUs through CUDA IPC (:mod:`dask_gpuchunk.peer_chunks`),
-    instead of every process reading every chunk. ``False``: each process reads its own.
-``gpuchunk.share-device-chunks`` (default ``True``)
-    A chunk already on a GPU (a CuPy chunk) that a Gram or similarity task needs on another
-    worker of the same host is copied from GPU to GPU through CUDA IPC, not sent through the
-    network as host bytes (:mod:`dask_gpuchunk.node_shared`). ``False``: distributed sends it.
-``gpuchunk.share-min-bytes`` (default ``"64MiB"``)
-    The smallest chunk that ``gpuchunk.share-reads`` and ``gpuchunk.share-device-chunks``
-    share: opening another process's chunk
-    costs a few milliseconds, as much as reading a small chunk from the host. On 4 x H200, 8 MB
-    chunks took ~12 ms each from a peer against ~1 ms staged from the host (the threshold
-    search of 10^6 fingerprints: 1.15 s shared, 0.90 s not); 128 MiB chunks ~5 ms.
 ``gpuchunk.resolve-aliases`` (default ``True``)
     Inside :func:`dask_gpuchunk.local_cluster` (and after :func:`dask_gpuchunk.connect`),
     dask arrays' graphs go to the cluster without dask's ``Alias`` tasks, which distributed
@@ -90,6 +75,9 @@ its workers.
 ``~/.cache/dask_gpuchunk``)
     Where compiled kernels are kept: generated kernel sources, and numba's compiled code for
     them and for ``cache=True`` functions.
+
+Removed settings (:data:`REMOVED`) are still accepted for one release, with a
+``FutureWarning`` that says why they went; they do nothing.
 """
 
 from __future__ import annotations
@@ -103,7 +91,7 @@ import dask.array as da
 
 from ._kernels import source_cache
 
-__all__ = ["DEFAULTS", "cache_root", "check_settings", "checked", "flag", "get", "listed_graphs",
+__all__ = ["DEFAULTS", "REMOVED", "cache_root", "check_settings", "checked", "flag", "get", "listed_graphs",
            "map_blocks_prefix"]
 
 #: Every setting and its default (``gpuchunk.<name>``).
@@ -119,15 +107,21 @@ DEFAULTS: dict[str, Any] = {
     "gram-mirror": "transpose",
     "read-ahead": True,
     "register-reads": False,
-    "share-reads": True,
-    "share-device-chunks": True,
-    "share-min-bytes": "64MiB",
     "resolve-aliases": True,
     "no-workers-timeout": 300,
     "cache-dir": None,
 }
 
 dask.config.update_defaults({"gpuchunk": dict(DEFAULTS)})
+
+#: Settings that were removed, still accepted (with a warning, doing nothing) until the next
+#: release, and why each went.
+REMOVED: dict[str, str] = {
+    name: ("the package's own CUDA-IPC sharing between a node's workers is gone: over UCX "
+           "(dg.local_cluster(protocol='ucx')) distributed moves device chunks between GPUs as "
+           "fast or faster (docs/clusters.md, 'One transport')")
+    for name in ("share-reads", "share-device-chunks", "share-min-bytes")
+}
 
 
 def get(name: str) -> Any:
@@ -199,15 +193,6 @@ def _size_or_share(value: Any) -> bool:
         return False
 
 
-def _size(value: Any) -> bool:
-    from dask.utils import parse_bytes
-
-    try:
-        return parse_bytes(value) >= 0
-    except (TypeError, ValueError):
-        return False
-
-
 #: What each setting takes (the rest: anything), as a test and the words an error uses.
 _CHECKS: dict[str, tuple[Any, str]] = {
     "listed-graphs": (_flag, "True or False"),
@@ -223,10 +208,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "gram-mirror": (lambda v: v in ("transpose", "recompute"), "'transpose' or 'recompute'"),
     "read-ahead": (_flag, "True or False"),
     "register-reads": (_flag, "True or False"),
-    "share-reads": (_flag, "True or False"),
-    "share-device-chunks": (_flag, "True or False"),
     "resolve-aliases": (_flag, "True or False"),
-    "share-min-bytes": (_size, "a size (64MiB)"),
 }
 
 
@@ -246,7 +228,13 @@ def check_settings() -> None:
     """
     # dask keeps an environment variable's name with underscores (file_writes)
     given = {str(k).replace("_", "-") for k in dask.config.get("gpuchunk", {}) or {}}
-    unknown = sorted(given - set(DEFAULTS))
+    for name in sorted(given & set(REMOVED)):
+        import warnings
+
+        warnings.warn(f"setting gpuchunk.{name} ({_variable(name)}) was removed and does "
+                      f"nothing: {REMOVED[name]}; it will be refused in the next release",
+                      FutureWarning, stacklevel=2)
+    unknown = sorted(given - set(DEFAULTS) - set(REMOVED))
     if unknown:
         import difflib
 

@@ -20,13 +20,6 @@ their own threads. On 4 x H200, 65,536 x 262,144 bits in 4,096-row chunks, every
 threads were busy 4.58 s instead of 5.37, and ``C.sum()`` took 0.92 s instead of 1.03 (one A/B;
 with 16 read threads, 0.93 s either way).
 
-On a GPU, a chunk of 64 MiB or more (``gpuchunk.share-min-bytes``) is read from the host by
-one process of the node and copied to the others' GPUs over NVLink
-(:mod:`dask_gpuchunk.peer_chunks`, ``gpuchunk.share-reads``): on 4 x H200 the 4-GPU Gram moved
-2.1 GB of words through the host instead of 8.4 GB, 0.84 s against 0.97 s on one machine. The
-read-ahead passes over a chunk another process is reading and takes it last, so that the
-node's processes read different chunks at once.
-
 What a device keeps is allocated from CuPy's pool, so the budget's admission
 (:func:`dask_gpuchunk.budget.reserve`) counts it as held outside the running chunks: blocks wait
 for room rather than run out of memory; a chunk that runs out all the same runs again alone
@@ -50,8 +43,6 @@ from . import config
 from .backend import staging_totals
 from .budget import out_of_memory_hooks, run_reserved, working_budget
 from .devices import gpu_available
-from .peer_chunks import (ClaimedElsewhere, CudaIpc, note_step, read_once_per_node, sharing_on,
-                          unpublish)
 
 __all__ = ["DEVICE_FRACTION", "HOST_BYTES", "SOURCE_KEY_PREFIX", "ResidentChunks",
            "ResidentSource", "on_gpu_here", "resident_stats", "row_bounds", "rows_where_it_runs",
@@ -201,41 +192,32 @@ def _drop_device_chunks() -> None:
 out_of_memory_hooks.append(_drop_device_chunks)
 
 
-def _to_device(chunk: Any, name: str) -> Any:
-    """``chunk`` (host rows, logged as ``name``) copied to this process's current GPU."""
+def _to_device(chunk: Any) -> Any:
+    """``chunk`` (host rows) copied to this process's current GPU."""
     import cupy
 
-    parts: dict[str, float] = {}
-
     def sent() -> Any:
-        t = time.perf_counter()
         on_device = cupy.asarray(chunk)
         # From pinned memory the copy is asynchronous: done before other threads' streams read
         # the chunk, and before its pinned buffer goes back to the pool.
         cupy.cuda.get_current_stream().synchronize()
-        parts["copy"] = time.perf_counter() - t
         return on_device
 
-    started, t0 = time.time(), time.perf_counter()
+    t0 = time.perf_counter()
     # Admitted as a running chunk is (it waits for room, and runs alone where the device ran
     # out); once kept, the budget counts it as held outside the running chunks.
     on_device = run_reserved(sent, int(chunk.nbytes), "a chunk of words kept on the GPU")
     seconds = time.perf_counter() - t0
     staging_totals.add(h2d_bytes=int(chunk.nbytes), device_seconds=seconds)
-    note_step("to the GPU", name, started, seconds=seconds, **parts)
     return on_device
 
 
-def _read_ahead(cache_ref: weakref.ref,
-                chunks: list[tuple[Hashable, int, Callable[[bool], Any]]],
+def _read_ahead(cache_ref: weakref.ref, chunks: list[tuple[Hashable, int, Callable[[], Any]]],
                 device: int | None) -> None:
     """Read ``chunks`` (key, bytes, read) into the cache ``cache_ref`` names, in order, while
     each fits with nothing dropped; stop at the first that does not, when the cache is
     cleared (a device that ran out of memory) or gone, or at a failed read (the block that
-    needs the chunk reads it again itself and raises). ``read(wait)``: a chunk that another
-    process of the node is reading (:class:`~dask_gpuchunk.peer_chunks.ClaimedElsewhere`
-    where ``wait`` is false) is passed over and taken after the others, so that the node's
-    processes read different chunks at once instead of waiting on the one that read first."""
+    needs the chunk reads it again itself and raises)."""
     if device is not None:
         import cupy
 
@@ -243,23 +225,19 @@ def _read_ahead(cache_ref: weakref.ref,
     cache = cache_ref()
     clears = cache.clears if cache is not None else 0
     del cache
-    passed_over = []
-    for wait, queue in ((False, chunks), (True, passed_over)):
-        for key, nbytes, read in queue:
-            cache = cache_ref()
-            if cache is None or cache.clears != clears:
+    for key, nbytes, read in chunks:
+        cache = cache_ref()
+        if cache is None or cache.clears != clears:
+            return
+        room = cache.room_for(key, nbytes)
+        if room == "full":
+            return
+        if room == "fits":
+            try:
+                cache.get(key, read, ahead=True)
+            except Exception:  # noqa: BLE001 - the block that needs it reads it and raises
                 return
-            room = cache.room_for(key, nbytes)
-            if room == "full":
-                return
-            if room == "fits":
-                try:
-                    cache.get(key, lambda read=read: read(wait), ahead=True)
-                except ClaimedElsewhere:
-                    passed_over.append((key, nbytes, read))
-                except Exception:  # noqa: BLE001 - the block that needs it reads it and raises
-                    return
-            del cache
+        del cache
 
 
 def _rows_to_device(reader: Any, start: int, stop: int) -> Any:
@@ -276,10 +254,7 @@ def _rows_to_device(reader: Any, start: int, stop: int) -> Any:
         if on_device is not None:
             staging_totals.add(h2d_bytes=nbytes, device_seconds=time.perf_counter() - t0)
             return on_device
-    name, started, t0 = f"rows {start}:{stop}", time.time(), time.perf_counter()
-    rows = reader[slice(start, stop), :]
-    note_step("host read", name, started, seconds=time.perf_counter() - t0)
-    return _to_device(rows, name)
+    return _to_device(reader[slice(start, stop), :])
 
 
 class ResidentSource:
@@ -308,10 +283,6 @@ class ResidentSource:
         self._caches: dict[Any, ResidentChunks] = {}
         self._reading_ahead: dict[Any, threading.Thread] = {}
         self._lock = threading.Lock()
-        # The chunks this process read for the node's other processes: their tickets go with
-        # this source (what it keeps is freed then, and the memory may be reused).
-        self._published: set[str] = set()
-        weakref.finalize(self, unpublish, self._published)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"reader": self.reader, "token": self.token, "read_ahead": self.read_ahead}
@@ -339,36 +310,25 @@ class ResidentSource:
         place = "host" if device is None else device
         cache = self._cache(place)
         ahead = self.read_ahead and place not in self._reading_ahead and stop > start
-        # A reader that knows its rows' size starts the read-ahead first: the first chunk may
-        # wait on another process of the node that reads it (peer_chunks).
+        # A reader that knows its rows' size starts the read-ahead first, so that its reads
+        # overlap the first block's.
         row_bytes = getattr(self.reader, "row_nbytes", None)
         if ahead and row_bytes is not None:
             self._start_read_ahead(place, cache, device, int(row_bytes), (start, stop))
         read = self._reading(start, stop, device)
-        chunk = cache.get((start, stop), lambda: read(True))
+        chunk = cache.get((start, stop), read)
         if ahead and row_bytes is None:
             self._start_read_ahead(place, cache, device, chunk.nbytes // (stop - start),
                                    (start, stop))
         return chunk
 
-    def _reading(self, start: int, stop: int, device: int | None) -> Callable[[bool], Any]:
-        """What reads rows ``start:stop`` for ``device`` (``None``: host memory), given whether
-        to wait for another process of the node that reads them (:func:`read_once_per_node`);
-        it holds the reader, not this source (a read-ahead must not keep the source alive)."""
+    def _reading(self, start: int, stop: int, device: int | None) -> Callable[[], Any]:
+        """What reads rows ``start:stop`` for ``device`` (``None``: host memory); it holds the
+        reader, not this source (a read-ahead must not keep the source alive)."""
         reader = self.reader
-
-        def read(wait: bool) -> Any:
-            return reader[slice(start, stop), :]
-
         if device is None:
-            return read
-        row_bytes = getattr(reader, "row_nbytes", None)
-        if not sharing_on(None if row_bytes is None else int(row_bytes) * (stop - start)):
-            return lambda wait: _rows_to_device(reader, start, stop)
-        # The name of the rows on the node: the same in every process that reads this content.
-        name, published = tokenize(self.token, start, stop), self._published
-        return lambda wait: read_once_per_node(
-            name, lambda: _rows_to_device(reader, start, stop), CudaIpc(), published, wait=wait)
+            return lambda: reader[slice(start, stop), :]
+        return lambda: _rows_to_device(reader, start, stop)
 
     def _start_read_ahead(self, place: Any, cache: ResidentChunks, device: int | None,
                           row_bytes: int, first: tuple[int, int]) -> None:

@@ -17,6 +17,11 @@ still run its device out of memory, and :func:`hold_budget` changes both:
   (``CUPY_GPU_MEMORY_LIMIT``) and out of reach of the retry above, and freed late (numba defers
   frees until a fifth of the device is pending: 28 GB on an H200, where nvidia-smi showed a
   worker with an 8 GiB pool holding 23 GB). Here it comes back through CuPy's pool.
+
+Over UCX the same holds for chunks received from another worker: distributed-ucxx receives
+each into a new ``rmm.DeviceBuffer`` (a ``cudaMalloc``, and a ``cudaFree`` that waits for the
+whole device when the chunk is released); :func:`receive_through_pool` makes it CuPy's
+allocator's (the pool, or RMM's where RMM is CuPy's allocator).
 """
 
 from __future__ import annotations
@@ -28,7 +33,11 @@ import numpy as np
 from . import _compat, budget
 from .devices import gpu_available
 
-__all__ = ["allocate_or_yield", "hold_budget", "unspill_through_pool"]
+__all__ = ["allocate_or_yield", "hold_budget", "receive_through_pool", "unspill_through_pool"]
+
+#: distributed-ucxx's own allocator of received device frames, where
+#: :func:`receive_through_pool` replaced it (for measuring one against the other).
+ucx_own_allocator: Any = None
 
 
 def _evict_one(stored: Any) -> bool:
@@ -86,6 +95,10 @@ def hold_budget(worker: Any) -> bool:
         return False
     import cupy
     pool = cupy.get_default_memory_pool()
+    if getattr(cupy.cuda.get_allocator(), "__self__", pool) is not pool:
+        # Another allocator is CuPy's (RMM's, through dask-cuda's rmm_allocator_external_lib_
+        # list): its own pool and limits hold the device, not CuPy's.
+        return False
 
     def malloc(nbytes: int) -> Any:
         return allocate_or_yield(pool, nbytes, stored, cupy.cuda.memory.OutOfMemoryError)
@@ -93,4 +106,26 @@ def hold_budget(worker: Any) -> bool:
     cupy.cuda.set_allocator(malloc)
     _compat.register_cupy_deserializer(unspill_through_pool)
     budget.stored_results_yield = True
+    return True
+
+
+def _receive_buffer(nbytes: int) -> Any:
+    import cupy
+
+    return cupy.empty(nbytes, dtype=np.uint8)
+
+
+def receive_through_pool(worker: Any) -> bool:
+    """In a worker talking UCX with a GPU: chunks received from other workers are allocated
+    by CuPy's allocator (its pool: no ``cudaMalloc`` / ``cudaFree`` per chunk, counted by a
+    pool cap and yielding as :func:`hold_budget` makes it), not distributed-ucxx's
+    ``rmm.DeviceBuffer``. Returns whether it did."""
+    global ucx_own_allocator
+    if not gpu_available() or not str(getattr(worker, "address", "")).startswith("ucx"):
+        return False
+    previous = _compat.set_ucx_device_allocator(_receive_buffer)
+    if previous is None:
+        return False
+    if previous is not _receive_buffer:
+        ucx_own_allocator = previous
     return True

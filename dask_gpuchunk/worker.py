@@ -16,7 +16,7 @@ from distributed import WorkerPlugin
 # What the workers' tasks run: imported once here, not at the unpickling of a first task.
 from . import backend, elementwise, gram, io, process_memory  # noqa: F401
 from .devices import gpu_available
-from .spilling import hold_budget
+from .spilling import hold_budget, receive_through_pool
 
 __all__ = ["WorkerSetup", "set_up_worker"]
 
@@ -29,12 +29,15 @@ def set_up_worker(worker: Any) -> None:
     initialises numba's threading layer in its first CPU chunk
     (:func:`dask_gpuchunk.backend.prepare_process`).
     In a dask-cuda worker it also makes spilling hold the device budget
-    (:func:`dask_gpuchunk.spilling.hold_budget`); in a worker with a GPU it samples the device
+    (:func:`dask_gpuchunk.spilling.hold_budget`) and, over UCX, chunks from other workers
+    arrive in CuPy's pool (:func:`dask_gpuchunk.spilling.receive_through_pool`); in a worker
+    with a GPU it samples the device
     memory the driver counts for the process (:func:`dask_gpuchunk.process_memory.watch`).
     Running it twice (plugin and preload) does nothing more.
     """
     backend.prepare_process()
     hold_budget(worker)
+    receive_through_pool(worker)
     if gpu_available():
         process_memory.watch()
 

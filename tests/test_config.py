@@ -39,3 +39,13 @@ def test_an_unknown_setting_is_named_with_the_closest_one(monkeypatch):
     with dask.config.set({"gpuchunk.file_writes": 2}):
         config.check_settings()
         assert config.get("file-writes") == 2
+
+
+def test_a_removed_setting_warns_why_and_does_nothing():
+    assert set(config.REMOVED).isdisjoint(config.DEFAULTS)
+    with dask.config.set({"gpuchunk.share-reads": False}), \
+            pytest.warns(FutureWarning, match=r"gpuchunk\.share-reads .*removed.*UCX"):
+        config.check_settings()
+    with dask.config.set({"gpuchunk.share_device_chunks": True}), \
+            pytest.warns(FutureWarning, match="share-device-chunks"):
+        config.check_settings()

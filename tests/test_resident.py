@@ -237,25 +237,21 @@ def test_source_tasks_read_ahead_only_where_the_setting_is_on():
         resident.source_tasks("a reader", "t", read_ahead=[(0, 2)])
 
 
-def test_a_read_ahead_passes_over_chunks_another_process_reads_and_takes_them_last():
-    from dask_gpuchunk.peer_chunks import ClaimedElsewhere
-
-    cache = ResidentChunks(lambda cache: 1 << 20)
+def test_a_read_ahead_reads_in_order_and_stops_at_the_first_chunk_that_does_not_fit():
+    cache = ResidentChunks(lambda cache: 10)
     reads = []
 
-    def reading(key, claimed_elsewhere):
-        def read(wait):
-            if claimed_elsewhere and not wait:
-                raise ClaimedElsewhere(key)
-            reads.append((key, wait))
+    def reading(key):
+        def read():
+            reads.append(key)
             return np.full(4, key, np.uint8)
         return read
 
-    chunks = [(k, 4, reading(k, claimed_elsewhere=k in (1, 2))) for k in range(4)]
+    chunks = [(k, 4, reading(k)) for k in range(4)]
     resident._read_ahead(weakref.ref(cache), chunks, None)
-    assert reads == [(0, False), (3, False), (1, True), (2, True)]
-    assert sorted(cache.keys()) == [0, 1, 2, 3]
-    np.testing.assert_array_equal(cache.get(2, lambda: None), np.full(4, 2, np.uint8))
+    assert reads == [0, 1]  # the third would need a chunk dropped
+    assert sorted(cache.keys()) == [0, 1]
+    np.testing.assert_array_equal(cache.get(1, lambda: None), np.full(4, 1, np.uint8))
 
 
 def test_a_reader_that_knows_its_row_size_starts_the_read_ahead_before_its_first_read():

@@ -133,3 +133,44 @@ def test_workers_of_a_local_cluster_hold_the_budget(device_cap):
     with dg.local_cluster(dashboard_address=None) as client:
         held = client.run(lambda: budget.stored_results_yield)
     assert set(held.values()) == {True}
+
+
+def test_received_chunks_go_through_cupys_allocator_only_on_a_ucx_worker_with_a_gpu(
+        monkeypatch):
+    ucxx_module = SimpleNamespace(ucxx=object(), device_array=lambda n: ("rmm", n))
+    monkeypatch.setitem(__import__("sys").modules, "distributed_ucxx.ucxx", ucxx_module)
+    monkeypatch.setattr(spilling, "ucx_own_allocator", None)
+    monkeypatch.setattr(spilling, "gpu_available", lambda: True)
+    assert not spilling.receive_through_pool(SimpleNamespace(address="tls://127.0.0.1:1"))
+    assert ucxx_module.device_array(3) == ("rmm", 3)  # other protocols: left as it was
+    assert spilling.receive_through_pool(SimpleNamespace(address="ucx://127.0.0.1:1"))
+    assert ucxx_module.device_array is spilling._receive_buffer
+    assert spilling.ucx_own_allocator(5) == ("rmm", 5)  # kept, for measuring against
+    assert spilling.receive_through_pool(SimpleNamespace(address="ucx://127.0.0.1:1"))
+    assert spilling.ucx_own_allocator(5) == ("rmm", 5)  # a second setup keeps the first's
+    monkeypatch.setattr(spilling, "gpu_available", lambda: False)
+    ucxx_module.device_array = "untouched"
+    assert not spilling.receive_through_pool(SimpleNamespace(address="ucx://127.0.0.1:1"))
+    assert ucxx_module.device_array == "untouched"
+
+
+@pytest.mark.gpu
+def test_chunks_sent_over_ucx_arrive_in_cupys_pool_under_the_cap(device_cap):
+    pytest.importorskip("distributed_ucxx")
+    import cupy
+
+    if dg.gpu_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    device_cap(1024 * MiB)
+    with dg.local_cluster(gpus=2, protocol="ucx", dashboard_address=None) as client:
+        workers = sorted(client.scheduler_info()["workers"])
+        x = client.submit(lambda: cupy.arange(16 * MiB // 4, dtype=cupy.int32),
+                          workers=workers[:1], pure=False)
+
+        def pooled(block):
+            return (isinstance(block.data.mem, cupy.cuda.memory.PooledMemory),
+                    int(block.sum(dtype=cupy.int64)))
+
+        got = client.submit(pooled, x, workers=workers[1:], pure=False).result()
+    n = 16 * MiB // 4
+    assert got == (True, n * (n - 1) // 2)

@@ -22,7 +22,7 @@ Each is timed ``--repeats`` times (the first compiles), the best kept, with gram
 breakdown per worker (tasks by kind, busy time, bytes sent and staged). ``--words device``
 moves the fingerprints to the GPUs first (``map_blocks(cupy.asarray)``, persisted over the
 workers, untimed) for the top-k: what it costs where the words are already device-resident
-(``gpuchunk.share-device-chunks`` then decides how a chunk reaches another worker's GPU).
+(``--protocol`` then decides how a chunk reaches another worker's GPU).
 
 The ``if __name__ == "__main__"`` guard matters: a local cluster's workers are spawned
 processes that import this file again.
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gram_scaling import _protocol_options, _timed, _transport
+from gram_scaling import _protocol_options, _timed, _ucx_receive, add_transport_arguments
 
 import dask_gpuchunk as dg
 
@@ -173,11 +173,7 @@ def main() -> None:
     parser.add_argument("--gpus", default=None,
                         help="cluster sizes, comma-separated (default: 1 and every GPU)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--protocol", default=None, choices=["tls", "tcp", "ucx"],
-                        help="the local cluster's transport (default: dg.local_cluster's, TLS)")
-    parser.add_argument("--sharing", default="on", choices=["on", "off"],
-                        help="off: gpuchunk.share-reads and share-device-chunks off, as between "
-                             "workers of two hosts (nothing shared through CUDA IPC or files)")
+    add_transport_arguments(parser)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/similarity-scaling"))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tls", default="yes", choices=["yes", "no"],
@@ -196,7 +192,8 @@ def main() -> None:
                               "top_k": args.top_k, "threshold": args.threshold,
                               "multiply_gb": args.multiply_gb, "tls": args.tls,
                               "words": args.words, "protocol": args.protocol,
-                              "sharing": args.sharing, "runs": {}}
+                              "rmm": args.rmm,
+                              "ucx_receive": args.ucx_receive, "runs": {}}
     if "top-k" in ops or "threshold" in ops:
         t0 = time.perf_counter()
         fps = write_fingerprints(fps_path, args.rows, args.bits, args.density, seed=11)
@@ -221,14 +218,15 @@ def main() -> None:
         del a, b
     gpus_visible = dg.gpu_count()
     if args.gpus and gpus_visible:
-        sizes = sorted({int(g) for g in args.gpus.split(",")} | {1})
+        sizes = sorted({int(g) for g in args.gpus.split(",")})
     else:
         sizes = sorted({1, gpus_visible}) if gpus_visible else [1, args.cpu_workers]
     for size in sizes:
         options = ({"gpus": size} if gpus_visible
                    else {"n_workers": size, "threads_per_worker": 1})
-        with _transport(args), dg.local_cluster(dashboard_address=None,
+        with dg.local_cluster(dashboard_address=None,
                                                 **_protocol_options(args), **options) as client:
+            _ucx_receive(client, args)
             runs: dict[str, Any] = {"workers": len(client.scheduler_info()["workers"])}
             if "top-k" in ops:
                 runs["top-k"] = _top_k(client, fps_path, args, sample, expected)
