@@ -29,7 +29,7 @@ import numpy as np
 from dask.array.utils import meta_from_array
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
-from dask.task_spec import Task, TaskRef
+from dask.task_spec import List, Task, TaskRef
 
 from . import backend, config
 from ._kernels import bitpack as bits
@@ -39,29 +39,41 @@ from ._kernels.bmma import BMMA_MIN_CC, TILE, bmma_cuda
 from ._kernels.wgmma import WGMMA_CC, wgmma_cuda
 from ._kernels.launch import numba_stream
 from .arrays import asarray
-from .budget import check_fits
+from .budget import check_fits, working_budget
 from .config import listed_graphs
 from .devices import (
     Device,
     GPUNotAvailableError,
     check_device_for_graph,
+    cluster_workers,
     distributed_client_active,
     gpu_available,
 )
 from .fingerprint_files import bit_vectors_as_words
 from .io import npy_reader_of
-from .node_shared import node_shared_refs
 from .resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 
 __all__ = ["METHODS", "SPLIT_EVERY", "bitpack", "block_bytes", "block_counts",
            "block_scratch_bytes", "check_block_fits", "check_method", "device_block_counts",
-           "device_block_scratch", "gram", "gram_slab",
-           "packed_words", "resident_gram_slab", "resolve_method"]
+           "device_block_scratch", "gram", "gram_slab", "grouped_row_chunks",
+           "packed_words", "resident_gram_slab", "resolve_method", "task_block_rows"]
 
 #: ``method=`` values of :func:`gram`.
 METHODS = kernels.METHODS
 #: Partial blocks summed per task of the tree over word chunks (as ``split_every`` in dask).
 SPLIT_EVERY = 4
+#: Bit-MACs a Gram block on a GPU should hold at least, where :func:`task_block_rows` groups
+#: row chunks: ~20 ms of the wgmma kernel (7.9e15 bit-MAC/s on an H200 at 16,384-row blocks),
+#: so that Dask's own ~1 ms a task stays under 5 % of the work. 4,096-row chunks of 262,144
+#: bits are ~1 ms blocks: on 2 x H200 their ~600 tasks, not the GPUs, bounded the Gram.
+TASK_BIT_MACS = 1.6e14
+#: Row groups per side at least, and per worker of the cluster (as the square root of the
+#: blocks a worker gets), so that every GPU has several blocks to run.
+MIN_ROW_GROUPS = 4
+BLOCKS_PER_WORKER = 8
+#: One block of grouped rows takes at most this share (1/N) of the device's working budget: a
+#: worker runs two at once, beside what it stores.
+BLOCK_BUDGET_SHARE = 3
 
 
 # ---- bitpack ---------------------------------------------------------------------------------
@@ -399,7 +411,8 @@ def _mirrored(block: Any, above: Any) -> Any:
 
 
 def gram(x: Any, *, packed: bool = False, method: Method = "auto",
-         device: Device = "auto") -> da.Array:
+         device: Device = "auto", block_rows: int | None = None,
+         keep_on_device: bool = False) -> da.Array:
     """The exact Gram matrix ``C = A · Aᵀ`` of 0/1 data ``A`` ``(n, k)``, as ``int32`` ``(n, n)``.
 
     Parameters
@@ -422,13 +435,24 @@ def gram(x: Any, *, packed: bool = False, method: Method = "auto",
     device
         ``"auto"`` (CuPy chunks on their GPU; NumPy chunks on a GPU where one is visible, else
         the CPU), ``"gpu"`` or ``"cpu"``.
+    block_rows
+        Rows of ``C``'s blocks, each a task: consecutive row chunks of ``x`` are grouped up to
+        this many rows (a chunk is never split). ``None``: chosen by the GPU's work where ``x``
+        is CuPy or a :func:`dask_gpuchunk.from_npy` array and a GPU is visible here
+        (:func:`task_block_rows`: blocks of ~20 ms of GPU work, within the device budget,
+        several for every worker), else ``x``'s row chunks.
+    keep_on_device
+        For words straight from a :func:`dask_gpuchunk.from_npy` file on a GPU: ``C``'s blocks
+        stay on the GPU that computed them (CuPy), for a reduction such as ``C.sum()`` that
+        then never moves ``C`` to the host. Elsewhere blocks are where they are computed
+        already (CuPy for CuPy words, NumPy on the CPU).
 
     Returns
     -------
     dask.array.Array
-        ``int32`` ``(n, n)``, row and column chunks equal to ``x``'s row chunks; CuPy chunks
-        for CuPy input. Each entry counts the columns where both rows hold 1, exactly (for
-        ``k < 2**31``).
+        ``int32`` ``(n, n)``, row and column chunks of ``block_rows`` (grouped row chunks of
+        ``x``); CuPy chunks for CuPy input or ``keep_on_device``. Each entry counts the columns
+        where both rows hold 1, exactly (for ``k < 2**31``).
 
     Raises
     ------
@@ -457,13 +481,83 @@ def gram(x: Any, *, packed: bool = False, method: Method = "auto",
            [3, 2, 4]], dtype=int32)
     >>> (gram(np.packbits(a, axis=1), packed=True).compute() == a.astype(int) @ a.T).all()
     np.True_
+    >>> gram(da.ones((6, 8), chunks=(2, 8), dtype=np.uint8), block_rows=4).chunks
+    ((4, 2), (4, 2))
     """
     check_method(method, device)
+    if block_rows is not None and (isinstance(block_rows, bool) or not isinstance(
+            block_rows, (int, np.integer)) or block_rows < 1):
+        raise ValueError(f"block_rows must be a whole number of rows, 1 or more; got "
+                         f"{block_rows!r}")
     x, _, packed = bit_vectors_as_words(x, None, packed)
     words = packed_words(x, packed, device, "gram")
-    if device != "cpu" and gpu_available():
-        check_block_fits(words.chunks, words.dtype.itemsize, method)
-    return _gram_graph(words, method, device)
+    on_gpu = device != "cpu" and gpu_available()
+    reader = npy_reader_of(words)
+    if block_rows is None and on_gpu and (reader is not None or backend.is_cupy(words._meta)):
+        block_rows = task_block_rows(words.shape[0], words.shape[1] * words.dtype.itemsize * 8,
+                                     method)
+    row_chunks = grouped_row_chunks(words.chunks[0], block_rows)
+    if on_gpu:
+        check_block_fits((row_chunks, words.chunks[1]), words.dtype.itemsize, method)
+    return _gram_graph(words, method, device, row_chunks,
+                       keep_on_device and on_gpu and reader is not None)
+
+
+def grouped_row_chunks(chunks: tuple[int, ...], block_rows: int | None) -> tuple[int, ...]:
+    """``chunks`` grouped, consecutive ones summed while a group stays within ``block_rows``
+    (a chunk larger than that is a group of its own; ``None``: as they are).
+
+    Examples
+    --------
+    >>> grouped_row_chunks((4, 4, 4, 4, 3), 8)
+    (8, 8, 3)
+    >>> grouped_row_chunks((5, 2, 9, 1), 6)
+    (5, 2, 9, 1)
+    >>> grouped_row_chunks((4, 4), None)
+    (4, 4)
+    """
+    if block_rows is None:
+        return tuple(chunks)
+    groups: list[int] = []
+    for rows in chunks:
+        if groups and groups[-1] + rows <= block_rows:
+            groups[-1] += rows
+        else:
+            groups.append(rows)
+    return tuple(groups)
+
+
+def task_block_rows(rows: int, bits: int, method: str = "auto", budget: int | None = None,
+                    workers: int | None = None) -> int:
+    """Rows of the Gram's blocks on GPUs: enough for :data:`TASK_BIT_MACS` of work each, but
+    no more than a block within ``budget / BLOCK_BUDGET_SHARE`` (this process's working budget
+    where ``None``) and at least ``max(MIN_ROW_GROUPS, sqrt(BLOCKS_PER_WORKER * workers))``
+    groups per side (``workers``: the default client's cluster's, where ``None``).
+
+    Examples
+    --------
+    >>> task_block_rows(65536, 262144, "popcount", budget=7 << 30, workers=2)
+    16384
+    >>> task_block_rows(65536, 262144, "popcount", budget=7 << 30, workers=4)
+    10923
+    >>> task_block_rows(1_000_000, 2048, "popcount", budget=7 << 30, workers=1)
+    24960
+    """
+    budget = working_budget() if budget is None else budget
+    workers = cluster_workers() if workers is None else workers
+    words64 = -(-bits // 64)
+    resolved = method if method != "auto" else resolve_method("auto", on_gpu=True)
+    by_work = int((TASK_BIT_MACS / max(bits, 1)) ** 0.5)
+    groups = max(MIN_ROW_GROUPS, int(np.ceil((BLOCKS_PER_WORKER * workers) ** 0.5)))
+    by_balance = -(-rows // groups)
+    # The largest multiple of 128 rows whose block fits its share of the budget.
+    low, high = 0, max(rows, 128) // 128
+    while low < high:
+        mid = (low + high + 1) // 2
+        fits = block_bytes(mid * 128, words64, resolved) <= budget // BLOCK_BUDGET_SHARE
+        low, high = (mid, high) if fits else (low, mid - 1)
+    by_memory = max(low * 128, 1)
+    return max(1, min(by_work, by_balance, by_memory))
 
 
 def packed_words(x: Any, packed: bool, device: str, what: str = "gram", name: str = "x"
@@ -558,7 +652,8 @@ def check_block_fits(chunks: tuple[tuple[int, ...], ...], itemsize: int, method:
                "fewer rows per chunk: chunks= of the rows, --chunk-rows", budget)
 
 
-def _gram_graph(words: da.Array, method: str, device: str) -> da.Array:
+def _gram_graph(words: da.Array, method: str, device: str, row_chunks: tuple[int, ...],
+                keep_on_device: bool = False) -> da.Array:
     """``C`` from packed words: listed by hand where small graphs are (:func:`_listed_graph`),
     else through dask's own constructors (so that array query planning can rewrite it): one
     task per block and word chunk, those below the diagonal returning ``None`` at once, the
@@ -571,9 +666,16 @@ def _gram_graph(words: da.Array, method: str, device: str) -> da.Array:
                         meta=meta)
     reader = npy_reader_of(words)
     if reader is not None:
-        return _resident_graph(words, reader, method, device, meta)
+        if keep_on_device:
+            import cupy
+
+            meta = meta_from_array(cupy.empty((0, 0), np.int32), ndim=2, dtype=np.int32)
+        return _resident_graph(words, reader, method, device, meta, row_chunks, keep_on_device)
     if listed_graphs():
-        return _listed_graph(words, method, device, meta)
+        return _listed_graph(words, method, device, meta, row_chunks)
+    if row_chunks != words.chunks[0]:
+        # dask's own rechunk: each group one chunk, stored beside the words while needed.
+        words = words.rechunk({0: row_chunks})
     rows = da.arange(words.shape[0], chunks=(words.chunks[0],))
     kwargs = {"method": method, "device": device, "dtype": np.int32}
     if len(words.chunks[1]) == 1:
@@ -589,14 +691,16 @@ def _gram_graph(words: da.Array, method: str, device: str) -> da.Array:
 
 
 def _resident_block(source: ResidentSource, rows_a: tuple[int, int], rows_b: tuple[int, int],
-                    diagonal: bool, method: str, device: str) -> Any:
+                    diagonal: bool, method: str, device: str, keep_on_device: bool = False
+                    ) -> Any:
     """Block ``(rows_a, rows_b)`` of the Gram of the words ``source`` reads from a file, each
     chunk read once per process and kept where the block runs (on this process's GPU, or in
-    host memory for the CPU); a NumPy block, as the file's words are NumPy."""
+    host memory for the CPU); a NumPy block, as the file's words are NumPy, unless
+    ``keep_on_device`` (then where it was computed)."""
     a = rows_where_it_runs(source, *rows_a, device)
     b = a if diagonal else rows_where_it_runs(source, *rows_b, device)
     block = _gram_block(a, b, diagonal, method, device)
-    return _on_host(block) if backend.is_cupy(block) else block
+    return _on_host(block) if backend.is_cupy(block) and not keep_on_device else block
 
 
 def resident_gram_slab(source: ResidentSource, rows_a: tuple[int, int],
@@ -637,8 +741,8 @@ def _on_host(block: Any) -> np.ndarray:
     return host
 
 
-def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta: Any
-                    ) -> da.Array:
+def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta: Any,
+                    row_chunks: tuple[int, ...], keep_on_device: bool = False) -> da.Array:
     """The graph of :func:`_gram_graph` for words straight from a ``.npy`` (:func:`from_npy`):
     a task per block on or above the diagonal that reads its two row chunks itself
     (:func:`_resident_block`), a transpose per block below. No task reads a chunk for the
@@ -647,9 +751,10 @@ def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta
     and the source that reads it are entries of the graph
     (:func:`~dask_gpuchunk.resident.source_tasks`)."""
     recompute = config.checked("gram-mirror") == "recompute"
-    token = tokenize(words, method, device, "resident", recompute, config.flag("read-ahead"))
+    token = tokenize(words, method, device, "resident", recompute, config.flag("read-ahead"),
+                     row_chunks, keep_on_device)
     name, upper = f"gram-{token}", f"gram-upper-{token}"
-    bounds = row_bounds(words.chunks[0])
+    bounds = row_bounds(row_chunks)
     dsk, source_key = source_tasks(reader, token, read_ahead=bounds)
     # The computed blocks are a task group of their own, whose only dependency is the source,
     # each marked a data producer: distributed then takes them as root tasks and hands them to
@@ -664,12 +769,12 @@ def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta
         for j in range(first_computed, len(bounds)):
             dsk[(upper, i, j)] = Task((upper, i, j), _resident_block, TaskRef(source_key),
                                       rows_a, bounds[j], i == j, method, device,
-                                      _data_producer=True)
+                                      keep_on_device, _data_producer=True)
             dsk[(name, i, j)] = (upper, i, j)
         for j in range(first_computed):
             dsk[(name, i, j)] = (_transposed, (upper, j, i))
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=[])
-    return da.Array(graph, name, (words.chunks[0], words.chunks[0]), dtype=np.int32, meta=meta)
+    return da.Array(graph, name, (row_chunks, row_chunks), dtype=np.int32, meta=meta)
 
 
 def _add_tree(dsk: dict, parts: list[tuple], final: tuple, prefix: str) -> None:
@@ -689,32 +794,83 @@ def _add_tree(dsk: dict, parts: list[tuple], final: tuple, prefix: str) -> None:
     dsk[final] = (_sum_blocks, *parts)
 
 
-def _listed_graph(words: da.Array, method: str, device: str, meta: Any) -> da.Array:
+def _listed_graph(words: da.Array, method: str, device: str, meta: Any,
+                  row_chunks: tuple[int, ...] | None = None) -> da.Array:
     """The graph of :func:`_gram_graph` as a plain dict: a task per block on or above the
     diagonal and word chunk, a tree of sums, a transpose per block below; no task for what is
-    not computed. Measured on an H200 (16,384 rows of 131,072 bits on the device,
+    not computed. Blocks over groups of row chunks (``row_chunks``, grouped from ``words``'
+    by :func:`grouped_row_chunks`) join their groups' chunks inside the task
+    (:func:`_grouped_block`): regrouped by dask's rechunk instead, a device-resident Gram
+    held the words twice and spilled (one H200, 8 GiB cap: 1.16 s against 0.58 s ungrouped).
+    Measured on an H200 (16,384 rows of 131,072 bits on the device,
     ``gpuchunk.listed-graphs``): 13 ms listed against 19-21 ms through ``blockwise`` in chunks
     of 4,096 rows, 17-19 ms against 48-55 ms in chunks of 2,048, mostly dask's optimisation of
     the blockwise layers."""
-    token = tokenize(words, method, device)
+    row_chunks = tuple(words.chunks[0]) if row_chunks is None else row_chunks
+    token = tokenize(words, method, device, row_chunks)
     name, partial, total = f"gram-{token}", f"gram-partial-{token}", f"gram-sum-{token}"
-    rows = len(words.chunks[0])
+    groups = _chunk_groups(words.chunks[0], row_chunks)
     word_blocks = len(words.chunks[1])
     dsk: dict[tuple, Any] = {}
-    chunk_keys = [(words.name, i, w) for i in range(rows) for w in range(word_blocks)]
-    # Chunks on GPUs go to another worker of the node from GPU to GPU (CUDA IPC).
-    ref = dict(zip(chunk_keys, node_shared_refs(dsk, words, chunk_keys, f"gram-words-{token}")))
-    for i in range(rows):
-        for j in range(i, rows):
+
+    def refs(group: list[int], w: int) -> Any:
+        if len(group) == 1:
+            return TaskRef((words.name, group[0], w))
+        return List(*(TaskRef((words.name, i, w)) for i in group))
+
+    for i, group_i in enumerate(groups):
+        for j in range(i, len(groups)):
             parts = []
             for w in range(word_blocks):
                 key = (partial, i, j, w) if word_blocks > 1 else (name, i, j)
-                dsk[key] = Task(key, _gram_block, ref[(words.name, i, w)],
-                                ref[(words.name, j, w)], i == j, method, device)
+                block = _gram_block if len(group_i) == len(groups[j]) == 1 else _grouped_block
+                dsk[key] = Task(key, block, refs(group_i, w), refs(groups[j], w), i == j,
+                                method, device)
                 parts.append(key)
             if word_blocks > 1:
                 _add_tree(dsk, parts, (name, i, j), total)
         for j in range(i):
             dsk[(name, i, j)] = (_transposed, (name, j, i))
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=[words])
-    return da.Array(graph, name, (words.chunks[0], words.chunks[0]), dtype=np.int32, meta=meta)
+    return da.Array(graph, name, (row_chunks, row_chunks), dtype=np.int32, meta=meta)
+
+
+def _chunk_groups(chunks: tuple[int, ...], row_chunks: tuple[int, ...]) -> list[list[int]]:
+    """The indices of ``chunks`` that make each of ``row_chunks`` (consecutive groups).
+
+    Examples
+    --------
+    >>> _chunk_groups((2, 2, 3, 1), (4, 4))
+    [[0, 1], [2, 3]]
+    """
+    groups: list[list[int]] = []
+    index = 0
+    for rows in row_chunks:
+        group, filled = [], 0
+        while filled < rows:
+            group.append(index)
+            filled += chunks[index]
+            index += 1
+        if filled != rows:
+            raise ValueError(f"row groups {row_chunks} do not fall on chunks {chunks}")
+        groups.append(group)
+    return groups
+
+
+def _joined_rows(chunks: Any) -> Any:
+    """One array of the row chunks ``chunks`` (a list), or the chunk itself."""
+    if not isinstance(chunks, list):
+        return chunks
+    if backend.is_cupy(chunks[0]):
+        import cupy
+
+        return cupy.concatenate(chunks, axis=0)
+    return np.concatenate(chunks, axis=0)
+
+
+def _grouped_block(a: Any, b: Any, diagonal: bool, method: str, device: str) -> Any:
+    """:func:`_gram_block` of two groups of row chunks (each a list of chunks, or a chunk),
+    joined where the task runs."""
+    rows_a = _joined_rows(a)
+    rows_b = rows_a if diagonal else _joined_rows(b)
+    return _gram_block(rows_a, rows_b, diagonal, method, device)

@@ -870,7 +870,9 @@ def gram_job(
                                     upper=chosen == "upper", output=output)
 
             return chosen, len(words.chunks[0]), write
-        result = gram(words, packed=True, method=method, device=device)
+        # The planned chunks are the output's (aligned to a store's): not grouped further.
+        result = gram(words, packed=True, method=method, device=device,
+                      block_rows=rows_per_chunk)
         if (1 < result.numblocks[1] and rows_per_chunk * n * 4 <= SLAB_BYTES
                 and not is_zarr_path(target)):
             # Whole-width row slabs: each is one sequential write, as np.save's is. Square

@@ -69,7 +69,6 @@ from .gram import (
     resolve_method,
 )
 from .io import npy_reader_of
-from .node_shared import node_shared_refs
 from .resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 
 __all__ = ["METRICS", "MISSING_SCORE", "Neighbours", "Pairs", "block_bytes",
@@ -531,13 +530,12 @@ def _chunk_refs(words: da.Array, pops: da.Array, device: str, dsk: dict, tag: st
     of ``words`` and ``pops``, or, for words straight from a ``.npy``
     (:func:`dask_gpuchunk.io.npy_reader_of`), tasks inside the task that read them where it
     runs (:func:`~dask_gpuchunk.resident.rows_where_it_runs`, through a source that ``dsk``
-    gains): then no chunk of words is sent between workers. Words on GPUs (CuPy chunks) are
-    named through :func:`~dask_gpuchunk.node_shared.node_shared_refs`: a worker of the same host
-    copies them from GPU to GPU. Last, the collections the names need (none for a ``.npy``)."""
+    gains): then no chunk of words is sent between workers. Last, the collections the names
+    need (none for a ``.npy``)."""
     reader = npy_reader_of(words)
     if reader is None:
         keys = [(words.name, i, 0) for i in range(len(words.chunks[0]))]
-        return (node_shared_refs(dsk, words, keys, f"similarity-words-{tag}"),
+        return ([TaskRef(key) for key in keys],
                 [TaskRef((pops.name, i)) for i in range(len(words.chunks[0]))], [words, pops])
     entries, source_key = source_tasks(reader, tag)
     dsk.update(entries)
@@ -863,7 +861,8 @@ def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bo
     dtype = kernels.score_dtype(metric)
     if top_k is None and threshold is None:
         if y is None:
-            counts = gram(wx, packed=True, method=method, device=device)
+            # block_rows=1: the counts' blocks are the words' row chunks, as the popcounts'.
+            counts = gram(wx, packed=True, method=method, device=device, block_rows=1)
         else:
             counts = da.blockwise(block_counts, "ij", wx, "ik", wy, "jk", concatenate=True,
                                   method=method, device=device, dtype=np.int32,

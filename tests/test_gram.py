@@ -120,6 +120,48 @@ def test_only_upper_blocks_are_computed(rng, monkeypatch, chunks, word_chunks, g
     assert sorted(computed) == sorted([(i, j) for i in range(5) for j in range(i, 5)] * word_chunks)
 
 
+@pytest.mark.parametrize("block_rows", [1, 15, 20, 33, 1000])
+@pytest.mark.parametrize("word_chunks", [None, 64])
+def test_block_rows_groups_row_chunks_into_fewer_exact_blocks(rng, block_rows, word_chunks,
+                                                               graph_kind):
+    a = random_bits(rng, (46, 150), rng.uniform(0.1, 0.9))
+    chunks = (7, 13, 5, 20, 1)
+    x = da.from_array(a, chunks=(chunks, word_chunks or 150))
+    g = dg.gram(x, block_rows=block_rows)
+    grouped = gram_module.grouped_row_chunks(chunks, block_rows)
+    assert g.chunks == (grouped, grouped)
+    assert_eq(g, reference_gram(a))
+
+
+def test_grouped_rows_make_a_gram_of_device_sized_tasks_with_few_tasks(rng):
+    a = random_bits(rng, (16 * 64, 256), 0.5)
+    x = da.from_array(a, chunks=(64, 256))  # 16 row chunks: 136 blocks + 120 mirrors
+    each = len(dict(dg.gram(x).__dask_graph__()))
+    grouped = dg.gram(x, block_rows=256)  # 4 groups: 10 blocks + 6 mirrors, and the regroup
+    assert grouped.chunks[0] == (256,) * 4
+    assert len(dict(grouped.__dask_graph__())) < each // 4
+    assert_eq(grouped, reference_gram(a))
+
+
+@pytest.mark.parametrize("block_rows", [0, -3, 2.5, "8", True])
+def test_block_rows_must_be_a_whole_positive_number(block_rows):
+    with pytest.raises(ValueError, match="block_rows"):
+        dg.gram(np.ones((4, 4), np.uint8), block_rows=block_rows)
+
+
+def test_task_block_rows_follows_work_memory_and_workers():
+    rows = gram_module.task_block_rows
+    # memory: a smaller budget, smaller blocks
+    assert rows(65536, 262144, "popcount", budget=2 << 30, workers=1) < rows(
+        65536, 262144, "popcount", budget=8 << 30, workers=1)
+    # workers: more of them, more groups
+    assert rows(65536, 262144, "popcount", budget=8 << 30, workers=8) <= 65536 // 8
+    # work: short rows need many of them for a block's worth of GPU work
+    assert rows(10**7, 64, "popcount", budget=64 << 30, workers=1) > rows(
+        10**7, 262144, "popcount", budget=64 << 30, workers=1)
+    assert rows(10, 64, "popcount", budget=1, workers=1) >= 1
+
+
 def test_gram_of_sliced_chunks_computes_each_pair_once(rng):
     a = random_bits(rng, (61, 90), 0.5)
     g = dg.gram(da.from_array(a, chunks=(13, 90)))
@@ -362,10 +404,21 @@ def test_gram_of_a_npy_reads_its_chunks_where_the_blocks_run(rng, tmp_path, word
     np.save(tmp_path / "w.npy", words)
     x = dg.from_npy(tmp_path / "w.npy", chunks=((50, 1, 77, 75), -1))
     assert npy_reader_of(x) is not None
-    g = dg.gram(x, packed=True, device=device)
+    g = dg.gram(x, packed=True, device=device, block_rows=None if device == "cpu" else 1)
     assert any(str(k).startswith("resident-words") for k in dict(g.__dask_graph__()))
     assert g.chunks == (x.chunks[0], x.chunks[0])
     np.testing.assert_array_equal(g.compute(), reference_gram(a))
+    # grouped: blocks over whole groups of the file's row chunks, read as groups
+    g = dg.gram(x, packed=True, device=device, block_rows=80, keep_on_device=True)
+    assert g.chunks == ((51, 77, 75),) * 2
+    result = g.compute()
+    if device != "cpu" and dg.gpu_available():  # C's blocks stayed on the GPU
+        import cupy
+
+        assert isinstance(g._meta, cupy.ndarray) and isinstance(result, cupy.ndarray)
+        result = cupy.asnumpy(result)
+    assert isinstance(result, np.ndarray)
+    np.testing.assert_array_equal(result, reference_gram(a))
     # Anything done to the words first: read through their tasks, as before.
     for y in (x.rechunk((60, -1)), x[1:], x.rechunk((50, 64))):
         assert npy_reader_of(y) is None
@@ -547,3 +600,31 @@ def test_gram_of_a_npy_stages_each_chunk_to_the_gpu_once(rng, tmp_path, device_c
     assert staged["d2h_bytes"] == upper * 4
     stats = resident_stats()["device 0"]
     assert stats["reads"] - reads == 4 and stats["nbytes"] == 0  # nothing kept after
+
+
+@needs_legacy_graphs
+@pytest.mark.gpu
+def test_a_gram_kept_on_the_device_sums_without_moving_c_to_the_host(rng, tmp_path, device_cap):
+    from dask_gpuchunk.jobs import staged_by_workers
+
+    device_cap(1 << 30)
+    a = random_bits(rng, (1000, 3000), 0.3)
+    np.save(tmp_path / "w.npy", np.packbits(a, axis=1))
+    x = dg.from_npy(tmp_path / "w.npy", chunks=(300, -1))
+    before = staged_by_workers(None)
+    total = dg.gram(x, packed=True, keep_on_device=True).sum(dtype=np.int64).compute()
+    assert int(total) == int(reference_gram(a).sum(dtype=np.int64))
+    assert staged_by_workers(None, before)["this process"]["d2h_bytes"] == 0
+
+
+@pytest.mark.gpu
+def test_device_resident_words_make_grouped_blocks_by_default(rng, device_cap):
+    import cupy
+
+    device_cap(1 << 30)
+    a = random_bits(rng, (2000, 4096), 0.4)
+    x = dg.asarray(cupy.asarray(np.packbits(a, axis=1)), chunks=(125, -1))  # 16 chunks
+    g = dg.gram(x, packed=True)
+    assert len(g.chunks[0]) < len(x.chunks[0])  # grouped by the GPU's work
+    assert len(g.chunks[0]) >= gram_module.MIN_ROW_GROUPS
+    np.testing.assert_array_equal(cupy.asnumpy(g.compute()), reference_gram(a))

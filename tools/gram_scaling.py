@@ -10,6 +10,8 @@ The input is written once (packed random bits); then, on a fresh ``dg.local_clus
 
 * ``host``: ``dg.gram(dg.from_npy(...), packed=True)``, as a user writes it (NumPy chunks,
   each block staging its two word chunks to a GPU);
+* ``kept``: as ``host``, with ``keep_on_device=True``: C's blocks stay on the GPUs and
+  ``C.sum()`` runs there;
 * ``device``: the same words moved to the GPUs first (``map_blocks(cupy.asarray)``,
   persisted, its time reported apart), then ``dg.gram`` on them: what the Gram costs when each
   chunk is staged once;
@@ -27,22 +29,18 @@ untimed compute. Timed ``--repeats`` times (the first compiles), the best kept. 
 reports, per worker: its tasks' seconds and counts by kind (dask's task stream: ``compute`` by
 task prefix, ``transfer`` between workers), the CPUs the worker may run on, the bytes it sent
 (:func:`dask_gpuchunk.jobs.sent_by_workers`) and what its host-fed chunks staged
-(:func:`dask_gpuchunk.jobs.staged_by_workers`: H2D, D2H and peer bytes, host copies, waits for
-the device, time on it), and what its chunks read for the node's other workers or took from
-them (:func:`dask_gpuchunk.peer_chunks.peer_stats`; ``DASK_GPUCHUNK__SHARE_READS=false`` in
-the environment turns that sharing off, for the figure without it). ``--gil-probe``: how long a
+(:func:`dask_gpuchunk.jobs.staged_by_workers`: H2D and D2H bytes, host copies, waits for
+the device, time on it). ``--protocol`` picks the cluster's transport (TLS, TCP, UCX),
+``--rmm`` RMM as the workers' and CuPy's allocator, ``--ucx-receive rmm`` distributed-ucxx's
+own buffers for received chunks. ``--gil-probe``: how long a
 thread in each worker that wakes every millisecond waited to run again (the GIL's hand-over);
 ``--switch-interval``: Python's switch interval in the workers. ``--keep-aliases``: the graphs
 sent as dask makes them, with the ``Alias`` tasks its fusion leaves (which
-``dg.local_cluster`` resolves: :mod:`dask_gpuchunk.alias_tasks`). ``words_steps``: each worker's
-steps of its words' way to its GPU during the run (host reads, copies to the GPU, reads for the
-node, peers' chunks fetched, waits; :func:`dask_gpuchunk.peer_chunks.peer_events`), in
-milliseconds from the compute's start. ``--gc-probe``: each of Python's collections of 0.5 ms
+``dg.local_cluster`` resolves: :mod:`dask_gpuchunk.alias_tasks`). ``--gc-probe``: each of Python's collections of 0.5 ms
 or more in each worker and in this process during the best run (``gc_pauses``), and the objects
 the collector tracks. ``--alloc-probe``: for every run, not only the best, each allocation of
 0.5 ms or more in each worker (page-locked host buffers for the pinned pool, CuPy's device
-pool; ``slow_allocations_by_run``) and the words' host reads and copies to the GPU of more
-than 20 ms (``slow_words_steps_by_run``). ``--pinned-alternate``: each repeat twice, the
+pool; ``slow_allocations_by_run``). ``--pinned-alternate``: each repeat twice, the
 workers' pinned buffers made by registering (``gpuchunk.pinned-allocation = "register"``) and
 by ``cudaHostAlloc`` in turn (ABBA order), freed before every run so that each run makes its
 own (``seconds_by_pinned_allocation``).
@@ -54,7 +52,6 @@ processes that import this file again.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -62,7 +59,6 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +66,6 @@ import numpy as np
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.jobs import sent_by_workers, staged_by_workers
-from dask_gpuchunk.peer_chunks import peer_events, peer_stats
 
 
 def write_random_bits(path: Path, rows: int, bits: int, seed: int
@@ -316,15 +311,12 @@ def _timed(client: Any, compute: Any, gil_probe: bool = False,
     from distributed import get_task_stream
 
     sent, staged = sent_by_workers(client), staged_by_workers(client)
-    peers = client.run(peer_stats)
     gil_marks = client.run(lambda dask_worker: len(dask_worker.gil_waits)) if gil_probe else {}
     with get_task_stream(client) as stream:
         t0, wall0 = time.perf_counter(), time.time()
         value = compute()
         seconds = time.perf_counter() - t0
-    extra: dict[str, Any] = {"words_steps": {
-        worker: [{"at_ms": round(1e3 * (e.pop("at") - wall0), 2), **e} for e in events]
-        for worker, events in client.run(peer_events, wall0).items()}}
+    extra: dict[str, Any] = {}
     if gil_probe:
         extra["gil_waits_by_workers"] = client.run(_gil_waits, since=gil_marks)
     if alloc_probe:
@@ -337,10 +329,7 @@ def _timed(client: Any, compute: Any, gil_probe: bool = False,
             "by_quarter": _by_quarter(stream.data, wall0, wall0 + seconds),
             "tasks_by_worker": _task_seconds(stream.data),
             "sent_by_workers": sent_by_workers(client, sent),
-            "staged_by_workers": staged_by_workers(client, staged),
-            "peers_by_workers": {w: {k: round(v - peers.get(w, {}).get(k, 0), 4)
-                                     for k, v in now.items()}
-                                 for w, now in client.run(peer_stats).items()}}
+            "staged_by_workers": staged_by_workers(client, staged)}
 
 
 def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant: str,
@@ -367,7 +356,8 @@ def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant
         if args.pinned_alternate:  # each way in turn, every run's buffers made anew
             way = PINNED_WAYS[(repeat + repeat // 2) % 2]
             client.run(_pinned_allocation, way)
-        g = dg.gram(words, packed=True, method=method)
+        g = dg.gram(words, packed=True, method=method, block_rows=args.block_rows,
+                    keep_on_device=variant == "kept")
         # Timed: C.sum() alone, as a user's reduction of C; checked exactly by the column-count
         # identity. The sampled rows are a second, untimed compute.
         run = _timed(client, lambda g=g: client.compute(g.sum(), sync=True),
@@ -375,13 +365,14 @@ def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant
                      alloc_probe=args.alloc_probe)
         total = run.pop("value")
         sample_rows = g[sample]
-        if variant == "device":
+        if variant in ("device", "kept"):
             sample_rows = sample_rows.map_blocks(lambda b: b.get(), dtype=np.int32,
                                                  meta=np.empty((0, 0), np.int32))
         rows = client.compute(sample_rows, sync=True)
         if args.pinned_alternate:
             run["pinned_allocation"] = way
         run["sum_exact"] = int(total) == expected_sum
+        run["c_row_blocks"] = list(g.chunks[0])
         run["sampled_rows_exact"] = bool(run["sum_exact"] and np.array_equal(
             np.asarray(rows), expected_rows))
         runs.append(run)
@@ -402,10 +393,6 @@ def _run(client: Any, path: Path, args: argparse.Namespace, method: str, variant
                            for w in workers}
     if args.alloc_probe:  # every run's, the slow ones among them
         entry["slow_allocations_by_run"] = [r.get("slow_allocations") for r in runs]
-        entry["slow_words_steps_by_run"] = [
-            {worker: [[e["at_ms"], e["kind"], round(1e3 * e["seconds"], 1)] for e in events
-                      if e.get("seconds", 0) > 0.02 and e["kind"] in ("host read", "to the GPU")]
-             for worker, events in r["words_steps"].items()} for r in runs]
     if args.pinned_alternate:
         entry["seconds_by_pinned_allocation"] = {
             way: [r["seconds"] for r in runs if r["pinned_allocation"] == way]
@@ -486,25 +473,49 @@ def _protocol_options(args: Any) -> dict[str, Any]:
     """dg.local_cluster's transport options for ``--protocol`` (and the similarity tool's
     ``--tls no``)."""
     protocol = getattr(args, "protocol", None)
+    rmm = getattr(args, "rmm", "none")
+    options: dict[str, Any] = {}
+    if rmm != "none":  # RMM as the workers' and CuPy's allocator, dask-cuda's options
+        options["rmm_allocator_external_lib_list"] = ["cupy"]
+        if rmm == "async":
+            options.update(rmm_async=True, rmm_release_threshold=args.rmm_limit)
+        else:
+            options.update(rmm_pool_size=args.rmm_initial, rmm_maximum_pool_size=args.rmm_limit)
     if protocol == "ucx":
-        return {"protocol": "ucx"}
+        return {"protocol": "ucx", **options}
     if protocol == "tcp" or getattr(args, "tls", "yes") == "no":
-        return {"secure": False}
-    return {}
+        return {"secure": False, **options}
+    return options
 
 
-@contextlib.contextmanager
-def _transport(args: Any) -> Iterator[None]:
-    """``--sharing off``: the package's own sharing between a node's workers off while the
-    cluster starts (dg.local_cluster hands the settings to its workers)."""
-    if getattr(args, "sharing", "on") == "on":
-        yield
+def _ucx_receive(client: Any, args: Any) -> None:
+    """``--ucx-receive rmm``: distributed-ucxx's own allocator of received chunks back in
+    the workers (dask_gpuchunk's worker setup puts CuPy's in its place)."""
+    if getattr(args, "ucx_receive", "pool") != "rmm":
         return
-    import dask
 
-    with dask.config.set({"gpuchunk.share-reads": False,
-                          "gpuchunk.share-device-chunks": False}):
-        yield
+    def restore() -> bool:
+        from dask_gpuchunk import _compat, spilling
+
+        if spilling.ucx_own_allocator is None:
+            return False
+        _compat.set_ucx_device_allocator(spilling.ucx_own_allocator)
+        return True
+
+    print("ucx receive restored:", client.run(restore), flush=True)
+
+
+def add_transport_arguments(parser: argparse.ArgumentParser) -> None:
+    """The transport and allocator options both scaling tools take."""
+    parser.add_argument("--protocol", default=None, choices=["tls", "tcp", "ucx"],
+                        help="the local cluster's transport (default: dg.local_cluster's, TLS)")
+    parser.add_argument("--rmm", default="none", choices=["none", "pool", "async"],
+                        help="RMM as the workers' and CuPy's allocator (dask-cuda's "
+                             "rmm_pool_size / rmm_async)")
+    parser.add_argument("--rmm-initial", default="2GB")
+    parser.add_argument("--rmm-limit", default="8GB")
+    parser.add_argument("--ucx-receive", default="pool", choices=["pool", "rmm"],
+                        help="rmm: distributed-ucxx's own rmm.DeviceBuffer per received chunk")
 
 
 def main() -> None:
@@ -515,6 +526,9 @@ def main() -> None:
     parser.add_argument("--methods", default="auto,popcount")
     parser.add_argument("--variants", default="host,device")
     parser.add_argument("--cpu-workers", type=int, default=2)
+    parser.add_argument("--block-rows", type=int, default=None,
+                        help="dg.gram's block_rows (default: its own choice; 1: the chunks as "
+                             "they are)")
     parser.add_argument("--gpus", default=None,
                         help="cluster sizes to time, comma-separated, e.g. 1,2,4 (default: 1 "
                              "and every GPU visible)")
@@ -530,11 +544,7 @@ def main() -> None:
                              "sampler; set DASK_DISTRIBUTED__WORKER__PROFILE__INTERVAL finer)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the input file, and reuse one this tool kept before")
-    parser.add_argument("--protocol", default=None, choices=["tls", "tcp", "ucx"],
-                        help="the local cluster's transport (default: dg.local_cluster's, TLS)")
-    parser.add_argument("--sharing", default="on", choices=["on", "off"],
-                        help="off: gpuchunk.share-reads and share-device-chunks off, as between "
-                             "workers of two hosts (nothing shared through CUDA IPC or files)")
+    add_transport_arguments(parser)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/gram-scaling"))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--cli", action="store_true",
@@ -577,12 +587,14 @@ def main() -> None:
     gpus_visible = dg.gpu_count()
     variants = args.variants.split(",") if gpus_visible else ["host"]
     result: dict = {"rows": args.rows, "bits": args.bits, "chunk_rows": args.chunk_rows,
+                    "block_rows": args.block_rows,
                     "gpus_visible": gpus_visible, "saturation": args.saturation,
                     "threads_per_gpu": args.threads_per_gpu,
                     "aliases_resolved": not args.keep_aliases, "protocol": args.protocol,
-                    "sharing": args.sharing, "runs": {}}
+                    "rmm": args.rmm, "ucx_receive": args.ucx_receive,
+                    "runs": {}}
     if args.gpus and gpus_visible:
-        sizes = sorted({int(g) for g in args.gpus.split(",")} | {1})
+        sizes = sorted({int(g) for g in args.gpus.split(",")})
         if sizes[-1] > gpus_visible:
             parser.error(f"--gpus {args.gpus}: only {gpus_visible} GPUs are visible")
     else:
@@ -591,9 +603,10 @@ def main() -> None:
         options = ({"gpus": size, "threads_per_gpu": args.threads_per_gpu} if gpus_visible
                    else {"n_workers": size, "threads_per_worker": 1})
         t0 = time.perf_counter()
-        with _transport(args), dg.local_cluster(dashboard_address=None,
+        with dg.local_cluster(dashboard_address=None,
                                                 **_protocol_options(args), **options) as client:
             started = time.perf_counter() - t0
+            _ucx_receive(client, args)
             if args.saturation is not None and math.isfinite(float(args.saturation)):
                 # dg.local_cluster keeps a configured value only where it differs from
                 # distributed's default (1.1): set on the running scheduler, any value holds.
