@@ -3,7 +3,7 @@
 ``dask.array.from_array`` copies a NumPy input before slicing it (dask 2026.x): for the 4 GB
 arrays of a GPU job that doubles host memory, costs a second of copying, and turns a pinned
 array into a pageable one. :func:`asarray` lists views of the array as the graph's values
-(``gpuchunk.listed-graphs``, :mod:`dask_gpuchunk.config`), or, under dask's array query
+(``listed-graphs`` of :data:`dask_gpuchunk.config.INTERNAL`), or, under dask's array query
 planning, hands ``from_array`` a reader without a ``copy`` method, which it does not copy
 (:class:`ViewReader`): each chunk a view, sliced when computed. Like any view, the result sees
 later writes to the source array. Arrays that are not in memory (h5py and Zarr datasets, other

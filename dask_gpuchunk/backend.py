@@ -693,7 +693,7 @@ def run_gpu_from_host(
 
 def host_result(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """A host array for a result coming from the device: page-locked where
-    ``gpuchunk.pinned-results`` is on (the result lands in it with no staging copy, and a file
+    ``pinned-results`` (``config.INTERNAL``) is on (the result lands in it with no staging copy, and a file
     writer sends it on from there: one host copy less per chunk), else plain NumPy."""
     if config.flag("pinned-results") and int(np.prod(shape)):
         return pinned_pool.lend(shape, dtype)

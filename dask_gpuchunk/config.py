@@ -4,33 +4,10 @@
 :func:`dask_gpuchunk.local_cluster` started inside ``dask.config.set`` hands the settings to
 its workers.
 
-``gpuchunk.listed-graphs`` (default ``True``)
-    Build small graphs as plain dicts of tasks (:func:`dask_gpuchunk.asarray`'s chunk views,
-    :func:`dask_gpuchunk.elementwise`'s results of up to
-    ``elementwise.LISTED_GRAPH_MAX_BLOCKS`` blocks, :func:`dask_gpuchunk.gram`'s blocks)
-    instead of through ``dask.array.from_array`` and ``blockwise``. Measured on an H200: a
-    device-resident product of two 4 GB CuPy arrays took 4.8 ms listed and 5.4 ms through
-    ``from_array``, beside CuPy's own 2.8 ms. Never under dask's array query planning
-    (``array.query-planning``), whose arrays are expressions, not graphs.
-``gpuchunk.direct-launch`` (default ``True``)
-    Launch elementwise kernels from the arrays' addresses through ``cuda.core`` (37-62 µs per
-    chunk instead of 146-221 µs through numba's dispatcher); a process where numba-cuda's
-    internals differ goes on through the dispatcher with one warning. ``False``: always the
-    dispatcher.
-``gpuchunk.pinned-results`` (default ``True``)
-    Results of the GPU path land in page-locked memory (the package's pinned pool): one host
-    copy less per chunk. ``False`` allocates them pageable.
 ``gpuchunk.pinned-pool-limit`` (default ``"25%"``)
     Most page-locked host memory the pinned pool keeps: bytes (``"8GiB"``) or a share of the
     machine's memory. Beyond it, idle buffers are freed first; then host chunks are staged
     from pageable memory (slower, never wrong).
-``gpuchunk.pinned-allocation`` (default ``"register"``)
-    How the pinned pool makes a page-locked buffer: anonymous memory that the kernel fills
-    (in huge pages where it gives them) before CUDA locks it (``"register"``,
-    :class:`dask_gpuchunk.staging.RegisteredMemory`), or ``cudaHostAlloc`` (``"host-alloc"``).
-    On 2 x H200, a 128 MiB buffer took 28-40 ms registered, during which the process's copies
-    to its GPU waited at most 6 ms, against 55-134 ms allocated, during which they all waited
-    (``tools/pinned_alloc_probe.py``). Where CUDA refuses a registration, the pool allocates.
 ``gpuchunk.file-reads`` (default ``0``)
     Region reads of ``.npy`` files at once per process (0: no limit). A disk that serves one
     sequential stream faster than many interleaved ones wants a small number.
@@ -42,26 +19,6 @@ its workers.
     Chunk writes at once per process (0: no limit). Measured on the H200 machine's disk, a
     40 GB Gram output: 16 writers at once drained the page cache at 2 GB/s, one sequential
     writer at 3 GB/s.
-``gpuchunk.gram-mirror`` (default ``"transpose"``)
-    How ``dg.gram`` of words read straight from a ``.npy`` (outside dask's array query
-    planning) makes its blocks below the diagonal: the transpose of the block above, a view on
-    the host (``"transpose"``), or computed again (``"recompute"``): twice the GPU's work, but
-    every block then one task with no other dependency than the source. On 2 x H200, one run
-    each: 1.83 x from one GPU to two with ``"recompute"``, 1.64 x without.
-``gpuchunk.read-ahead`` (default ``True``)
-    Where ``dg.gram`` (and its CLI job) reads its words straight from a ``.npy``, each process
-    reads the row chunks its blocks will want on a thread of its own once its first block has
-    asked, for as long as they fit where it keeps them (:mod:`dask_gpuchunk.resident`), instead
-    of each block waiting on the file in its task's thread. ``False``: blocks read what they
-    need when they need it.
-``gpuchunk.register-reads`` (default ``False``)
-    Where ``dg.gram`` (and its CLI job) keeps a ``.npy``'s words on the GPU, let the GPU copy
-    each chunk straight out of the page cache (the file's pages mapped and page-locked where
-    they lie, read-only) instead of reading it into a pinned buffer first: no host copy. On
-    4 x H200, 2.1 GB of cached words reached one GPU in 0.10 s against 0.23 s read, but four
-    processes at once took 0.26 s against 0.33 s, and the 4-GPU Gram ran as fast either way
-    (1.04 / 1.08 s, within the run-to-run spread); a cold file is not measured. A device that
-    refuses such registrations reads as with ``False``.
 ``gpuchunk.resolve-aliases`` (default ``True``)
     Inside :func:`dask_gpuchunk.local_cluster` (and after :func:`dask_gpuchunk.connect`),
     dask arrays' graphs go to the cluster without dask's ``Alias`` tasks, which distributed
@@ -76,13 +33,67 @@ its workers.
     Where compiled kernels are kept: generated kernel sources, and numba's compiled code for
     them and for ``cache=True`` functions.
 
+
 Removed settings (:data:`REMOVED`) are still accepted for one release, with a
 ``FutureWarning`` that says why they went; they do nothing.
+
+Tuned choices, not settings (:data:`INTERNAL`): each was a setting until 2026-11-29, kept
+for measuring one way against another; their values are the package's choices. A value given
+through ``dask.config`` or the environment is still honoured until the next release, with a
+``FutureWarning``; tests and tools choose another through :func:`internal_values`. What each
+does and why its value:
+
+``listed-graphs`` (default ``True``)
+    Build small graphs as plain dicts of tasks (:func:`dask_gpuchunk.asarray`'s chunk views,
+    :func:`dask_gpuchunk.elementwise`'s results of up to
+    ``elementwise.LISTED_GRAPH_MAX_BLOCKS`` blocks, :func:`dask_gpuchunk.gram`'s blocks)
+    instead of through ``dask.array.from_array`` and ``blockwise``. Measured on an H200: a
+    device-resident product of two 4 GB CuPy arrays took 4.8 ms listed and 5.4 ms through
+    ``from_array``, beside CuPy's own 2.8 ms. Never under dask's array query planning
+    (``array.query-planning``), whose arrays are expressions, not graphs.
+``direct-launch`` (default ``True``)
+    Launch elementwise kernels from the arrays' addresses through ``cuda.core`` (37-62 µs per
+    chunk instead of 146-221 µs through numba's dispatcher); a process where numba-cuda's
+    internals differ goes on through the dispatcher with one warning. ``False``: always the
+    dispatcher.
+``pinned-results`` (default ``True``)
+    Results of the GPU path land in page-locked memory (the package's pinned pool): one host
+    copy less per chunk. ``False`` allocates them pageable.
+``pinned-allocation`` (default ``"register"``)
+    How the pinned pool makes a page-locked buffer: anonymous memory that the kernel fills
+    (in huge pages where it gives them) before CUDA locks it (``"register"``,
+    :class:`dask_gpuchunk.staging.RegisteredMemory`), or ``cudaHostAlloc`` (``"host-alloc"``).
+    On 2 x H200, a 128 MiB buffer took 28-40 ms registered, during which the process's copies
+    to its GPU waited at most 6 ms, against 55-134 ms allocated, during which they all waited
+    (``tools/pinned_alloc_probe.py``). Where CUDA refuses a registration, the pool allocates.
+``gram-mirror`` (default ``"transpose"``)
+    How ``dg.gram`` of words read straight from a ``.npy`` (outside dask's array query
+    planning) makes its blocks below the diagonal: the transpose of the block above, a view on
+    the host (``"transpose"``), or computed again (``"recompute"``): twice the GPU's work, but
+    every block then one task with no other dependency than the source. On 2 x H200, one run
+    each: 1.83 x from one GPU to two with ``"recompute"``, 1.64 x without.
+``read-ahead`` (default ``True``)
+    Where ``dg.gram`` (and its CLI job) reads its words straight from a ``.npy``, each process
+    reads the row chunks its blocks will want on a thread of its own once its first block has
+    asked, for as long as they fit where it keeps them (:mod:`dask_gpuchunk.resident`), instead
+    of each block waiting on the file in its task's thread. ``False``: blocks read what they
+    need when they need it.
+``register-reads`` (default ``False``)
+    Where ``dg.gram`` (and its CLI job) keeps a ``.npy``'s words on the GPU, let the GPU copy
+    each chunk straight out of the page cache (the file's pages mapped and page-locked where
+    they lie, read-only) instead of reading it into a pinned buffer first: no host copy. On
+    4 x H200, 2.1 GB of cached words reached one GPU in 0.10 s against 0.23 s read, but four
+    processes at once took 0.26 s against 0.33 s, and the 4-GPU Gram ran as fast either way
+    (1.04 / 1.08 s, within the run-to-run spread); a cold file is not measured. A device that
+    refuses such registrations reads as with ``False``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,26 +102,33 @@ import dask.array as da
 
 from ._kernels import source_cache
 
-__all__ = ["DEFAULTS", "REMOVED", "cache_root", "check_settings", "checked", "flag", "get", "listed_graphs",
+__all__ = ["DEFAULTS", "INTERNAL", "REMOVED", "cache_root", "check_settings", "checked", "flag", "get", "internal_values", "listed_graphs",
            "map_blocks_prefix"]
 
 #: Every setting and its default (``gpuchunk.<name>``).
 DEFAULTS: dict[str, Any] = {
-    "listed-graphs": True,
-    "direct-launch": True,
-    "pinned-results": True,
     "pinned-pool-limit": "25%",
-    "pinned-allocation": "register",
     "file-reads": 0,
     "file-read-threads": 8,
     "file-writes": 1,
-    "gram-mirror": "transpose",
-    "read-ahead": True,
-    "register-reads": False,
     "resolve-aliases": True,
     "no-workers-timeout": 300,
     "cache-dir": None,
 }
+
+#: The package's tuned choices that were settings, by their old names (read with :func:`get`).
+INTERNAL: dict[str, Any] = {
+    "listed-graphs": True,
+    "direct-launch": True,
+    "pinned-results": True,
+    "pinned-allocation": "register",
+    "gram-mirror": "transpose",
+    "read-ahead": True,
+    "register-reads": False,
+}
+
+#: What :func:`internal_values` chose in this process, in place of :data:`INTERNAL`'s.
+_chosen: dict[str, Any] = {}
 
 dask.config.update_defaults({"gpuchunk": dict(DEFAULTS)})
 
@@ -142,15 +160,57 @@ def get(name: str) -> Any:
     ...
     ValueError: setting gpuchunk.file-writes (environment: DASK_GPUCHUNK__FILE_WRITES) is -3; it takes a whole number, 0 or more
     """
-    if name not in DEFAULTS:
+    if name in INTERNAL:
+        value = _internal(name)
+    elif name not in DEFAULTS:
         raise KeyError(f"no setting gpuchunk.{name}; the settings are "
                        f"{', '.join(sorted(DEFAULTS))}")
-    value = dask.config.get(f"gpuchunk.{name}", DEFAULTS[name])
+    else:
+        value = dask.config.get(f"gpuchunk.{name}", DEFAULTS[name])
     valid, words = _CHECKS.get(name, (None, ""))
     if valid is not None and not valid(value):
         raise ValueError(f"setting gpuchunk.{name} (environment: {_variable(name)}) is "
                          f"{value!r}; it takes {words}")
     return value
+
+
+def _internal(name: str) -> Any:
+    """A tuned choice's value: :func:`internal_values`', else one still given through
+    ``dask.config`` (honoured, with a warning), else :data:`INTERNAL`'s."""
+    if name in _chosen:
+        return _chosen[name]
+    given = dask.config.get(f"gpuchunk.{name}", None)
+    if given is None:
+        return INTERNAL[name]
+    warnings.warn(f"gpuchunk.{name} ({_variable(name)}) is no longer a setting: the package "
+                  f"chooses {INTERNAL[name]!r}; {given!r} is honoured until the next release",
+                  FutureWarning, stacklevel=4)
+    return given
+
+
+@contextlib.contextmanager
+def internal_values(values: dict[str, Any]) -> Iterator[None]:
+    """Choose other values of tuned choices (:data:`INTERNAL`, by name) in this process while
+    the block runs: for tests and measurements of one way against another.
+
+    Examples
+    --------
+    >>> with internal_values({"gram-mirror": "recompute"}):
+    ...     get("gram-mirror")
+    'recompute'
+    >>> get("gram-mirror")
+    'transpose'
+    """
+    unknown = sorted(set(values) - set(INTERNAL))
+    if unknown:
+        raise KeyError(f"no tuned choice {unknown[0]!r}; they are {', '.join(sorted(INTERNAL))}")
+    before = dict(_chosen)
+    _chosen.update(values)
+    try:
+        yield
+    finally:
+        _chosen.clear()
+        _chosen.update(before)
 
 
 def _variable(name: str) -> str:
@@ -229,12 +289,12 @@ def check_settings() -> None:
     # dask keeps an environment variable's name with underscores (file_writes)
     given = {str(k).replace("_", "-") for k in dask.config.get("gpuchunk", {}) or {}}
     for name in sorted(given & set(REMOVED)):
-        import warnings
-
         warnings.warn(f"setting gpuchunk.{name} ({_variable(name)}) was removed and does "
                       f"nothing: {REMOVED[name]}; it will be refused in the next release",
                       FutureWarning, stacklevel=2)
-    unknown = sorted(given - set(DEFAULTS) - set(REMOVED))
+    for name in sorted(given & set(INTERNAL)):
+        _internal(name)  # honoured, with its warning
+    unknown = sorted(given - set(DEFAULTS) - set(REMOVED) - set(INTERNAL))
     if unknown:
         import difflib
 
@@ -265,8 +325,8 @@ def flag(name: str) -> bool:
 
     Examples
     --------
-    >>> with dask.config.set({"gpuchunk.read-ahead": "False"}):
-    ...     flag("read-ahead")
+    >>> with dask.config.set({"gpuchunk.resolve-aliases": "False"}):
+    ...     flag("resolve-aliases")
     False
     """
     value = checked(name)
@@ -294,12 +354,12 @@ source_cache.set_cache_root(cache_root)
 
 
 def listed_graphs() -> bool:
-    """Whether small graphs are listed by hand (``gpuchunk.listed-graphs``; never under array
+    """Whether small graphs are listed by hand (``listed-graphs`` of :data:`INTERNAL`; never under array
     query planning).
 
     Examples
     --------
-    >>> with dask.config.set({"gpuchunk.listed-graphs": False}):
+    >>> with internal_values({"listed-graphs": False}):
     ...     listed_graphs()
     False
     """

@@ -5,7 +5,7 @@ row chunks ``(i, j)`` and word chunk ``w`` one task computes the partial block
 ``A[i, w] · A[j, w]ᵀ``; the partials of a block are summed in a tree (``SPLIT_EVERY`` at a
 time). Only blocks on or above the diagonal are computed: block ``(j, i)`` below it is the
 transpose of block ``(i, j)``, and a diagonal block computes its own upper triangle and mirrors
-it. The graph is listed by hand where small graphs are (``gpuchunk.listed-graphs``), else dask's
+it. The graph is listed by hand where small graphs are (``listed-graphs`` of ``config.INTERNAL``), else dask's
 ``blockwise`` and ``reduction``, as under dask's array query planning. The output's row and
 column chunks are the input's row chunks, so it can be written to disk one block at a time
 (:func:`dask_gpuchunk.to_npy`).
@@ -803,7 +803,7 @@ def _listed_graph(words: da.Array, method: str, device: str, meta: Any,
     (:func:`_grouped_block`): regrouped by dask's rechunk instead, a device-resident Gram
     held the words twice and spilled (one H200, 8 GiB cap: 1.16 s against 0.58 s ungrouped).
     Measured on an H200 (16,384 rows of 131,072 bits on the device,
-    ``gpuchunk.listed-graphs``): 13 ms listed against 19-21 ms through ``blockwise`` in chunks
+    ``listed-graphs``): 13 ms listed against 19-21 ms through ``blockwise`` in chunks
     of 4,096 rows, 17-19 ms against 48-55 ms in chunks of 2,048, mostly dask's optimisation of
     the blockwise layers."""
     row_chunks = tuple(words.chunks[0]) if row_chunks is None else row_chunks
@@ -842,11 +842,14 @@ def _chunk_groups(chunks: tuple[int, ...], row_chunks: tuple[int, ...]) -> list[
     --------
     >>> _chunk_groups((2, 2, 3, 1), (4, 4))
     [[0, 1], [2, 3]]
+    >>> _chunk_groups((0,), (0,))
+    [[0]]
     """
     groups: list[list[int]] = []
     index = 0
     for rows in row_chunks:
-        group, filled = [], 0
+        group, filled = [index], chunks[index]  # at least one chunk: empty ones too
+        index += 1
         while filled < rows:
             group.append(index)
             filled += chunks[index]

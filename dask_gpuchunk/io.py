@@ -366,7 +366,7 @@ def _rows_on_device(path: str, header: NpyHeader, row_bytes: int, start: int, st
 
     No CPU copy into a pinned buffer: on an H200, 2.1 GB of words in 128 MiB chunks moved in
     0.10 s this way against 0.23 s read; four processes at once on 4 x H200, 0.26 s against
-    0.33 s (``tools/staging_path_probe.py``). Opt-in (``gpuchunk.register-reads``): the
+    0.33 s (``tools/staging_path_probe.py``). Opt-in (``register-reads`` of ``config.INTERNAL``): the
     4-GPU Gram was no faster end to end, and a cold file is not measured.
     """
     import cupy
@@ -535,7 +535,7 @@ class NpyReader:
     def rows_on_device(self, start: int, stop: int) -> Any:
         """Rows ``start:stop`` as a CuPy array on the current device, copied by the GPU out of
         the page cache with no host copy (:func:`_rows_on_device`), or ``None`` where that
-        cannot be: a Fortran-order or byte-swapped file, ``gpuchunk.register-reads`` off, or a
+        cannot be: a Fortran-order or byte-swapped file, ``register-reads`` off, or a
         device that refuses read-only registrations (read them with ``self[...]`` instead)."""
         if (self.header.fortran_order or not self.header.dtype.isnative or not self.ndim
                 or not config.flag("register-reads")):

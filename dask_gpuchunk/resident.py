@@ -399,7 +399,7 @@ def source_tasks(reader: Any, tag: str, read_ahead: Sequence[tuple[int, int]] = 
     the source's key: the reader as a value of the graph (where :func:`dask_gpuchunk.to_npy`
     finds a graph's inputs) and a task that makes the source from it, so that the chunks it
     keeps go when the compute's last task that needs them is done, not with the graph.
-    ``read_ahead``: the source's (:class:`ResidentSource`), where ``gpuchunk.read-ahead`` is on.
+    ``read_ahead``: the source's (:class:`ResidentSource`), where ``read-ahead`` is on (``config.INTERNAL``).
 
     Examples
     --------

@@ -125,10 +125,14 @@ class RegisteredMemory:
     def __del__(self) -> None:
         if not hasattr(self, "address"):  # __init__ failed, and unmapped what it had mapped
             return
-        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone first
+        # A plain try: at interpreter exit CUDA, and module globals such as contextlib, may be
+        # gone first.
+        try:
             import cupy
 
             cupy.cuda.runtime.hostUnregister(self.address)
+        except Exception:  # noqa: BLE001
+            pass
         unmap(self.address, self.size)
 
 
@@ -143,7 +147,7 @@ _registration_refused: list[str] = []
 
 
 def _page_locked(size: int) -> tuple[Any, int]:
-    """``size`` bytes of page-locked memory made as ``gpuchunk.pinned-allocation`` says;
+    """``size`` bytes of page-locked memory made as ``pinned-allocation`` (``config.INTERNAL``) says;
     ``cudaHostAlloc`` where CUDA refuses to register memory (a driver or host that does not
     allow it), from then on in this process, with one warning."""
     if config.get("pinned-allocation") == "register" and not _registration_refused:
@@ -189,8 +193,10 @@ class _Loan:
         self.pool, self.size, self.mem = pool, size, mem
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter exit the pool may be gone first
+        try:  # at interpreter exit the pool (and module globals) may be gone first
             self.pool._give(self.size, self.mem)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 class PinnedPool:
@@ -204,7 +210,7 @@ class PinnedPool:
 
     Examples
     --------
-    ``allocate(size)`` makes the memory (page-locked, as ``gpuchunk.pinned-allocation`` says,
+    ``allocate(size)`` makes the memory (page-locked, as ``pinned-allocation`` says,
     by default); here, plain bytes:
 
     >>> import ctypes

@@ -9,13 +9,14 @@ import pytest
 from dask.array.utils import assert_eq
 
 import dask_gpuchunk as dg
+from dask_gpuchunk import config
 
 
 @pytest.mark.parametrize("listed", [True, False], ids=["listed", "from_array"])
 def test_chunks_are_views_of_the_source(rng, listed):
     # Listed views (the default) or dask's from_array over a reader: never a copy.
     a = rng.random((10, 7))
-    with dask.config.set({"gpuchunk.listed-graphs": listed}):
+    with config.internal_values({"listed-graphs": listed}):
         x = dg.asarray(a, chunks=(4, 3))
     assert x.chunks == ((4, 4, 2), (3, 3, 1))
     shared = x.map_blocks(lambda b: np.full(b.shape, np.shares_memory(b, a)), dtype=bool)

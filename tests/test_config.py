@@ -23,11 +23,36 @@ def test_a_bad_value_set_from_python_is_named_where_the_api_reads_it(tmp_path, v
 
 
 def test_a_flag_given_as_text_is_read_as_its_words():
-    with dask.config.set({"gpuchunk.direct-launch": "False"}):
+    with dask.config.set({"gpuchunk.resolve-aliases": "False"}):
+        assert config.flag("resolve-aliases") is False
+    with dask.config.set({"gpuchunk.resolve-aliases": "maybe"}), pytest.raises(
+            ValueError, match="gpuchunk.resolve-aliases .* True or False"):
+        config.flag("resolve-aliases")
+
+
+def test_at_most_eight_settings_and_the_tuned_choices_apart():
+    assert len(config.DEFAULTS) <= 8
+    assert set(config.INTERNAL).isdisjoint(config.DEFAULTS)
+    assert not any(name in dask.config.get("gpuchunk") for name in config.INTERNAL)
+
+
+def test_a_tuned_choice_still_given_is_honoured_with_a_warning_and_checked():
+    assert config.flag("direct-launch") is True
+    with dask.config.set({"gpuchunk.direct-launch": "False"}), \
+            pytest.warns(FutureWarning, match="direct-launch .*no longer a setting"):
         assert config.flag("direct-launch") is False
+    with dask.config.set({"gpuchunk.read_ahead": False}), \
+            pytest.warns(FutureWarning, match="read-ahead"):
+        config.check_settings()  # known, not refused
     with dask.config.set({"gpuchunk.direct-launch": "maybe"}), pytest.raises(
-            ValueError, match="gpuchunk.direct-launch .* True or False"):
+            ValueError, match="gpuchunk.direct-launch .* True or False"), \
+            pytest.warns(FutureWarning):
         config.flag("direct-launch")
+    with config.internal_values({"direct-launch": False}):
+        assert config.flag("direct-launch") is False  # no warning: the tests' way
+    with pytest.raises(KeyError, match="no tuned choice"):
+        with config.internal_values({"file-writes": 2}):
+            pass
 
 
 def test_an_unknown_setting_is_named_with_the_closest_one(monkeypatch):

@@ -17,6 +17,7 @@ import dask_gpuchunk as dg
 from dask_gpuchunk import jobs
 from dask_gpuchunk._kernels.bitpack import BitValueError, reference_bitpack
 from dask_gpuchunk._kernels.gram import reference_gram
+from dask_gpuchunk import config
 
 SIZES = [1, 7, 63, 64, 65, 1041, 1043]
 # the module, which the package's function of the same name hides as an attribute
@@ -74,7 +75,7 @@ def graph_kind(request):
     query planning)."""
     if request.param and da.array_expr_enabled():
         pytest.skip("array query planning: no listed graphs")
-    with dask.config.set({"gpuchunk.listed-graphs": request.param}):
+    with config.internal_values({"listed-graphs": request.param}):
         yield request.param
 
 
@@ -429,18 +430,18 @@ def test_gram_of_a_npy_reads_its_chunks_where_the_blocks_run(rng, tmp_path, word
 @needs_legacy_graphs
 @pytest.mark.parametrize("device", ["auto", "cpu"])
 def test_gram_of_a_npy_computes_the_blocks_below_too_when_asked(rng, tmp_path, device):
-    # gpuchunk.gram-mirror="recompute": every block its own task over the source, no
+    # gram-mirror="recompute": every block its own task over the source, no
     # transposes of other blocks; the same counts.
     a = random_bits(rng, (150, 777), 0.4)
     np.save(tmp_path / "w.npy", np.packbits(a, axis=1))
     x = dg.from_npy(tmp_path / "w.npy", chunks=((40, 1, 60, 49), -1))
-    with dask.config.set({"gpuchunk.gram-mirror": "recompute"}):
+    with config.internal_values({"gram-mirror": "recompute"}):
         g = dg.gram(x, packed=True, device=device)
     graph = dict(g.__dask_graph__())
     assert not any(v[0] is gram_module._transposed for v in graph.values() if isinstance(v, tuple))
     assert g.name != dg.gram(x, packed=True, device=device).name
     np.testing.assert_array_equal(g.compute(), reference_gram(a))
-    with dask.config.set({"gpuchunk.gram-mirror": "sideways"}), \
+    with config.internal_values({"gram-mirror": "sideways"}), \
             pytest.raises(ValueError, match="gram-mirror"):
         dg.gram(x, packed=True, device=device)
 
@@ -482,7 +483,7 @@ def test_gram_of_a_npy_sends_no_words_between_workers(rng, tmp_path):
 @needs_legacy_graphs
 @pytest.mark.parametrize("read_ahead", [True, False])
 def test_gram_of_a_npy_reads_ahead_on_each_worker_once_per_chunk(rng, tmp_path, read_ahead):
-    # Each worker reads every row chunk its blocks need once; with gpuchunk.read-ahead (the
+    # Each worker reads every row chunk its blocks need once; with read-ahead (the
     # default) all but the first on a thread of its own, before its blocks ask. On
     # dg.local_cluster, whose active memory manager keeps every worker's copy of the source
     # (dask_gpuchunk.replicas): on a plain LocalCluster a worker read them twice in one CI run.
@@ -490,7 +491,7 @@ def test_gram_of_a_npy_reads_ahead_on_each_worker_once_per_chunk(rng, tmp_path, 
 
     words = np.packbits(random_bits(rng, (900, 4096), 0.3), axis=1)
     np.save(tmp_path / "w.npy", words)
-    with dask.config.set({"gpuchunk.read-ahead": read_ahead}):
+    with config.internal_values({"read-ahead": read_ahead}):
         g = dg.gram(dg.from_npy(tmp_path / "w.npy", chunks=(100, -1)), packed=True,
                     device="cpu")
     want = reference_gram(np.unpackbits(words, axis=1)).sum(dtype=np.int64)

@@ -15,6 +15,7 @@ from helpers import DTYPES, random_array
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.io import NpyFormatError, read_header
+from dask_gpuchunk import config
 
 
 def files(directory) -> list[str]:
@@ -440,7 +441,7 @@ def test_rows_reach_the_gpu_straight_from_the_file_where_they_can(tmp_path, monk
         got = reader.rows_on_device(start, stop)
         assert isinstance(got, cupy.ndarray) and got.dtype == words.dtype
         np.testing.assert_array_equal(got.get(), words[start:stop])
-    with dask.config.set({"gpuchunk.register-reads": False}):
+    with config.internal_values({"register-reads": False}):
         assert reader.rows_on_device(0, 10) is None
     np.save(tmp_path / "f.npy", np.asfortranarray(words))
     fortran = npy_reader_of(dg.from_npy(tmp_path / "f.npy", chunks=(300, -1)))

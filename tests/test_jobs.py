@@ -17,6 +17,7 @@ from dask.utils import key_split
 from helpers import bit_products, random_bits
 
 from dask_gpuchunk.jobs import gram_files, multiply_files
+from dask_gpuchunk import config
 
 
 def test_multiply_files_writes_the_broadcast_product_chunk_by_chunk(rng, tmp_path):
@@ -331,7 +332,7 @@ def test_similarity_job_leaves_a_npy_to_the_selection_s_blocks(rng, tmp_path, li
     from dask_gpuchunk.jobs import _read, _similarity_words
 
     np.save(tmp_path / "fps.npy", np.packbits(random_bits(rng, (300, 2048), 0.075), axis=1))
-    with dask.config.set({"gpuchunk.listed-graphs": listed}):
+    with config.internal_values({"listed-graphs": listed}):
         x = _read(tmp_path / "fps.npy", chunks=(100, -1))
         for selection in (True, False):
             words = _similarity_words(x, True, "auto", True, selection)

@@ -13,6 +13,7 @@ from dask.base import tokenize
 
 from dask_gpuchunk import resident
 from dask_gpuchunk.resident import ResidentChunks, ResidentSource, resident_stats
+from dask_gpuchunk import config
 
 
 def test_chunks_are_kept_least_recently_used_first_out():
@@ -229,10 +230,10 @@ def test_source_tasks_read_ahead_only_where_the_setting_is_on():
 
     entries, key = resident.source_tasks("a reader", "t", read_ahead=[(0, 2), (2, 4)])
     assert entries[key][3] == ((0, 2), (2, 4))
-    with dask.config.set({"gpuchunk.read-ahead": "false"}):
+    with config.internal_values({"read-ahead": "false"}):
         entries, key = resident.source_tasks("a reader", "t", read_ahead=[(0, 2), (2, 4)])
     assert len(entries[key]) == 3  # (ResidentSource, reader key, token): no read-ahead
-    with dask.config.set({"gpuchunk.read-ahead": "sometimes"}), \
+    with config.internal_values({"read-ahead": "sometimes"}), \
             pytest.raises(ValueError, match="read-ahead"):
         resident.source_tasks("a reader", "t", read_ahead=[(0, 2)])
 

@@ -16,6 +16,7 @@ from helpers import bit_products, random_bits
 import dask_gpuchunk as dg
 from dask_gpuchunk.config import listed_graphs
 from dask_gpuchunk.similarity import METRICS, MISSING_SCORE
+from dask_gpuchunk import config
 
 QUERY_PLANNING = type(da.ones(1)).__module__.startswith("dask.array._array_expr")
 
@@ -570,7 +571,7 @@ def test_threshold_of_a_npy_reads_its_chunks_where_the_blocks_run(rng, tmp_path,
         y = x[::-3]
         np.save(tmp_path / "y.npy", np.packbits(y, axis=1))
         wy = dg.from_npy(tmp_path / "y.npy", chunks=(25, -1))
-    with dask.config.set({"gpuchunk.listed-graphs": listed}):
+    with config.internal_values({"listed-graphs": listed}):
         rows, cols, scores = dg.similarity(wx, wy, packed=True, metric="dice", threshold=0.3,
                                            device="cpu")
         graph = dict(rows.__dask_graph__())

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dask_gpuchunk.staging import _size_class
+from dask_gpuchunk import config
 
 
 @pytest.mark.parametrize("n", [1, 1000, 65536, 65537, 10**6, 200_000_000, 2**31 + 5])
@@ -44,7 +45,7 @@ def test_pool_buffers_of_each_allocation_are_pinned_and_copy_exactly(allocation)
 
     from dask_gpuchunk import staging
 
-    with dask.config.set({"gpuchunk.pinned-allocation": allocation}):
+    with config.internal_values({"pinned-allocation": allocation}):
         owner, _ = staging._page_locked(1 << 16)
     made_by = staging.RegisteredMemory if allocation == "register" else cupy.cuda.PinnedMemory
     assert isinstance(owner, made_by)
@@ -52,7 +53,7 @@ def test_pool_buffers_of_each_allocation_are_pinned_and_copy_exactly(allocation)
     rng = np.random.default_rng(7)
     expected = rng.integers(1, 2**31, size=(3001, 17), dtype=np.int64)
     pool = staging.PinnedPool()
-    with dask.config.set({"gpuchunk.pinned-allocation": allocation}):
+    with config.internal_values({"pinned-allocation": allocation}):
         loaned = pool.lend(expected.shape, expected.dtype)
     assert staging.is_pinned(loaned) and staging.is_pinned(loaned[1500:])
     loaned[...] = expected
@@ -99,7 +100,7 @@ def test_a_refused_registration_falls_back_to_cuda_host_alloc_once(monkeypatch):
     monkeypatch.setattr(cupy.cuda.runtime, "hostRegister", refuse)
     monkeypatch.setattr(staging, "_registration_refused", [])
     pool = staging.PinnedPool()
-    with dask.config.set({"gpuchunk.pinned-allocation": "register"}):
+    with config.internal_values({"pinned-allocation": "register"}):
         with pytest.warns(RuntimeWarning, match="cudaHostAlloc instead"):
             first = pool.lend((5000,), np.float64)
         with warnings.catch_warnings():

@@ -41,7 +41,7 @@ or more in each worker and in this process during the best run (``gc_pauses``), 
 the collector tracks. ``--alloc-probe``: for every run, not only the best, each allocation of
 0.5 ms or more in each worker (page-locked host buffers for the pinned pool, CuPy's device
 pool; ``slow_allocations_by_run``). ``--pinned-alternate``: each repeat twice, the
-workers' pinned buffers made by registering (``gpuchunk.pinned-allocation = "register"``) and
+workers' pinned buffers made by registering (``pinned-allocation = "register"``) and
 by ``cudaHostAlloc`` in turn (ABBA order), freed before every run so that each run makes its
 own (``seconds_by_pinned_allocation``).
 
@@ -254,18 +254,16 @@ def _gc_pauses(dask_worker: Any = None, since: float = 0.0) -> list[list[float]]
             for wall, generation, seconds in getattr(holder, "gc_pauses", ()) if wall >= since]
 
 
-#: ``gpuchunk.pinned-allocation``'s ways, alternated by ``--pinned-alternate``.
+#: ``pinned-allocation``'s ways (dask_gpuchunk.config.INTERNAL), alternated by ``--pinned-alternate``.
 PINNED_WAYS = ("register", "host-alloc")
 
 
 def _pinned_allocation(way: str) -> None:
     """In a worker: make its pinned pool's buffers ``way`` from now on, and free the idle
     ones, so that the next run makes its buffers anew."""
-    import dask
+    from dask_gpuchunk import config, staging
 
-    from dask_gpuchunk import staging
-
-    dask.config.set({"gpuchunk.pinned-allocation": way})
+    config.internal_values({"pinned-allocation": way}).__enter__()  # for the worker's life
     staging.pinned_pool.clear()
 
 
@@ -569,7 +567,7 @@ def main() -> None:
                              "memory, CuPy's device pool) in every timed run")
     parser.add_argument("--pinned-alternate", action="store_true",
                         help="run each repeat twice, with the workers' pinned buffers made "
-                             "each way of gpuchunk.pinned-allocation in turn and freed before "
+                             "each way of pinned-allocation in turn and freed before "
                              "every run (seconds_by_pinned_allocation)")
     args = parser.parse_args()
     if args.threads_per_gpu is not None and args.threads_per_gpu.isdigit():

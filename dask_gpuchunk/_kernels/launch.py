@@ -97,7 +97,7 @@ _direct_works = [True]
 
 def direct_launch_available(wanted: bool = True) -> bool:
     """Whether :class:`DirectLaunch` can run here: ``wanted`` (the package's
-    ``gpuchunk.direct-launch``), a real GPU (not numba's simulator), no earlier failure in this
+    ``direct-launch`` choice), a real GPU (not numba's simulator), no earlier failure in this
     process (:func:`fall_back_to_numba`), and numba-cuda launching through ``cuda.core``."""
     if not (wanted and _direct_works[0]):
         return False
@@ -136,8 +136,7 @@ def fall_back_to_numba(reason: BaseException) -> None:
     warnings.warn(
         f"dask_gpuchunk: kernels are launched through numba's dispatcher from now on in this "
         f"process (~0.1 ms more per chunk), because the direct launch cannot be used with this "
-        f"numba-cuda: {reason}. The setting gpuchunk.direct-launch=False "
-        f"(DASK_GPUCHUNK__DIRECT_LAUNCH=False) skips the attempt.",
+        f"numba-cuda: {reason}; please report it with your numba-cuda version.",
         RuntimeWarning, stacklevel=3,
     )
 
