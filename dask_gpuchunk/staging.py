@@ -125,15 +125,18 @@ class RegisteredMemory:
     def __del__(self) -> None:
         if not hasattr(self, "address"):  # __init__ failed, and unmapped what it had mapped
             return
-        # A plain try: at interpreter exit CUDA, and module globals such as contextlib, may be
-        # gone first.
+        # Plain tries: at interpreter exit CUDA, and this module's globals (contextlib, unmap),
+        # may be gone first; the process's memory goes with it then.
         try:
             import cupy
 
             cupy.cuda.runtime.hostUnregister(self.address)
         except Exception:  # noqa: BLE001
             pass
-        unmap(self.address, self.size)
+        try:
+            unmap(self.address, self.size)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _registered_pinned(size: int) -> tuple[Any, int]:
