@@ -74,6 +74,11 @@ BLOCKS_PER_WORKER = 8
 #: One block of grouped rows takes at most this share (1/N) of the device's working budget: a
 #: worker runs two at once, beside what it stores.
 BLOCK_BUDGET_SHARE = 3
+#: And its block of C at most this many bytes: blocks above the diagonal wait, stored on the
+#: device, for their transposes below it. On 2 x H200 (8 GiB cap), 131,072 x 131,072 bits in
+#: 1 GiB blocks spilled them to the host and ran slower than on one GPU (6.05 s against 4.52 s);
+#: 65,536 x 262,144 bits in 576 MiB blocks ran in 0.18 s.
+BLOCK_MAX_BYTES = 640 << 20
 
 
 # ---- bitpack ---------------------------------------------------------------------------------
@@ -531,17 +536,17 @@ def task_block_rows(rows: int, bits: int, method: str = "auto", budget: int | No
                     workers: int | None = None) -> int:
     """Rows of the Gram's blocks on GPUs: enough for :data:`TASK_BIT_MACS` of work each, but
     no more than a block within ``budget / BLOCK_BUDGET_SHARE`` (this process's working budget
-    where ``None``) and at least ``max(MIN_ROW_GROUPS, sqrt(BLOCKS_PER_WORKER * workers))``
+    where ``None``) or a block of C over :data:`BLOCK_MAX_BYTES`, and at least ``max(MIN_ROW_GROUPS, sqrt(BLOCKS_PER_WORKER * workers))``
     groups per side (``workers``: the default client's cluster's, where ``None``).
 
     Examples
     --------
     >>> task_block_rows(65536, 262144, "popcount", budget=7 << 30, workers=2)
-    16384
+    12952
+    >>> task_block_rows(65536, 262144, "popcount", budget=2 << 30, workers=2)
+    7424
     >>> task_block_rows(65536, 262144, "popcount", budget=7 << 30, workers=4)
     10923
-    >>> task_block_rows(1_000_000, 2048, "popcount", budget=7 << 30, workers=1)
-    24960
     """
     budget = working_budget() if budget is None else budget
     workers = cluster_workers() if workers is None else workers
@@ -557,7 +562,8 @@ def task_block_rows(rows: int, bits: int, method: str = "auto", budget: int | No
         fits = block_bytes(mid * 128, words64, resolved) <= budget // BLOCK_BUDGET_SHARE
         low, high = (mid, high) if fits else (low, mid - 1)
     by_memory = max(low * 128, 1)
-    return max(1, min(by_work, by_balance, by_memory))
+    by_block = int((BLOCK_MAX_BYTES // 4) ** 0.5)
+    return max(1, min(by_work, by_balance, by_memory, by_block))
 
 
 def packed_words(x: Any, packed: bool, device: str, what: str = "gram", name: str = "x"

@@ -157,9 +157,12 @@ def test_task_block_rows_follows_work_memory_and_workers():
         65536, 262144, "popcount", budget=8 << 30, workers=1)
     # workers: more of them, more groups
     assert rows(65536, 262144, "popcount", budget=8 << 30, workers=8) <= 65536 // 8
-    # work: short rows need many of them for a block's worth of GPU work
-    assert rows(10**7, 64, "popcount", budget=64 << 30, workers=1) > rows(
-        10**7, 262144, "popcount", budget=64 << 30, workers=1)
+    # work: long rows need fewer of them for a block's worth of GPU work
+    assert rows(10**7, 10**7, "popcount", budget=1 << 40, workers=1) < rows(
+        10**7, 64, "popcount", budget=1 << 40, workers=1)
+    # C's blocks: never over BLOCK_MAX_BYTES
+    assert rows(10**7, 64, "popcount", budget=1 << 40, workers=1) ** 2 * 4 <= (
+        gram_module.BLOCK_MAX_BYTES)
     assert rows(10, 64, "popcount", budget=1, workers=1) >= 1
 
 
