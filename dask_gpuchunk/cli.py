@@ -794,7 +794,7 @@ def gram_command(bits: str, output: str, overwrite: bool, compression: str, zarr
 def _in_process_by_default(opts: dict[str, Any]) -> bool:
     """Whether a job with nothing to spill runs in this process unless told otherwise: no
     cluster option given and at most one GPU visible. A local cluster would add its start and
-    close (6-8 s on the GPU machines; docs/perf-notes.md, items 26, 28 and 31) and give such a
+    close (6-8 s on the GPU machines; the perf notes (git show 85dc246:docs/perf-notes.md), items 26, 28 and 31) and give such a
     job nothing: one GPU's worker, and results of a few bytes a row."""
     return (not opts.get("in_process") and not _cluster_options_given(opts)
             and gpu_count() <= 1)

@@ -850,7 +850,7 @@ def _listed_graph(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], .
     This is what ``da.blockwise`` gives for an elementwise function, listed now. A
     ``Blockwise`` layer costs each persist of a small graph 0.1-0.4 ms more, to build it and
     then for Dask to optimise and list it, against a 2.75 ms product of two 4 GB arrays on the
-    H200 (docs/perf-notes.md, step 11); a loop of device-resident steps pays it every step.
+    H200 (the perf notes (git show 85dc246:docs/perf-notes.md), step 11); a loop of device-resident steps pays it every step.
     """
     ndim = len(chunks)
     graph: dict[Any, Any] = {}

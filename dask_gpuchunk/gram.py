@@ -403,7 +403,7 @@ def _transposed(block: Any) -> Any:
     reads the view in memory order; a file write copies it tile by tile
     (:func:`dask_gpuchunk._kernels.gram.c_ordered`). Copied here, the 120 mirrored blocks of a
     65,536-row Gram from a file (7.7 GB) took more of one GPU worker's two threads than the
-    kernels did (2 x H100, docs/perf-notes.md item 31)."""
+    kernels did (2 x H100, the perf notes (git show 85dc246:docs/perf-notes.md) item 31)."""
     return backend.run_chunk(backend.ChunkWork(
         "a transposed block", on_cpu=lambda: block.T,
         on_device=lambda: block.T.copy(), stage=False), [block])

@@ -257,7 +257,7 @@ def _gram_slabs_to_file(words: Any, target: Path, method: str, device: str, over
                         output) as writer:
         # Delayed tasks, not blockwise: slab i waits for the write of slab i - SLABS_AHEAD, a
         # dependency between blocks that no blockwise construct states; the measured
-        # pipelining of the row-slab layout (docs/perf-notes.md, item 8) rests on it.
+        # pipelining of the row-slab layout (the perf notes (git show 85dc246:docs/perf-notes.md), item 8) rests on it.
         slab_task = _slab_tasks(words, method, device, upper)
         workers = _workers_to_spread_over()
         writes: list[Any] = []

@@ -5,7 +5,7 @@ Read through Dask, a chunk is one task's result: blocks on other workers receive
 cluster's comm (TLS on a local cluster: 0.5-1.5 GB/s between two workers), it arrives in pageable
 memory and is copied into pinned buffers again, and every block stages both of its chunks to the
 GPU again (on two H100s, 65,536 × 262,144 bits in 4,096-row chunks: 2.3 GB sent between the
-workers, 34 GB of H2D for 2.1 GB of words; docs/perf-notes.md, item 29). Blocks that read their
+workers, 34 GB of H2D for 2.1 GB of words; the perf notes (git show 85dc246:docs/perf-notes.md), item 29). Blocks that read their
 chunks themselves through a :class:`ResidentSource` get each chunk once per process: read (from
 a file, into pinned memory), moved to this process's GPU (or kept in host memory for the CPU),
 and kept while it fits, the least recently used dropped first. The source is a value of the

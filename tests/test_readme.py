@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from dask_gpuchunk.cli import main
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-#: The pages a user reads (the README links each); docs/perf-notes.md is a dated notebook.
+#: The pages a user reads (the README links each).
 PAGES = [README, *(README.parent / "docs" / f"{name}.md" for name in
                    ("usage", "cli", "clusters", "gpu-memory", "performance", "development"))]
 TEXT = "\n".join(page.read_text() for page in PAGES)

@@ -70,7 +70,7 @@ class BmmaTile(NamedTuple):
         return self.kbits // 32
 
 
-#: The tile used unless one is given (chosen by measurement; see docs/perf-notes.md).
+#: The tile used unless one is given (chosen by measurement; see the perf notes (git show 85dc246:docs/perf-notes.md)).
 TILE = BmmaTile(128, 128, 64, 64, 3, kbits=1024, split=1)
 
 #: The pieces every kernel on the 1-bit tensor cores shares (a tile's place in the grid and its

@@ -258,7 +258,7 @@ class TileShape(tuple):
         return super().__new__(cls, (ty, tx, rm, rn, tk))
 
 
-#: Measured on an H200 (bench gram, docs/perf-notes.md).
+#: Measured on an H200 (bench gram, the perf notes (git show 85dc246:docs/perf-notes.md)).
 CUDA_TILE = TileShape(16, 16, 4, 4, 8)
 #: The simulator runs every thread as a Python thread: a tiny tile keeps tests fast.
 SIM_TILE = TileShape(2, 4, 2, 2, 2)

@@ -31,7 +31,7 @@ mirror too (no second pass over C).
 Measured (H200, 16384 rows x 131072 bits, C on the device): full C 6.3-6.6e15 bit-MAC/s
 against bmma's 1.9e15; symmetric 2.86 ms, 1.23e16 effective (N·N·K / t); 65,536 rows x 2048
 bits 6.0 ms against bmma's 18.2 (C's 17 GB written is the time there). On the way
-(``docs/perf-notes.md``): every thread copying 16 bytes at a time (``cp.async``) with two
+(``the perf notes (git show 85dc246:docs/perf-notes.md)``): every thread copying 16 bytes at a time (``cp.async``) with two
 ``__syncthreads`` a stage reached 1.5-1.9e15, its copies the whole time; bulk copies of 1 KiB
 2.3e15; of whole laid-out blocks 6.2e15, the layout pass 0.18 ms a launch; clusters of two
 blocks sharing B's copies (``.multicast::cluster``) gained nothing. No dask here.
