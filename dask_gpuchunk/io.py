@@ -69,6 +69,7 @@ __all__ = ["NoSpaceError", "NoWorkersError", "NpyFormatError", "NpyHeader",
            "checked_chunks", "from_npy", "in_flight", "inputs_of", "no_workers_timeout",
            "npy_bytes",
            "npy_in_place", "npy_reader_of", "read_header", "run_writes", "temporary_output",
+           "with_row_chunks",
            "to_npy", "write_region"]
 
 
@@ -477,6 +478,30 @@ def from_npy(path: str | os.PathLike, chunks: Any = "auto", *, pinned: bool | No
     kwargs = {} if da.array_expr_enabled() else {"name": f"from-npy-{tokenize(reader, chunks)}"}
     return da.from_array(reader, chunks=chunks, asarray=False, fancy=False,
                          meta=np.empty((0,) * len(chunks), dtype), **kwargs)
+
+
+def with_row_chunks(x: da.Array, row_chunks: tuple[int, ...]) -> da.Array:
+    """``x`` in row chunks ``row_chunks`` (whole rows): a :func:`from_npy` array as it was made
+    stays one (its reader, the same checks of the file), so that an operator still reads its
+    chunks itself (:func:`npy_reader_of`); any other array through ``rechunk``.
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "w.npy")
+    >>> np.save(path, np.arange(12, dtype=np.uint8).reshape(6, 2))
+    >>> y = with_row_chunks(from_npy(path, chunks=(2, -1)), (4, 2))
+    >>> y.chunks, int(y.sum().compute())
+    (((4, 2), (2,)), 66)
+    """
+    if tuple(row_chunks) == tuple(x.chunks[0]):
+        return x
+    reader = npy_reader_of(x)
+    if reader is None:
+        return x.rechunk({0: tuple(row_chunks)})
+    chunks = (tuple(row_chunks), *x.chunks[1:])
+    return da.from_array(reader, chunks=chunks, asarray=False, fancy=False, meta=x._meta,
+                         name=f"from-npy-{tokenize(reader, chunks)}")
 
 
 def npy_reader_of(x: Any, whole_rows: bool = True) -> NpyReader | None:

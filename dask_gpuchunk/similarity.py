@@ -64,15 +64,17 @@ from .gram import (
     check_method,
     device_block_counts,
     device_block_scratch,
+    MIN_ROW_GROUPS,
     gram,
+    grouped_row_chunks,
     packed_words,
     resolve_method,
 )
-from .io import npy_reader_of
+from .io import npy_reader_of, with_row_chunks
 from .resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 
-__all__ = ["METRICS", "MISSING_SCORE", "Neighbours", "Pairs", "block_bytes",
-           "compile_selection_ahead", "similarity"]
+__all__ = ["GPU_BLOCK_ROWS", "METRICS", "MISSING_SCORE", "Neighbours", "Pairs", "block_bytes",
+           "compile_selection_ahead", "grouped_for_gpu", "similarity"]
 
 #: ``metric=`` values of :func:`similarity`.
 METRICS = kernels.METRICS
@@ -712,6 +714,42 @@ def _rechunked(words: da.Array, rows_at_most: dict[int, int]) -> da.Array:
     return words.rechunk({1: -1})
 
 
+#: Rows of a selection's blocks on a GPU that smaller row chunks are grouped up to
+#: (:func:`grouped_for_gpu`). On an H200 (8 GiB cap), top-10 of 10^6 x 2048 bits on the device:
+#: 2.07 s in 32,768-row chunks, 2.7 s in 16,384-row ones; the similarity job from a .npy on an
+#: H100: 6.4 s against 8.3 s.
+GPU_BLOCK_ROWS = 32768
+
+
+def grouped_for_gpu(words: da.Array, words64: int, method: str, top_k: int | None,
+                    threshold: Any, budget: int, workers: int = 1) -> da.Array:
+    """``words`` whose row chunks are smaller than :data:`GPU_BLOCK_ROWS` grouped up to it (or
+    to the largest half of it whose selection block fits half of ``budget``: two run at once
+    on a worker), keeping at least ``max(MIN_ROW_GROUPS, 2 * workers)`` groups for the
+    chains' rounds; a :func:`dask_gpuchunk.from_npy` array stays one
+    (:func:`dask_gpuchunk.io.with_row_chunks`), its chunks still read where the blocks run.
+    Larger chunks are the caller's and kept.
+
+    Examples
+    --------
+    >>> w = da.zeros((400000, 32), chunks=(8000, 32), dtype=np.uint64)
+    >>> grouped_for_gpu(w, 32, "popcount", 10, None, budget=8 << 30).chunks[0][:3]
+    (32000, 32000, 32000)
+    >>> grouped_for_gpu(w, 32, "popcount", 10, None, budget=1) is w  # none would fit
+    True
+    >>> len(grouped_for_gpu(w[:40000], 32, "popcount", 10, None, budget=8 << 30).chunks[0])
+    5
+    """
+    rows = max(words.chunks[0], default=0)
+    groups = max(MIN_ROW_GROUPS, 2 * workers)
+    target = min(GPU_BLOCK_ROWS, -(-words.shape[0] // groups))
+    while target > rows and block_bytes(target, words64, method, top_k, threshold) > budget // 2:
+        target //= 2
+    if target <= rows:
+        return words
+    return with_row_chunks(words, grouped_row_chunks(words.chunks[0], target))
+
+
 def _popcounts(words: Any) -> Any:
     return kernels.row_popcounts(bits.words64(words))
 
@@ -848,9 +886,14 @@ def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bo
     wx = _rechunked(wx, rows_at_most)
     wy = wx if y is None else _rechunked(wy, rows_at_most)
     if on_gpu:
-        rows = max(*wx.chunks[0], *wy.chunks[0], 0)
         words64 = -(-wx.shape[1] * wx.dtype.itemsize // 8)
         resolved = resolve_method(method, on_gpu=True)
+        if top_k is not None or threshold is not None:  # blocks of the GPU's size, ours
+            budget, workers = working_budget(), cluster_workers()
+            wx = grouped_for_gpu(wx, words64, resolved, top_k, threshold, budget, workers)
+            wy = wx if y is None else grouped_for_gpu(wy, words64, resolved, top_k, threshold,
+                                                      budget, workers)
+        rows = max(*wx.chunks[0], *wy.chunks[0], 0)
         check_fits(block_bytes(rows, words64, resolved, top_k, threshold),
                    f"a similarity block of {rows} x {rows} rows of {words64 * 64} bits "
                    f"({resolved})", "fewer rows per chunk: chunks= of the rows, --chunk-rows")

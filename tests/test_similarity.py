@@ -699,3 +699,37 @@ def test_dense_scores_from_the_wgmma_kernel(rng):
     for metric in ("tanimoto", "hamming"):
         dense = dg.similarity(w, metric=metric, method="wgmma").compute()
         np.testing.assert_array_equal(cupy.asnumpy(dense), reference(x, x, metric))
+
+
+def test_small_row_chunks_are_grouped_for_the_gpu_and_a_npy_stays_read_where_blocks_run(
+        rng, tmp_path):
+    from dask_gpuchunk.io import npy_reader_of
+    from dask_gpuchunk.similarity import grouped_for_gpu
+
+    x = fingerprints(rng, 2000, 256)
+    np.save(tmp_path / "x.npy", np.packbits(x, axis=1))
+    w = dg.from_npy(tmp_path / "x.npy", chunks=(100, -1))  # 20 chunks
+    grouped = grouped_for_gpu(w, 4, "popcount", 5, None, budget=1 << 30, workers=2)
+    assert grouped.chunks[0] == (500,) * 4  # at least 4 groups (2 workers: 4)
+    assert QUERY_PLANNING or npy_reader_of(grouped) is not None
+    np.testing.assert_array_equal(grouped.compute(), np.packbits(x, axis=1))
+    assert grouped_for_gpu(w, 4, "popcount", 5, None, budget=1 << 30, workers=8).chunks[0] == (
+        (100,) * 20)  # 16 groups of 125 rows at most: the chunks as they are
+    indices, _ = dask.compute(*dg.similarity(grouped, packed=True, top_k=5, device="cpu"))
+    np.testing.assert_array_equal(indices, brute_top_k(reference(x, x, "tanimoto"), 5, False,
+                                                       True)[0])
+
+
+@pytest.mark.gpu
+def test_device_words_in_small_chunks_are_selected_in_blocks_of_the_gpus_size(rng, device_cap):
+    import cupy
+
+    device_cap(1 << 30)
+    x = fingerprints(rng, 4000, 512)
+    w = dg.asarray(cupy.asarray(np.packbits(x, axis=1)), chunks=(250, -1))  # 16 chunks
+    indices, scores = dg.similarity(w, packed=True, top_k=6)
+    assert len(indices.chunks[0]) < 16  # grouped
+    got_i, got_s = (a.get() for a in dask.compute(indices, scores))
+    want_i, want_s = brute_top_k(reference(x, x, "tanimoto"), 6, False, True)
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_s, want_s.astype(np.float32))
