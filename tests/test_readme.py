@@ -34,6 +34,7 @@ def test_readme_is_short_and_links_every_page():
         assert f"(docs/{page.name})" in text, page.name
 
 
+@pytest.mark.slow  # a process each, as the examples' scripts: CI's first job runs them
 @pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
 def test_readme_python_block_runs_as_a_script(index, tmp_path):
     script = tmp_path / f"readme_example_{index}.py"
