@@ -102,7 +102,8 @@ import dask.array as da
 
 from ._kernels import source_cache
 
-__all__ = ["DEFAULTS", "INTERNAL", "REMOVED", "cache_root", "check_settings", "checked", "flag", "get", "internal_values", "listed_graphs",
+__all__ = ["DEFAULTS", "INTERNAL", "REMOVED", "cache_root", "check_settings", "checked", "flag",
+           "get", "internal_values", "listed_graphs",
            "map_blocks_prefix"]
 
 #: Every setting and its default (``gpuchunk.<name>``).

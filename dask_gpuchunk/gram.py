@@ -5,9 +5,10 @@ row chunks ``(i, j)`` and word chunk ``w`` one task computes the partial block
 ``A[i, w] · A[j, w]ᵀ``; the partials of a block are summed in a tree (``SPLIT_EVERY`` at a
 time). Only blocks on or above the diagonal are computed: block ``(j, i)`` below it is the
 transpose of block ``(i, j)``, and a diagonal block computes its own upper triangle and mirrors
-it. The graph is listed by hand where small graphs are (``listed-graphs`` of ``config.INTERNAL``), else dask's
-``blockwise`` and ``reduction``, as under dask's array query planning. The output's row and
-column chunks are the input's row chunks, so it can be written to disk one block at a time
+it. The graph is listed by hand where small graphs are (``listed-graphs`` of
+``config.INTERNAL``), else dask's ``blockwise`` and ``reduction``, as under dask's array query planning. The output's row and
+column chunks are the input's row chunks, or consecutive groups of them (``block_rows``, by
+default sized by the GPU's work), so it can be written to disk one block at a time
 (:func:`dask_gpuchunk.to_npy`).
 
 Placement of a block: CuPy chunks on their GPU (CuPy out); NumPy chunks on the GPU where one is
@@ -504,7 +505,7 @@ def gram(x: Any, *, packed: bool = False, method: Method = "auto",
     row_chunks = grouped_row_chunks(words.chunks[0], block_rows)
     if on_gpu:
         check_block_fits((row_chunks, words.chunks[1]), words.dtype.itemsize, method)
-    return _gram_graph(words, method, device, row_chunks,
+    return _gram_graph(words, reader, method, device, row_chunks,
                        keep_on_device and on_gpu and reader is not None)
 
 
@@ -658,8 +659,8 @@ def check_block_fits(chunks: tuple[tuple[int, ...], ...], itemsize: int, method:
                "fewer rows per chunk: chunks= of the rows, --chunk-rows", budget)
 
 
-def _gram_graph(words: da.Array, method: str, device: str, row_chunks: tuple[int, ...],
-                keep_on_device: bool = False) -> da.Array:
+def _gram_graph(words: da.Array, reader: Any, method: str, device: str,
+                row_chunks: tuple[int, ...], keep_on_device: bool = False) -> da.Array:
     """``C`` from packed words: listed by hand where small graphs are (:func:`_listed_graph`),
     else through dask's own constructors (so that array query planning can rewrite it): one
     task per block and word chunk, those below the diagonal returning ``None`` at once, the
@@ -670,8 +671,7 @@ def _gram_graph(words: da.Array, method: str, device: str, row_chunks: tuple[int
     if not words.chunks[1]:  # no bits at all: every count is zero
         return da.zeros((words.shape[0],) * 2, chunks=(words.chunks[0],) * 2, dtype=np.int32,
                         meta=meta)
-    reader = npy_reader_of(words)
-    if reader is not None:
+    if reader is not None:  # words straight from a .npy (npy_reader_of)
         if keep_on_device:
             import cupy
 
@@ -801,7 +801,7 @@ def _add_tree(dsk: dict, parts: list[tuple], final: tuple, prefix: str) -> None:
 
 
 def _listed_graph(words: da.Array, method: str, device: str, meta: Any,
-                  row_chunks: tuple[int, ...] | None = None) -> da.Array:
+                  row_chunks: tuple[int, ...]) -> da.Array:
     """The graph of :func:`_gram_graph` as a plain dict: a task per block on or above the
     diagonal and word chunk, a tree of sums, a transpose per block below; no task for what is
     not computed. Blocks over groups of row chunks (``row_chunks``, grouped from ``words``'
@@ -812,7 +812,6 @@ def _listed_graph(words: da.Array, method: str, device: str, meta: Any,
     ``listed-graphs``): 13 ms listed against 19-21 ms through ``blockwise`` in chunks
     of 4,096 rows, 17-19 ms against 48-55 ms in chunks of 2,048, mostly dask's optimisation of
     the blockwise layers."""
-    row_chunks = tuple(words.chunks[0]) if row_chunks is None else row_chunks
     token = tokenize(words, method, device, row_chunks)
     name, partial, total = f"gram-{token}", f"gram-partial-{token}", f"gram-sum-{token}"
     groups = _chunk_groups(words.chunks[0], row_chunks)
@@ -829,9 +828,8 @@ def _listed_graph(words: da.Array, method: str, device: str, meta: Any,
             parts = []
             for w in range(word_blocks):
                 key = (partial, i, j, w) if word_blocks > 1 else (name, i, j)
-                block = _gram_block if len(group_i) == len(groups[j]) == 1 else _grouped_block
-                dsk[key] = Task(key, block, refs(group_i, w), refs(groups[j], w), i == j,
-                                method, device)
+                dsk[key] = Task(key, _grouped_block, refs(group_i, w), refs(groups[j], w),
+                                i == j, method, device)
                 parts.append(key)
             if word_blocks > 1:
                 _add_tree(dsk, parts, (name, i, j), total)
@@ -870,11 +868,7 @@ def _joined_rows(chunks: Any) -> Any:
     """One array of the row chunks ``chunks`` (a list), or the chunk itself."""
     if not isinstance(chunks, list):
         return chunks
-    if backend.is_cupy(chunks[0]):
-        import cupy
-
-        return cupy.concatenate(chunks, axis=0)
-    return np.concatenate(chunks, axis=0)
+    return bits._xp(chunks[0]).concatenate(chunks, axis=0)
 
 
 def _grouped_block(a: Any, b: Any, diagonal: bool, method: str, device: str) -> Any:

@@ -475,9 +475,15 @@ def from_npy(path: str | os.PathLike, chunks: Any = "auto", *, pinned: bool | No
     dtype = _native(header.dtype)
     chunks = checked_chunks(chunks, header.shape, dtype)
     reader = NpyReader(path, header, pinned, identity(path))
+    return _reader_array(reader, chunks, np.empty((0,) * len(chunks), dtype))
+
+
+def _reader_array(reader: NpyReader, chunks: tuple[tuple[int, ...], ...], meta: Any
+                  ) -> da.Array:
+    """The Dask array of :func:`from_npy` over ``reader`` in ``chunks`` (named by both, so
+    that :func:`npy_reader_of` finds the reader)."""
     kwargs = {} if da.array_expr_enabled() else {"name": f"from-npy-{tokenize(reader, chunks)}"}
-    return da.from_array(reader, chunks=chunks, asarray=False, fancy=False,
-                         meta=np.empty((0,) * len(chunks), dtype), **kwargs)
+    return da.from_array(reader, chunks=chunks, asarray=False, fancy=False, meta=meta, **kwargs)
 
 
 def with_row_chunks(x: da.Array, row_chunks: tuple[int, ...]) -> da.Array:
@@ -499,9 +505,7 @@ def with_row_chunks(x: da.Array, row_chunks: tuple[int, ...]) -> da.Array:
     reader = npy_reader_of(x)
     if reader is None:
         return x.rechunk({0: tuple(row_chunks)})
-    chunks = (tuple(row_chunks), *x.chunks[1:])
-    return da.from_array(reader, chunks=chunks, asarray=False, fancy=False, meta=x._meta,
-                         name=f"from-npy-{tokenize(reader, chunks)}")
+    return _reader_array(reader, (tuple(row_chunks), *x.chunks[1:]), x._meta)
 
 
 def npy_reader_of(x: Any, whole_rows: bool = True) -> NpyReader | None:
