@@ -12,7 +12,8 @@ plain way; then one task per further block updates the states of its row chunk a
 pairs) of its column chunk, in rounds of disjoint chunk pairs (:func:`_round_robin`), so that a
 round's tasks run at once and only states (``8 k`` bytes a row) move between them. On the 1-bit
 tensor cores the block is selected in the kernel's epilogue against the states
-(:mod:`dask_gpuchunk._kernels.bmma_select`): its counts never reach memory. Under dask's array
+(:mod:`dask_gpuchunk._kernels.bmma_select`; on Hopper, of the ``wgmma`` kernel:
+:mod:`dask_gpuchunk._kernels.wgmma_select`): its counts never reach memory. Under dask's array
 query planning, one task per block keeps its best keys, merged per row chunk on the host.
 
 Threshold: one task per block on or above the diagonal keeps its pairs (for all pairs also
@@ -43,6 +44,7 @@ from ._kernels import bitpack as bits
 from ._kernels import similarity as kernels
 from ._kernels.similarity_cpu import best_keys_of_columns, best_keys_of_rows, pairs_at_least_cpu
 from ._kernels.bmma_select import (
+    FUSED_METHODS,
     PAIRS_FIRST_CAPACITY,
     compile_ahead,
     pairs_at_least_bmma,
@@ -177,11 +179,13 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
     exclude = selection.exclude_self and diagonal
     pairs = a.shape[0] * b.shape[0]
     what = f"a similarity block of {a.shape[0]} x {b.shape[0]} rows"
-    if selection.k is None and _selecting_method(method) == "bmma":
+    fused_method = _selecting_method(method, "threshold")
+    if selection.k is None and fused_method in FUSED_METHODS:
         def fused(capacity: int) -> tuple[Any, int]:
             found, count = pairs_at_least_bmma(bits.words64(a), bits.words64(b), pop_a, pop_b,
                                                first_row, first_col, selection.threshold,
-                                               selection.metric, exclude, symmetric, capacity)
+                                               selection.metric, exclude, symmetric, capacity,
+                                               method=fused_method)
             if found is None:
                 return None, count
             if symmetric:  # the pairs below the diagonal are those above, swapped
@@ -276,13 +280,18 @@ def compile_selection_ahead(method: str, top_k: int | None, threshold: Any,
     kernel a ``top_k`` or ``threshold`` selection by ``metric`` will run there, in a thread of
     its own (:func:`~dask_gpuchunk._kernels.bmma_select.compile_ahead`); return the thread, or
     ``None`` where no fused kernel will run."""
-    if not gpu_available() or _selecting_method(method) != "bmma":
+    if not gpu_available():
         return None
     if top_k is not None and top_k <= kernels.CUDA_TOP_K_MAX:
-        return compile_ahead("top_k", metric)
-    if threshold is not None:
-        return compile_ahead("threshold", metric)
-    return None
+        kind = "top_k"
+    elif threshold is not None and top_k is None:
+        kind = "threshold"
+    else:
+        return None
+    fused_method = _selecting_method(method, kind)
+    if fused_method not in FUSED_METHODS:
+        return None
+    return compile_ahead(kind, metric, method=fused_method)
 
 
 def _select_counts_bytes() -> int:
@@ -298,12 +307,17 @@ def _rows_per_slice(others: int, slice_bytes: int = SELECT_COUNTS_BYTES) -> int:
     return max(1, slice_bytes // (4 * max(1, others)))
 
 
-def _selecting_method(method: str) -> str:
-    """The method a top-k or threshold selection on a GPU runs: ``method`` resolved, with
-    ``"wgmma"`` read as ``"bmma"``, whose kernel's epilogue holds the fused selections (the
-    dense scores take their counts from ``"wgmma"`` itself)."""
+#: The selections (``"top_k"``, ``"threshold"``) that run in the epilogue of the ``wgmma``
+#: kernel on Hopper; the others run bmma's there (kept to measure one beside the other).
+WGMMA_SELECTIONS = frozenset({"top_k", "threshold"})
+
+
+def _selecting_method(method: str, selection: str) -> str:
+    """The method a ``"top_k"`` or ``"threshold"`` selection on a GPU runs: ``method``
+    resolved (the fused selections are in the epilogues of :data:`FUSED_METHODS`' kernels),
+    bmma's on Hopper for a selection not in :data:`WGMMA_SELECTIONS`."""
     resolved = resolve_method(method, on_gpu=True)
-    return "bmma" if resolved == "wgmma" else resolved
+    return "bmma" if resolved == "wgmma" and selection not in WGMMA_SELECTIONS else resolved
 
 
 def block_bytes(rows: int, words64: int, method: str, top_k: int | None = None,
@@ -334,10 +348,12 @@ def block_bytes(rows: int, words64: int, method: str, top_k: int | None = None,
     plain = step * rows * 8 + block_scratch_bytes(method, rows, step, words64)
     if top_k is not None:  # each slice's best keys, and their merge's copies
         plain += 2 * rows * top_k * 8 * (1 + 3 * -(-rows // step))
-    if _selecting_method(method) != "bmma":
+    fused_method = _selecting_method(method, "threshold" if top_k is None else "top_k")
+    if fused_method not in FUSED_METHODS:
         return words + plain
     fused = (top_k_scratch_bytes(rows, rows, top_k, True, words64) if top_k is not None
-             else PAIRS_FIRST_CAPACITY * 64 + block_scratch_bytes("bmma", rows, rows, words64))
+             else PAIRS_FIRST_CAPACITY * 64 + block_scratch_bytes(fused_method, rows, rows,
+                                                                   words64))
     return words + max(plain, fused)
 
 
@@ -428,12 +444,14 @@ def _next_states(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: 
     exclude = selection.exclude_self and not both and _ids_meet(
         range(first_a, first_a + len(a)), range(first_b, first_b + len(b)))
     on_device = is_cupy(a) and is_cupy(b) and device != "cpu"
+    fused_method = _selecting_method(method, "top_k") if on_device else None
     if (on_device and selection.k <= kernels.CUDA_TOP_K_MAX
-            and _selecting_method(method) == "bmma"):
+            and fused_method in FUSED_METHODS):
         words64 = -(-a.shape[1] * a.dtype.itemsize // 8)
         return run_reserved(
             lambda: top_k_candidates(bits.words64(a), bits.words64(b), pop_a, pop_b, first_a,
-                                     first_b, state_a, state_b, selection.metric, exclude),
+                                     first_b, state_a, state_b, selection.metric, exclude,
+                                     method=fused_method),
             top_k_scratch_bytes(len(a), len(b), selection.k, both, words64),
             f"a similarity block of {len(a)} x {len(b)} rows")
     if on_device:

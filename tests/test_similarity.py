@@ -661,29 +661,35 @@ def test_no_kernel_is_compiled_ahead_where_no_fused_kernel_will_run(monkeypatch)
     assert similarity.compile_selection_ahead("popcount", 10, None) is None
     assert similarity.compile_selection_ahead("bmma", None, None) is None  # dense: no selection
     started = []
-    monkeypatch.setattr(similarity, "compile_ahead", lambda *args: started.append(args))
+    monkeypatch.setattr(similarity, "compile_ahead",
+                        lambda *args, **kwargs: started.append((*args, kwargs["method"])))
     similarity.compile_selection_ahead("bmma", 64, None)  # k beyond the fused kernel's
     similarity.compile_selection_ahead("bmma", 10, None)
     similarity.compile_selection_ahead("bmma", None, 0.5, "dice")
-    assert started == [("top_k", "tanimoto"), ("threshold", "dice")]
+    assert started == [("top_k", "tanimoto", "bmma"), ("threshold", "dice", "bmma")]
 
 
-def test_selections_on_a_hopper_run_the_bmma_kernel_s_fused_epilogue(monkeypatch):
-    # wgmma, auto's method on compute capability 9.0, has no selection epilogue of its own:
-    # top-k and threshold run bmma's fused kernel there.
+def test_selections_on_a_hopper_run_the_wgmma_kernel_s_fused_epilogue(monkeypatch):
+    # wgmma, auto's method on compute capability 9.0, selects in its own epilogue; bmma's
+    # epilogue only where asked for (or for a selection left out of WGMMA_SELECTIONS, to
+    # measure one beside the other).
     similarity = importlib.import_module("dask_gpuchunk.similarity")
     gram_module = importlib.import_module("dask_gpuchunk.gram")
 
     monkeypatch.setattr(gram_module, "_compute_capability", lambda: (9, 0))
     assert gram_module.resolve_method("auto", on_gpu=True) == "wgmma"
-    assert similarity._selecting_method("auto") == "bmma"
-    assert similarity._selecting_method("wgmma") == "bmma"
-    assert similarity._selecting_method("int8") == "int8"
+    assert similarity._selecting_method("auto", "top_k") == "wgmma"
+    assert similarity._selecting_method("bmma", "threshold") == "bmma"
+    assert similarity._selecting_method("int8", "top_k") == "int8"
     monkeypatch.setattr(similarity, "gpu_available", lambda: True)
     started = []
-    monkeypatch.setattr(similarity, "compile_ahead", lambda *args: started.append(args))
+    monkeypatch.setattr(similarity, "compile_ahead",
+                        lambda *args, **kwargs: started.append((*args, kwargs["method"])))
     similarity.compile_selection_ahead("auto", 10, None)
-    assert started == [("top_k", "tanimoto")]
+    monkeypatch.setattr(similarity, "WGMMA_SELECTIONS", frozenset({"top_k"}))
+    assert similarity._selecting_method("wgmma", "threshold") == "bmma"
+    similarity.compile_selection_ahead("auto", None, 0.7)
+    assert started == [("top_k", "tanimoto", "wgmma"), ("threshold", "tanimoto", "bmma")]
 
 
 @pytest.mark.gpu

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from . import wgmma_select
 from .bmma import TILE, TILE_SOURCE, BmmaTile, bmma_cuda, tile_kernel, words32
 from .similarity import (
     CUDA_TOP_K_MAX,
@@ -52,7 +53,7 @@ from .similarity import (
     smallest_keys,
 )
 
-__all__ = ["PAIRS_FIRST_CAPACITY", "REDONE_TARGETS", "SLOTS", "compile_ahead",
+__all__ = ["FUSED_METHODS", "PAIRS_FIRST_CAPACITY", "REDONE_TARGETS", "SLOTS", "compile_ahead",
            "pairs_at_least_bmma", "redone",
            "top_k_candidates", "top_k_scratch_bytes"]
 
@@ -328,10 +329,11 @@ def _kernel(name: str, tile: BmmaTile, metric: str | None = None) -> Any:
     return tile_kernel(tile, source, name)
 
 
-def compile_ahead(selection: str, metric: str = "tanimoto", tile: BmmaTile = TILE
-                  ) -> threading.Thread:
+def compile_ahead(selection: str, metric: str = "tanimoto", tile: BmmaTile = TILE,
+                  method: str = "bmma") -> threading.Thread:
     """Start compiling the fused kernels of a ``"top_k"`` or ``"threshold"`` selection by
-    ``metric`` for the current device, in a thread of its own; return the thread.
+    ``metric`` with ``method``'s kernel for the current device, in a thread of its own;
+    return the thread.
 
     The top-k kernel took ~11 s of NVRTC on an H100 machine with every metric in it, 1.3 s
     for one; begun first, it compiles while the rest of a job gets ready, and the first block
@@ -341,20 +343,35 @@ def compile_ahead(selection: str, metric: str = "tanimoto", tile: BmmaTile = TIL
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
-    kernels = ((("top_k_candidates", metric), ("merge_candidates", None))
-               if selection == "top_k" else (("pairs_at_least", metric),))
+    _check_fused(method)
+    suffix = "_wgmma" if method == "wgmma" else ""
+    kernels = (((f"top_k_candidates{suffix}", metric), ("merge_candidates", None))
+               if selection == "top_k" else ((f"pairs_at_least{suffix}", metric),))
 
     def run() -> None:
         try:
             with cupy.cuda.Device(device):
                 for name, scored_by in kernels:
-                    _kernel(name, tile, scored_by)
+                    if name.endswith("_wgmma"):
+                        wgmma_select.kernel(name, scored_by)
+                    else:
+                        _kernel(name, tile, scored_by)
         except Exception:  # noqa: BLE001 - raised again where the kernel is needed
             pass
 
     thread = threading.Thread(target=run, name="dask-gpuchunk-compile-ahead", daemon=True)
     thread.start()
     return thread
+
+
+#: The methods whose Gram kernel selects in its epilogue.
+FUSED_METHODS = ("bmma", "wgmma")
+
+
+def _check_fused(method: str) -> None:
+    if method not in FUSED_METHODS:
+        raise ValueError(f"no selection in the epilogue of method {method!r}; "
+                         f"those of {FUSED_METHODS} have one")
 
 
 def _operands(a: Any, b: Any, tile: BmmaTile) -> tuple[Any, Any]:
@@ -375,16 +392,19 @@ def top_k_scratch_bytes(na: int, nb: int, k: int, both: bool, words64: int,
 
 def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
                      state_a: Any, state_b: Any | None, metric: str, exclude: bool,
-                     tile: BmmaTile = TILE) -> tuple[Any, Any | None]:
+                     tile: BmmaTile = TILE, method: str = "bmma") -> tuple[Any, Any | None]:
     """The new states ``(r, k)`` of ``a``'s rows (and, with ``state_b``, of ``b``'s rows as
     the block's columns) after the block of ``a`` against ``b`` (CuPy ``uint64`` words of one
     width; row ids ``first_a`` and ``first_b`` on), from states of sorted keys
     (:func:`~dask_gpuchunk._kernels.similarity.rank_keys`, :data:`NO_PAIR` padding) of the
     blocks before. Targets with more candidates than :data:`SLOTS` (ties with a state's last
     key from smaller ids, as an empty row has with every row) are redone exactly against the
-    whole block (:func:`_redone`). Waits for the device (one count read)."""
+    whole block (:func:`_redone`). Waits for the device (one count read). ``method="wgmma"``:
+    the candidates from Hopper's kernel (:mod:`~dask_gpuchunk._kernels.wgmma_select`), the
+    same ones."""
     import cupy
 
+    _check_fused(method)
     k = state_a.shape[1]
     if not 1 <= k <= CUDA_TOP_K_MAX:
         raise ValueError(f"k must be from 1 to {CUDA_TOP_K_MAX}; got {k}")
@@ -392,7 +412,6 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
     both = state_b is not None
     if na == 0 or nb == 0:
         return state_a, state_b
-    a32, b32 = _operands(a, b, tile)
     pop_a = cupy.ascontiguousarray(pop_a, dtype=np.int32)
     pop_b = cupy.ascontiguousarray(pop_b, dtype=np.int32)
     state_a = cupy.ascontiguousarray(state_a)
@@ -404,14 +423,20 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
         count_b = cupy.zeros(nb, dtype=np.int32)
     else:  # never read: both = 0
         state_b, slots_b, count_b = state_a, slots_a, count_a
-    grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
-    _kernel("top_k_candidates", tile, metric)(
-        grid, (tile.threads,),
-        (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
-         np.int64(first_a), np.int64(first_b), state_a, state_b, np.int32(k),
-         np.int32(METRIC_CODES[metric]), np.int32(bool(exclude)), np.int32(both),
-         slots_a, count_a, slots_b, count_b, np.int32(SLOTS)),
-        shared_mem=tile.shared_bytes)
+    if method == "wgmma":
+        wgmma_select.launch_top_k_candidates(
+            a, b, pop_a, pop_b, first_a, first_b, state_a, state_b, k, metric, exclude, both,
+            slots_a, count_a, slots_b, count_b, SLOTS)
+    else:
+        a32, b32 = _operands(a, b, tile)
+        grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
+        _kernel("top_k_candidates", tile, metric)(
+            grid, (tile.threads,),
+            (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
+             np.int64(first_a), np.int64(first_b), state_a, state_b, np.int32(k),
+             np.int32(METRIC_CODES[metric]), np.int32(bool(exclude)), np.int32(both),
+             slots_a, count_a, slots_b, count_b, np.int32(SLOTS)),
+            shared_mem=tile.shared_bytes)
     merge = _kernel("merge_candidates", tile)
     sides = [(a, b, pop_a, pop_b, first_a, first_b, state_a, slots_a, count_a)]
     if both:
@@ -466,29 +491,36 @@ def _redone(which: Any, targets: Any, others: Any, pop_t: Any, pop_o: Any, first
 
 def pairs_at_least_bmma(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
                         threshold: Any, metric: str, exclude: bool, upper: bool,
-                        capacity: int | None = None, tile: BmmaTile = TILE
-                        ) -> tuple[Any | None, int]:
+                        capacity: int | None = None, tile: BmmaTile = TILE,
+                        method: str = "bmma") -> tuple[Any | None, int]:
     """The pairs of ``a``'s rows with ``b``'s (CuPy ``uint64`` words; ids ``first_a`` and
     ``first_b`` on) whose score meets ``threshold``, as
     :func:`~dask_gpuchunk._kernels.similarity.pairs_at_least` gives them (in no order), and
     their count; ``upper``: ``b`` is ``a`` and only pairs of row <= column are kept. Room is
     made for ``capacity`` pairs (:data:`PAIRS_FIRST_CAPACITY` unless given): where the block
     has more, ``(None, count)``, and the caller calls again with ``capacity=count`` (within
-    its budget). Waits for the device (one count read)."""
+    its budget). Waits for the device (one count read). ``method="wgmma"``: the pairs from
+    Hopper's kernel (:mod:`~dask_gpuchunk._kernels.wgmma_select`), the same ones."""
     import cupy
 
+    _check_fused(method)
     na, nb = a.shape[0], b.shape[0]
     if na == 0 or nb == 0:
         return cupy.empty((0, 2), dtype=np.uint64), 0
     capacity = PAIRS_FIRST_CAPACITY if capacity is None else capacity
-    a32, b32 = _operands(a, b, tile)
     pop_a = cupy.ascontiguousarray(pop_a, dtype=np.int32)
     pop_b = cupy.ascontiguousarray(pop_b, dtype=np.int32)
     limit = rank_limit(threshold, metric)
-    least = np.float32(threshold) * np.float32(0.99999905) if metric in FLOAT_METRICS else 0.0
-    grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
     out = cupy.empty((capacity, 2), dtype=np.uint64)
     found = cupy.zeros(1, dtype=np.uint64)
+    if method == "wgmma":
+        wgmma_select.launch_pairs_at_least(a, b, pop_a, pop_b, first_a, first_b, limit, metric,
+                                           exclude, upper, out, found, capacity)
+        count = int(found.get()[0])
+        return (out[:count] if count <= capacity else None), count
+    a32, b32 = _operands(a, b, tile)
+    least = np.float32(threshold) * np.float32(0.99999905) if metric in FLOAT_METRICS else 0.0
+    grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
     _kernel("pairs_at_least", tile, metric)(
         grid, (tile.threads,),
         (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,

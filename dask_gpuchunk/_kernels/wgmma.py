@@ -51,6 +51,7 @@ from .compiled import compiled_once
 from .launch import cupy_stream
 
 __all__ = ["BLOCK", "TILE", "WGMMA_CC", "WgmmaTile", "compile_for_sm90a", "kernel_source",
+           "tile_source",
            "launch", "tensor_map", "wgmma_cuda", "wgmma_supported"]
 
 #: The compute capability with ``wgmma`` (``sm_90a``: Hopper's architecture-specific features).
@@ -187,27 +188,35 @@ __device__ __forceinline__ unsigned long long descriptor(unsigned address)
          | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-gram_wgmma(const void* __restrict__ map_a, const void* __restrict__ map_b,
-           int* __restrict__ c, int na, int nb, int steps, int ldc, int upper, int pair_store)
+__device__ __forceinline__ bool tile_place(int na, int nb, int upper, int& row_block,
+                                           int& col_block)
 {
-    // map_a, map_b: tensor maps of the operands' words (tensor_map), `steps` stages of KBITS
-    // bits a row. One-dimensional grid, rows of tiles taken GROUP at a
-    // time; a tile wholly below the diagonal of a symmetric block returns at once (its mirror
-    // is computed).
-    extern __shared__ __align__(128) unsigned char smem[];
+    // This block's tile of C: a one-dimensional grid, rows of tiles taken GROUP at a time.
+    // False for a tile wholly below the diagonal of a symmetric block (its mirror is computed).
     const int tiles_m = (na + BM - 1) / BM, tiles_n = (nb + BN - 1) / BN;
     const int per_group = GROUP * tiles_n;
     const int first_m = (blockIdx.x / per_group) * GROUP;
     const int rows_here = min(tiles_m - first_m, GROUP);
     const int in_group = blockIdx.x % per_group;
-    const int row_block = (first_m + in_group % rows_here) * BM;
-    const int col_block = (in_group / rows_here) * BN;
-    if (upper && row_block >= col_block + BN) return;
+    row_block = (first_m + in_group % rows_here) * BM;
+    col_block = (in_group / rows_here) * BN;
+    return !(upper && row_block >= col_block + BN);
+}
 
-    const unsigned stage_bytes = (BM + BN) * CHUNKS * 16;
+__device__ __forceinline__ unsigned stages_base(const unsigned char* smem)
+{
     // 128-byte swizzled copies land on 1024-byte boundaries.
-    const unsigned base = (shared_address(smem) + 1023) & ~1023u;
+    return (shared_address(smem) + 1023) & ~1023u;
+}
+
+__device__ __forceinline__ bool tile_counts(int (&acc)[ACC], const void* map_a,
+                                            const void* map_b, int steps, int row_block,
+                                            int col_block, unsigned base)
+{
+    // The tile's counts into acc of the consumer warpgroups' threads (true); the producer
+    // warpgroup's threads return false, with nothing left to do. Every thread of the block
+    // calls it (it holds a __syncthreads).
+    const unsigned stage_bytes = (BM + BN) * CHUNKS * 16;
     // Stage s is full once its copies have landed (full[s]: the producer's arrival and the
     // bytes), empty once every consumer warp's instructions reading it are done.
     const unsigned full = base + STAGES * stage_bytes, empty = full + 8 * STAGES;
@@ -222,7 +231,7 @@ gram_wgmma(const void* __restrict__ map_a, const void* __restrict__ map_b,
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
 
     if (warp >= PRODUCER) {
-        if (threadIdx.x != PRODUCER * 32) return;
+        if (threadIdx.x != PRODUCER * 32) return false;
         // The maps were written by a copy from the host: made visible to the copy engine.
         asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n"
                      :: "l"(map_a) : "memory");
@@ -242,11 +251,10 @@ gram_wgmma(const void* __restrict__ map_a, const void* __restrict__ map_b,
                 tensor_copy(at + (BM / BLOCK + p) * BLOCK_BYTES, map_b, step * (KBITS / 8),
                             col_block + p * BLOCK, bar);
         }
-        return;
+        return false;
     }
 
     const int warpgroup = warp / 4;
-    int acc[ACC];
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = 0;
     for (int step = 0; step < steps; ++step) {
@@ -271,6 +279,25 @@ gram_wgmma(const void* __restrict__ map_a, const void* __restrict__ map_b,
         if (step > 0 && lane == 0) barrier_arrive(empty + 8 * ((step - 1) % STAGES));
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    return true;
+}
+"""
+
+_GRAM = r"""
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+gram_wgmma(const void* __restrict__ map_a, const void* __restrict__ map_b,
+           int* __restrict__ c, int na, int nb, int steps, int ldc, int upper, int pair_store)
+{
+    // map_a, map_b: tensor maps of the operands' words (tensor_map), `steps` stages of KBITS
+    // bits a row; the tile's counts stored in c (ldc ints a row), and with upper at their
+    // mirror too.
+    extern __shared__ __align__(128) unsigned char smem[];
+    int row_block, col_block;
+    if (!tile_place(na, nb, upper, row_block, col_block)) return;
+    int acc[ACC];
+    if (!tile_counts(acc, map_a, map_b, steps, row_block, col_block, stages_base(smem)))
+        return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warpgroup = warp / 4;
 
     // Accumulator i of a thread: row 16 * warp + lane / 4 (+ 8 for i % 4 >= 2) of the
     // warpgroup's 64, column 8 * (i / 4) + 2 * (lane % 4) (+ 1 for odd i). Of a symmetric
@@ -311,12 +338,19 @@ gram_wgmma(const void* __restrict__ map_a, const void* __restrict__ map_b,
 """
 
 
-def kernel_source(tile: WgmmaTile = TILE) -> str:
-    """The CUDA C++ of :func:`wgmma_cuda`'s kernel ``gram_wgmma`` for ``tile``, for
-    ``sm_90a``."""
+def tile_source(tile: WgmmaTile = TILE) -> str:
+    """The CUDA C++ every kernel over ``tile``'s tiles builds on (for ``sm_90a``): the tile's
+    defines, the instruction, the copies and barriers, ``tile_place`` and ``tile_counts``
+    (the tile's counts in the consumer threads' registers)."""
     _check_tile(tile)
     defines = "".join(f"#define {key.upper()} {value}\n" for key, value in tile._asdict().items())
     return defines + _mma_source(BLOCK) + _BODY
+
+
+def kernel_source(tile: WgmmaTile = TILE) -> str:
+    """The CUDA C++ of :func:`wgmma_cuda`'s kernel ``gram_wgmma`` for ``tile``, for
+    ``sm_90a``."""
+    return tile_source(tile) + _GRAM
 
 
 def wgmma_supported() -> bool:
@@ -349,9 +383,9 @@ def _compiled_kernel(device: int, tile: WgmmaTile) -> _Compiled:
     return compile_for_sm90a(kernel_source(tile), tile.shared_bytes)
 
 
-def compile_for_sm90a(source: str, shared_bytes: int) -> _Compiled:
-    """Kernel ``gram_wgmma`` of ``source`` compiled by NVRTC for ``sm_90a`` on the current
-    device, allowed ``shared_bytes`` of dynamic shared memory.
+def compile_for_sm90a(source: str, shared_bytes: int, name: str = "gram_wgmma") -> _Compiled:
+    """Kernel ``name`` of ``source`` compiled by NVRTC for ``sm_90a`` on the current device,
+    allowed ``shared_bytes`` of dynamic shared memory.
 
     Through NVRTC itself, not a CuPy ``RawModule``: CuPy adds its own ``-arch=sm_90`` after
     the options it is given, and ``wgmma`` exists only in ``sm_90a``."""
@@ -359,19 +393,19 @@ def compile_for_sm90a(source: str, shared_bytes: int) -> _Compiled:
     from cupy_backends.cuda.api import driver
     from cupy_backends.cuda.libs import nvrtc
 
-    program = nvrtc.createProgram(source, "gram_wgmma.cu", (), ())
+    program = nvrtc.createProgram(source, f"{name}.cu", (), ())
     try:
         try:
             nvrtc.compileProgram(program, ("-std=c++17", "--gpu-architecture=sm_90a"))
         except nvrtc.NVRTCError as exc:
-            raise RuntimeError("NVRTC could not compile the wgmma kernel: "
+            raise RuntimeError(f"NVRTC could not compile the wgmma kernel {name}: "
                                f"{nvrtc.getProgramLog(program)}") from exc
         cubin = nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)
     module = function.Module()
     module.load(cubin)
-    kernel = module.get_function("gram_wgmma")
+    kernel = module.get_function(name)
     driver.funcSetAttribute(kernel.ptr, _MAX_DYNAMIC_SHARED, shared_bytes)
     return _Compiled(module, kernel)
 

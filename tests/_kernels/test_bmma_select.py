@@ -1,7 +1,8 @@
-"""Selection in the 1-bit tensor-core kernel's epilogue: new top-k states and threshold pairs
-equal to the host path (exact counts, scores, keys and their order) for every metric, with
-ties, empty rows, excluded ids, odd row counts and widths; targets that fill their slots are
-redone from the target's own Gram; a pairs buffer too small is reported with the count."""
+"""Selection in the 1-bit tensor-core kernels' epilogues (bmma's, and on Hopper wgmma's): new
+top-k states and threshold pairs equal to the host path (exact counts, scores, keys and their
+order) for every metric, with ties, empty rows, excluded ids, odd row counts and widths;
+targets that fill their slots are redone from the target's own Gram; a pairs buffer too small
+is reported with the count."""
 
 from __future__ import annotations
 
@@ -12,6 +13,16 @@ from dask_gpuchunk._kernels import bmma_select
 from dask_gpuchunk._kernels import similarity as kernels
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(params=["bmma", "wgmma"])
+def method(request):
+    if request.param == "wgmma":
+        from dask_gpuchunk._kernels.wgmma import wgmma_supported
+
+        if not wgmma_supported():
+            pytest.skip("wgmma needs a Hopper GPU (compute capability 9.0)")
+    return request.param
 
 
 def _rows(rng, n: int, bits: int, density: float = 0.1) -> np.ndarray:
@@ -44,7 +55,7 @@ def _merged(state, keys, k):
 
 @pytest.mark.parametrize("metric", kernels.METRICS)
 @pytest.mark.parametrize("k", [1, 10, kernels.CUDA_TOP_K_MAX])
-def test_new_states_of_rows_and_columns_equal_the_host_merge(rng, metric, k):
+def test_new_states_of_rows_and_columns_equal_the_host_merge(rng, metric, k, method):
     import cupy
 
     bits = 1000  # not a multiple of the kernel's 1,024-bit stages: zero padding
@@ -56,14 +67,15 @@ def test_new_states_of_rows_and_columns_equal_the_host_merge(rng, metric, k):
     pop_x, pop_y = x.sum(axis=1).astype(np.int32), y.sum(axis=1).astype(np.int32)
     got = bmma_select.top_k_candidates(_words(x), _words(y), cupy.asarray(pop_x),
                                        cupy.asarray(pop_y), 0, 400, cupy.asarray(state_x),
-                                       cupy.asarray(state_y), metric, False)
+                                       cupy.asarray(state_y), metric, False,
+                                       method=method)
     want_x = _merged(state_x, _host_keys(x, y, 0, 400, metric, k, False), k)
     want_y = _merged(state_y, _host_keys(y, x, 400, 0, metric, k, False), k)
     np.testing.assert_array_equal(got[0].get(), want_x)
     np.testing.assert_array_equal(got[1].get(), want_y)
 
 
-def test_rows_only_with_excluded_equal_ids(rng):
+def test_rows_only_with_excluded_equal_ids(rng, method):
     import cupy
 
     x, y = _rows(rng, 150, 2048), _rows(rng, 140, 2048)
@@ -71,14 +83,15 @@ def test_rows_only_with_excluded_equal_ids(rng):
     state = _host_keys(x, _rows(rng, 200, 2048), 0, 5000, "tanimoto", 5, False)
     got = bmma_select.top_k_candidates(
         _words(x), _words(y), cupy.asarray(x.sum(axis=1)), cupy.asarray(y.sum(axis=1)), 0, 30,
-        cupy.asarray(state), None, "tanimoto", True)
+        cupy.asarray(state), None, "tanimoto", True, method=method)
     assert got[1] is None
     want = _merged(state, _host_keys(x, y, 0, 30, "tanimoto", 5, True), 5)
     np.testing.assert_array_equal(got[0].get(), want)
 
 
 @pytest.mark.parametrize("metric", ["dice", "hamming"])
-def test_targets_with_more_candidates_than_slots_are_redone_exactly(rng, metric, monkeypatch):
+def test_targets_with_more_candidates_than_slots_are_redone_exactly(rng, metric, monkeypatch,
+                                                                    method):
     import cupy
 
     monkeypatch.setattr(bmma_select, "REDONE_TARGETS", 9)  # several groups of targets
@@ -89,7 +102,7 @@ def test_targets_with_more_candidates_than_slots_are_redone_exactly(rng, metric,
     got = bmma_select.top_k_candidates(_words(x), _words(y), cupy.asarray(x.sum(axis=1)),
                                        cupy.asarray(y.sum(axis=1)), 0, 100,
                                        cupy.asarray(empty), cupy.asarray(state_y), metric,
-                                       False)
+                                       False, method=method)
     assert bmma_select.redone["targets"] - before >= 40
     want_x = _merged(empty, _host_keys(x, y, 0, 100, metric, 3, False), 3)
     want_y = _merged(state_y, _host_keys(y, x, 100, 0, metric, 3, False), 3)
@@ -99,7 +112,7 @@ def test_targets_with_more_candidates_than_slots_are_redone_exactly(rng, metric,
 
 @pytest.mark.parametrize("metric", kernels.METRICS)
 @pytest.mark.parametrize("upper", [False, True])
-def test_threshold_pairs_equal_the_host_path(rng, metric, upper, monkeypatch):
+def test_threshold_pairs_equal_the_host_path(rng, metric, upper, method):
     import cupy
 
     x = _rows(rng, 270, 1100, 0.15)
@@ -119,22 +132,45 @@ def test_threshold_pairs_equal_the_host_path(rng, metric, upper, monkeypatch):
     words_x = _words(x)
     args = (words_x, words_x if upper else _words(y), cupy.asarray(x.sum(axis=1)),
             cupy.asarray(y.sum(axis=1)), 0, first_y, limit, metric, True, upper)
-    assert bmma_select.pairs_at_least_bmma(*args, capacity=8) == (None, len(want))
-    got, count = bmma_select.pairs_at_least_bmma(*args, capacity=len(want))
+    assert bmma_select.pairs_at_least_bmma(*args, capacity=8, method=method) == (None, len(want))
+    got, count = bmma_select.pairs_at_least_bmma(*args, capacity=len(want), method=method)
     assert count == len(want)
     np.testing.assert_array_equal(kernels.sorted_pairs([got.get()]), want)
 
 
 @pytest.mark.parametrize("selection, names", [
     ("top_k", {"top_k_candidates", "merge_candidates"}), ("threshold", {"pairs_at_least"})])
-def test_compile_ahead_compiles_each_kernel_of_the_selection_in_its_thread(selection, names):
+def test_compile_ahead_compiles_each_kernel_of_the_selection_in_its_thread(selection, names,
+                                                                            method):
     import cupy
 
-    from dask_gpuchunk._kernels import bmma
+    from dask_gpuchunk._kernels import bmma, wgmma_select
 
-    thread = bmma_select.compile_ahead(selection)
+    thread = bmma_select.compile_ahead(selection, method=method)
     thread.join(120)
     assert not thread.is_alive()
     device = cupy.cuda.runtime.getDevice()
     made = {key[3] for key in bmma._compiled_kernel.made if key[0] == device}
+    made |= {key[1].removesuffix("_wgmma") for key in wgmma_select._compiled.made
+             if key[0] == device}
     assert names <= made
+
+
+def test_many_tiles_and_a_tight_selection_equal_bmma_s(rng, method):
+    # Blocks of many tiles, states from a block before (tight: the cheap test leaves out
+    # nearly every pair), near twins across the block: the candidates, hence the states,
+    # are those of the host merge.
+    import cupy
+
+    x, y = _rows(rng, 1500, 2048, 0.075), _rows(rng, 1300, 2048, 0.075)
+    flip = rng.random((100, 2048)) < 0.01
+    y[:100] = x[200:300] ^ flip
+    state_x = _host_keys(x, _rows(rng, 700, 2048, 0.075), 0, 9000, "tanimoto", 10, False)
+    state_y = _host_keys(y, _rows(rng, 700, 2048, 0.075), 5000, 9000, "tanimoto", 10, False)
+    got = bmma_select.top_k_candidates(
+        _words(x), _words(y), cupy.asarray(x.sum(axis=1)), cupy.asarray(y.sum(axis=1)), 0,
+        5000, cupy.asarray(state_x), cupy.asarray(state_y), "tanimoto", False, method=method)
+    want_x = _merged(state_x, _host_keys(x, y, 0, 5000, "tanimoto", 10, False), 10)
+    want_y = _merged(state_y, _host_keys(y, x, 5000, 0, "tanimoto", 10, False), 10)
+    np.testing.assert_array_equal(got[0].get(), want_x)
+    np.testing.assert_array_equal(got[1].get(), want_y)

@@ -1,0 +1,44 @@
+"""Kernel layer: top-k and threshold selection in the Hopper kernel's epilogue.
+
+Where ``nvcc`` is installed (CI's machine has it, and no GPU), each selection kernel's source
+goes through ``ptxas`` for ``sm_90a``: valid, within the shared memory a block may have, the
+asynchronous instructions kept asynchronous, and no spills for the metrics users run most. The
+``gpu`` tests of test_bmma_select.py check both kernels exact against the host path on a Hopper
+GPU (the ``wgmma`` cases of each test there).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from dask_gpuchunk._kernels import wgmma_select
+from dask_gpuchunk._kernels.wgmma import TILE
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc to assemble the kernel with")
+@pytest.mark.parametrize("name, metric", [
+    ("top_k_candidates_wgmma", "tanimoto"), ("top_k_candidates_wgmma", "hamming"),
+    ("pairs_at_least_wgmma", "tanimoto"), ("pairs_at_least_wgmma", "cosine")])
+def test_selection_sources_assemble_for_sm90a_without_spills(tmp_path, name, metric):
+    source = tmp_path / f"{name}.cu"
+    source.write_text(wgmma_select.select_source(name, metric))
+    done = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v",
+                           "-o", str(tmp_path / f"{name}.cubin"), str(source)],
+                          capture_output=True, text=True, timeout=180)
+    report = done.stdout + done.stderr
+    assert done.returncode == 0, report
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert "serialized" not in report and "warning" not in report.lower(), report
+
+
+def test_selection_sources_name_one_kernel_and_one_metric():
+    source = wgmma_select.select_source("pairs_at_least_wgmma", "dice")
+    assert "#define SELECT_METRIC 1" in source
+    assert "pairs_at_least_wgmma(" in source and "top_k_candidates_wgmma(" not in source
+    with pytest.raises(ValueError, match="no wgmma selection kernel"):
+        wgmma_select.select_source("gram_wgmma", "tanimoto")
+    # The stages, the columns' data and the warps' queues fit a block's 227 KiB.
+    assert TILE.shared_bytes < wgmma_select.shared_bytes(TILE) <= 227 * 1024
