@@ -805,9 +805,13 @@ def _in_process_by_default(opts: dict[str, Any]) -> bool:
 @click.option("--queries", type=click.Path(), default=None,
               help="Score each row of QUERIES (.npy, .zarr, .fps or FPSim2 .h5) against "
               "FINGERPRINTS; without it, all pairs of FINGERPRINTS.")
-@click.option("--metric", type=click.Choice(["tanimoto", "jaccard", "dice", "cosine", "hamming",
-                                             "counts"]),
+@click.option("--metric", type=click.Choice(["tanimoto", "jaccard", "dice", "cosine", "tversky",
+                                             "hamming", "counts"]),
               default="tanimoto", show_default=True)
+@click.option("--alpha", type=click.FloatRange(min=0), default=None,
+              help="Tversky's weight of what only a row has (--metric tversky) [default: 1].")
+@click.option("--beta", type=click.FloatRange(min=0), default=None,
+              help="Tversky's weight of what only the other row has [default: --alpha].")
 @click.option("--top-k", type=click.IntRange(min=1), default=None,
               help="Each row's K best: OUTPUT a .npz of indices and scores (n x K). With "
               "--threshold: the K best that meet it, index -1 and score NaN (-1 for hamming "
@@ -830,7 +834,8 @@ def _in_process_by_default(opts: dict[str, Any]) -> bool:
               help="Start a local cluster even for --top-k and --threshold on one GPU (or "
               "none), which run in this process by default.")
 @_cluster_options
-def similarity_command(fingerprints: str, queries: str | None, metric: str, top_k: int | None,
+def similarity_command(fingerprints: str, queries: str | None, metric: str,
+                       alpha: float | None, beta: float | None, top_k: int | None,
                        threshold: float | None, dense: bool, include_self: bool, output: str,
                        overwrite: bool, compression: str, zarr_format: str, packed: bool,
                        method: str, chunk_rows: int | None, device: str, as_json: bool,
@@ -844,6 +849,8 @@ def similarity_command(fingerprints: str, queries: str | None, metric: str, top_
     cluster all the same. Dense scores and several GPUs take a local cluster."""
     if dense and (top_k is not None or threshold is not None):
         raise click.UsageError("--dense writes every score; leave out --top-k and --threshold")
+    if metric != "tversky" and (alpha is not None or beta is not None):
+        raise click.UsageError("--alpha and --beta weigh --metric tversky only")
     if use_local_cluster and opts.get("in_process"):
         raise click.UsageError("give --local-cluster or --in-process, not both")
     joined = [f"--{k.replace('_', '-')}" for k in ("scheduler_file", "scheduler_address")
@@ -856,8 +863,9 @@ def similarity_command(fingerprints: str, queries: str | None, metric: str, top_
     _run_job(as_json, opts, lambda: similarity_job(
         fingerprints, output, queries=queries, metric=metric, top_k=top_k,
         threshold=threshold, packed=packed,
-        exclude_self=(not include_self) if queries is None else None, method=method, device=device, chunk_rows=chunk_rows,
-        overwrite=overwrite, compression=compression, zarr_format=int(zarr_format)))
+        exclude_self=(not include_self) if queries is None else None, method=method,
+        device=device, chunk_rows=chunk_rows, overwrite=overwrite, compression=compression,
+        zarr_format=int(zarr_format), alpha=alpha, beta=beta))
 
 
 @main.command("fingerprints")

@@ -985,6 +985,8 @@ def similarity_job(
     overwrite: bool = False,
     compression: str = "none",
     zarr_format: int = 3,
+    alpha: float | None = None,
+    beta: float | None = None,
 ) -> Job:
     """Check the files of a similarity job now; return the job, to run as ``job(progress)``.
 
@@ -997,6 +999,8 @@ def similarity_job(
     :data:`SIMILARITY_CHUNK_ROWS` on GPUs, halved while a block would not fit the workers'
     budget, 4,096 on the CPU. On GPUs the packed words are moved to the devices once: for
     top-k of a packed ``.npy``, read there by each worker (none sent between workers).
+    ``alpha``, ``beta``: Tversky's weights (``metric="tversky"``), as
+    :func:`dask_gpuchunk.similarity` takes them.
     """
     from ._kernels.similarity import score_dtype
     from .similarity import METRICS, similarity
@@ -1047,13 +1051,15 @@ def similarity_job(
             # "auto": wgmma, bmma or int8, as the workers' GPUs have them; the largest.
             methods = ["wgmma", "bmma", "int8"] if method == "auto" else [method]
             while rows > MIN_CHUNK_ROWS and max(similarity_block_bytes(
-                    rows, width, each, top_k, threshold) for each in methods) > min(budgets):
+                    rows, width, each, top_k, threshold, metric) for each in methods
+            ) > min(budgets):
                 rows //= 2
         x = words_of(0, rows, bool(budgets))
         y = None if queries is None else words_of(1, rows, bool(budgets))
         t0 = time.perf_counter()
         options = dict(metric=metric, top_k=top_k, threshold=threshold,
-                       exclude_self=exclude_self, method=method, device=device)
+                       exclude_self=exclude_self, method=method, device=device, alpha=alpha,
+                       beta=beta)
         warm = (h.dtype.str, h.shape[1], packed, queries is not None, bool(budgets),
                 not is_zarr_path(paths[0]) and not fps)
         if distributed_client_active():  # each worker compiles while the words are read
@@ -1097,6 +1103,7 @@ def similarity_job(
                         "packed": packed} for p, h in zip(paths, headers)],
             "output": {"path": str(target), "shape": shape, "dtype": str(dtype)},
             "metric": metric,
+            **({"alpha": alpha, "beta": beta} if metric == "tversky" else {}),
             "top_k": top_k,
             "threshold": threshold,
             "pairs_found": pairs_found,

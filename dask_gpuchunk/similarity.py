@@ -85,8 +85,9 @@ METRICS = kernels.METRICS
 _SHIFT, _LOW = np.uint64(32), np.uint64(0xFFFF_FFFF)
 
 
-def _dense_block(c: Any, a: Any, b: Any, metric: str) -> Any:
-    return kernels.scores(c, a, b, metric)
+def _dense_block(c: Any, a: Any, b: Any, metric: str,
+                 weights: tuple[float, float] = kernels.TANIMOTO_WEIGHTS) -> Any:
+    return kernels.scores(c, a, b, metric, weights=weights)
 
 
 #: Device bytes the scoring of a block allocates per pair at most (scores, their keys and the
@@ -102,6 +103,7 @@ class _Selection(NamedTuple):
     k: int | None
     threshold: Any
     exclude_self: bool
+    weights: tuple[float, float] = kernels.TANIMOTO_WEIGHTS  # Tversky's alpha and beta
 
     def keep(self, s: Any, first_row: int, first_col: int, diagonal: bool) -> Any:
         excluded = (kernels.same_ids(s, first_row, first_col)
@@ -148,12 +150,13 @@ def _scored_block(a: Any, b: Any, pop_a: Any, pop_b: Any, rows: Any, cols: Any,
         if selection.k is None:
             mine = pairs_at_least_cpu(counts, pop_a, pop_b, first_row, first_col,
                                       selection.metric, selection.threshold, exclude,
-                                      run_cpu_kernel)
+                                      run_cpu_kernel, selection.weights)
             return mine, (kernels.swapped_pairs(mine) if both else None)
         mine = best_keys_of_rows(counts, pop_a, pop_b, first_row, first_col, selection.metric,
-                                 selection.k, exclude, run_cpu_kernel)
+                                 selection.k, exclude, run_cpu_kernel, selection.weights)
         theirs = (best_keys_of_columns(counts, pop_a, pop_b, first_row, first_col,
-                                       selection.metric, selection.k, exclude, run_cpu_kernel)
+                                       selection.metric, selection.k, exclude, run_cpu_kernel,
+                                       selection.weights)
                   if both else None)
         return mine, theirs
     mine, theirs = _device_selected(a, b, pop_a, pop_b, first_row, first_col, selection, both,
@@ -179,6 +182,9 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
     exclude = selection.exclude_self and diagonal
     pairs = a.shape[0] * b.shape[0]
     what = f"a similarity block of {a.shape[0]} x {b.shape[0]} rows"
+    if selection.metric in kernels.ASYMMETRIC_METRICS:  # no CUDA kernel scores it
+        return _scored_on_arrays(a, b, pop_a, pop_b, first_row, first_col, selection, both,
+                                 diagonal, method, what)
     fused_method = _selecting_method(method, "threshold")
     if selection.k is None and fused_method in FUSED_METHODS:
         def fused(capacity: int) -> tuple[Any, int]:
@@ -258,11 +264,20 @@ def _device_selected(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, fir
         return run_reserved(best, min(pairs * 4, counts_bytes) + kept
                             + device_block_scratch(a, b, method), what)
 
+    return _scored_on_arrays(a, b, pop_a, pop_b, first_row, first_col, selection, both,
+                             diagonal, method, what)
+
+
+def _scored_on_arrays(a: Any, b: Any, pop_a: Any, pop_b: Any, first_row: int, first_col: int,
+                      selection: _Selection, both: bool, diagonal: bool, method: str, what: str
+                      ) -> tuple[Any, Any]:
+    """:func:`_device_selected` through the block's counts and scores in device memory
+    (top-k beyond the CUDA kernels' ``k``, and Tversky's scores), their bytes reserved."""
     def scored() -> tuple[Any, Any]:
         return _kept_from_scores(device_block_counts(a, b, method), pop_a, pop_b, first_row,
                                  first_col, selection, both, diagonal)
 
-    return run_reserved(scored, pairs * (4 + SCORING_BYTES_PER_PAIR)
+    return run_reserved(scored, a.shape[0] * b.shape[0] * (4 + SCORING_BYTES_PER_PAIR)
                         + device_block_scratch(a, b, method), what)
 
 
@@ -280,7 +295,7 @@ def compile_selection_ahead(method: str, top_k: int | None, threshold: Any,
     kernel a ``top_k`` or ``threshold`` selection by ``metric`` will run there, in a thread of
     its own (:func:`~dask_gpuchunk._kernels.bmma_select.compile_ahead`); return the thread, or
     ``None`` where no fused kernel will run."""
-    if not gpu_available():
+    if not gpu_available() or metric in kernels.ASYMMETRIC_METRICS:
         return None
     if top_k is not None and top_k <= kernels.CUDA_TOP_K_MAX:
         kind = "top_k"
@@ -321,15 +336,15 @@ def _selecting_method(method: str, selection: str) -> str:
 
 
 def block_bytes(rows: int, words64: int, method: str, top_k: int | None = None,
-                threshold: float | None = None) -> int:
+                threshold: float | None = None, metric: str = "tanimoto") -> int:
     """Device bytes one block of :func:`similarity` on a GPU needs at once, in chunks of
     ``rows`` rows of ``words64`` 64-bit words by ``method`` (``"bmma"``, ``"int8"``,
     ``"popcount"``): both chunks' words, and the dense scores' counts and scores; or, with
     ``top_k`` or ``threshold``, what the selection allocates: the fused kernel's scratch
     (bmma), the plain path's slices of counts at their smallest (:data:`SELECT_COUNTS_BYTES`,
     larger where the budget has room; a row chunk's first top-k block, and every block of
-    other methods), or beyond :data:`~dask_gpuchunk._kernels.similarity.CUDA_TOP_K_MAX` the
-    block's scores and keys.
+    other methods), or beyond :data:`~dask_gpuchunk._kernels.similarity.CUDA_TOP_K_MAX` (and
+    for Tversky's ``metric``) the block's scores and keys.
 
     Examples
     --------
@@ -341,7 +356,8 @@ def block_bytes(rows: int, words64: int, method: str, top_k: int | None = None,
     words = 2 * rows * words64 * 8
     if top_k is None and threshold is None:
         return words + rows * rows * 8 + block_scratch_bytes(method, rows, rows, words64)
-    if top_k is not None and top_k > kernels.CUDA_TOP_K_MAX:
+    if ((top_k is not None and top_k > kernels.CUDA_TOP_K_MAX)
+            or metric in kernels.ASYMMETRIC_METRICS):
         return (words + rows * rows * (4 + SCORING_BYTES_PER_PAIR)
                 + block_scratch_bytes(method, rows, rows, words64))
     step = min(rows, _rows_per_slice(rows))
@@ -361,10 +377,12 @@ def _kept_from_scores(counts: Any, pop_a: Any, pop_b: Any, first_row: int, first
                       selection: _Selection, both: bool, diagonal: bool) -> tuple[Any, Any]:
     """What ``selection`` keeps of a block's counts through its scores in memory (the array
     path, NumPy or CuPy): for its rows and, with ``both``, its columns."""
-    s = kernels.scores(counts, pop_a, pop_b, selection.metric)
+    s = kernels.scores(counts, pop_a, pop_b, selection.metric, weights=selection.weights)
     mine = selection.keep(s, first_row, first_col, diagonal)
     if not both:
         return mine, None
+    # Never Tversky's (its transposed block scores otherwise): similarity() selects it as
+    # queries against themselves, blocks of rows only.
     if selection.k is None:  # a threshold's pairs of the transposed block: the same, swapped
         return mine, kernels.swapped_pairs(mine)
     return mine, selection.keep(s.T, first_col, first_row, diagonal)
@@ -445,8 +463,8 @@ def _next_states(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: 
         range(first_a, first_a + len(a)), range(first_b, first_b + len(b)))
     on_device = is_cupy(a) and is_cupy(b) and device != "cpu"
     fused_method = _selecting_method(method, "top_k") if on_device else None
-    if (on_device and selection.k <= kernels.CUDA_TOP_K_MAX
-            and fused_method in FUSED_METHODS):
+    if (on_device and selection.k <= kernels.CUDA_TOP_K_MAX and fused_method in FUSED_METHODS
+            and selection.metric not in kernels.ASYMMETRIC_METRICS):
         words64 = -(-a.shape[1] * a.dtype.itemsize // 8)
         return run_reserved(
             lambda: top_k_candidates(bits.words64(a), bits.words64(b), pop_a, pop_b, first_a,
@@ -740,7 +758,8 @@ GPU_BLOCK_ROWS = 32768
 
 
 def grouped_for_gpu(words: da.Array, words64: int, method: str, top_k: int | None,
-                    threshold: Any, budget: int, workers: int = 1) -> da.Array:
+                    threshold: Any, budget: int, workers: int = 1, metric: str = "tanimoto"
+                    ) -> da.Array:
     """``words`` whose row chunks are smaller than :data:`GPU_BLOCK_ROWS` grouped up to it (or
     to the largest half of it whose selection block fits half of ``budget``: two run at once
     on a worker), keeping at least ``max(MIN_ROW_GROUPS, 2 * workers)`` groups for the
@@ -761,7 +780,8 @@ def grouped_for_gpu(words: da.Array, words64: int, method: str, top_k: int | Non
     rows = max(words.chunks[0], default=0)
     groups = max(MIN_ROW_GROUPS, 2 * workers)
     target = min(GPU_BLOCK_ROWS, -(-words.shape[0] // groups))
-    while target > rows and block_bytes(target, words64, method, top_k, threshold) > budget // 2:
+    while target > rows and block_bytes(target, words64, method, top_k, threshold,
+                                        metric) > budget // 2:
         target //= 2
     if target <= rows:
         return words
@@ -791,6 +811,23 @@ def _check_choice(metric: str, top_k: Any, threshold: Any, candidates: int, widt
                              f"{threshold!r}")
 
 
+def _tversky_weights(metric: str, alpha: float | None, beta: float | None
+                     ) -> tuple[float, float]:
+    """Tversky's ``(alpha, beta)`` as float32 values (``alpha`` 1 and ``beta`` ``alpha``
+    unless given); for other metrics Tanimoto's, and neither may be given."""
+    if metric != "tversky":
+        if alpha is not None or beta is not None:
+            raise ValueError(f"alpha and beta weigh metric='tversky' only; got metric={metric!r}")
+        return kernels.TANIMOTO_WEIGHTS
+    alpha = 1.0 if alpha is None else alpha
+    beta = alpha if beta is None else beta
+    for name, value in (("alpha", alpha), ("beta", beta)):
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                or not math.isfinite(value) or value < 0):
+            raise ValueError(f"{name} must be a finite number of at least 0; got {value!r}")
+    return float(np.float32(alpha)), float(np.float32(beta))
+
+
 def _threshold_value(threshold: float, metric: str) -> Any:
     """The threshold as the scores are compared with it: float32 for the ratios (a pair's
     float32 score against ``float32(threshold)``), an integer bound for the counts."""
@@ -803,7 +840,7 @@ def _threshold_value(threshold: float, metric: str) -> Any:
 def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bool = False,
                top_k: int | None = None, threshold: float | None = None,
                exclude_self: bool | None = None, method: Method = "auto",
-               device: Device = "auto"
+               device: Device = "auto", alpha: float | None = None, beta: float | None = None
                ) -> Any:
     """Similarity of binary rows, exact, from the bit-packed Gram: all pairs of ``x``, or
     each row of ``x`` (queries) against each row of ``y`` (database).
@@ -818,9 +855,9 @@ def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bo
         (only the blocks on or above the diagonal computed); else ``y`` has ``x``'s bits
         (``packed``: its dtype and width).
     metric
-        ``"tanimoto"`` (= ``"jaccard"``), ``"dice"``, ``"cosine"``, ``"hamming"`` or
-        ``"counts"`` (the shared bits themselves); the formulas and the rule for empty rows
-        are in :mod:`dask_gpuchunk._kernels.similarity` and the README.
+        ``"tanimoto"`` (= ``"jaccard"``), ``"dice"``, ``"cosine"``, ``"tversky"``,
+        ``"hamming"`` or ``"counts"`` (the shared bits themselves); the formulas and the rule
+        for empty rows are in :mod:`dask_gpuchunk._kernels.similarity` and the README.
     packed
         Whether ``x`` and ``y`` hold packed words.
     top_k
@@ -840,6 +877,13 @@ def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bo
         pairs, ``False`` for queries against a database); for top-k and threshold.
     method, device
         As for :func:`dask_gpuchunk.gram`.
+    alpha, beta
+        Tversky's weights (``metric="tversky"`` only): ``c / (c + alpha * (a - c) + beta *
+        (b - c))`` with ``a`` the row's popcount and ``b`` the column's; ``alpha`` defaults
+        to 1 and ``beta`` to ``alpha`` (1, 1: Tanimoto; 0.5, 0.5: Dice). A row's score
+        against a column is not the column's against the row unless ``alpha == beta``: all
+        pairs then score every block, not half (on a GPU, through the block's scores in
+        memory, not a fused kernel).
 
     Returns
     -------
@@ -874,6 +918,9 @@ def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bo
     >>> rows, cols, scores = similarity(fps, threshold=0.5).compute()
     >>> rows, cols
     (array([0, 1]), array([1, 0]))
+    >>> similarity(fps, metric="tversky", alpha=0.9, beta=0.1).compute()[:2, :2]
+    array([[1.       , 0.6896551],
+           [0.952381 , 1.       ]], dtype=float32)
     """
     check_method(method, device)
     x, y, packed = bit_vectors_as_words(x, y, packed)
@@ -892,6 +939,10 @@ def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bo
         raise ValueError(f"at most 2**32 - 1 rows per input; got {max(n, m):,}")
     width = wx.shape[1] * wx.dtype.itemsize * 8 if packed else x.shape[1]
     _check_choice(metric, top_k, threshold, m - 1 if exclude_self else m, width)
+    weights = _tversky_weights(metric, alpha, beta)
+    # All pairs of an asymmetric metric: the rows against themselves as a database, every
+    # block scored for its rows (the transposed half's scores are not the block's).
+    all_pairs = y is None and metric not in kernels.ASYMMETRIC_METRICS
     if threshold is not None and top_k is None and _compat.is_array_expression(wx):
         raise NotImplementedError("similarity(threshold=) makes arrays of lengths known only "
                                   "once computed, which dask's array query planning does "
@@ -908,11 +959,12 @@ def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bo
         resolved = resolve_method(method, on_gpu=True)
         if top_k is not None or threshold is not None:  # blocks of the GPU's size, ours
             budget, workers = working_budget(), cluster_workers()
-            wx = grouped_for_gpu(wx, words64, resolved, top_k, threshold, budget, workers)
+            wx = grouped_for_gpu(wx, words64, resolved, top_k, threshold, budget, workers,
+                                 metric)
             wy = wx if y is None else grouped_for_gpu(wy, words64, resolved, top_k, threshold,
-                                                      budget, workers)
+                                                      budget, workers, metric)
         rows = max(*wx.chunks[0], *wy.chunks[0], 0)
-        check_fits(block_bytes(rows, words64, resolved, top_k, threshold),
+        check_fits(block_bytes(rows, words64, resolved, top_k, threshold, metric),
                    f"a similarity block of {rows} x {rows} rows of {words64 * 64} bits "
                    f"({resolved})", "fewer rows per chunk: chunks= of the rows, --chunk-rows")
     meta1 = meta_from_array(wx._meta, ndim=1, dtype=np.int32)
@@ -929,24 +981,24 @@ def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bo
                                   method=method, device=device, dtype=np.int32,
                                   meta=meta_from_array(wx._meta, ndim=2, dtype=np.int32))
         return da.blockwise(_dense_block, "ij", counts, "ij", pop_x, "i", pop_y, "j",
-                            metric=metric, dtype=dtype,
+                            metric=metric, weights=weights, dtype=dtype,
                             meta=meta_from_array(counts._meta, ndim=2, dtype=dtype))
     k = None if top_k is None else int(top_k)
     limit = None if threshold is None else _threshold_value(threshold, metric)
     # A top-k with a threshold selects the k best and masks those short of it afterwards:
     # the same blocks, exact.
-    selection = _Selection(metric, k, limit if k is None else None, exclude_self)
+    selection = _Selection(metric, k, limit if k is None else None, exclude_self, weights)
     meta2 = meta_from_array(wx._meta, ndim=2, dtype=np.uint64)
     on_device = is_cupy(wx._meta)
     if k is not None and listed_graphs():
-        keys = _top_k_chain(wx, wy, pop_x, pop_y, y is None, selection, method, device, meta2)
+        keys = _top_k_chain(wx, wy, pop_x, pop_y, all_pairs, selection, method, device, meta2)
         return _decoded(keys, on_device, metric, dtype, limit)
     if k is None and listed_graphs():
-        return _pairs_parts(_threshold_pairs(wx, wy, pop_x, pop_y, y is None, selection,
+        return _pairs_parts(_threshold_pairs(wx, wy, pop_x, pop_y, all_pairs, selection,
                                              method, device, meta2), on_device, metric, dtype)
     rows = da.arange(n, chunks=(wx.chunks[0],), dtype=np.int64)
     cols = rows if y is None else da.arange(m, chunks=(wy.chunks[0],), dtype=np.int64)
-    block = _upper_block if y is None else _cross_block
+    block = _upper_block if all_pairs else _cross_block
     with warnings.catch_warnings():
         # A block per pair of chunks is the point: Dask's warning that the blockwise makes
         # many more chunks than its inputs have says nothing to the user here.
@@ -956,7 +1008,7 @@ def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bo
                             device=device, dtype=np.uint64, meta=meta2)
     # Each row chunk's task merges what its blocks kept (and, for all pairs, the transposed
     # halves of the blocks above it in its column): lists of small arrays, never counts.
-    mirrored = (kept, "ji") if y is None else ()
+    mirrored = (kept, "ji") if all_pairs else ()
     if k is not None:
         keys = da.blockwise(_merged_keys, "it", kept, "ij", *mirrored, new_axes={"t": k},
                             concatenate=False, k=k, dtype=np.uint64, meta=meta2)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 from click.testing import CliRunner
 
 from dask_gpuchunk.cli import main
@@ -93,3 +94,14 @@ def test_the_progress_bar_gives_rate_and_time_left(capsys, monkeypatch):
     assert lines[2].endswith("20/40 blocks, 5 blocks/s, 4 s left")
     assert lines[3] == "[" + "#" * 30 + "] 40/40 blocks, 4 blocks/s in 10 s\n"
     assert len(lines) == 4
+
+
+def test_similarity_weights_belong_to_tversky(tmp_path):
+    np.save(tmp_path / "fps.npy", np.eye(8, dtype=np.uint8))
+    args = ["similarity", str(tmp_path / "fps.npy"), "--top-k", "2", "-o",
+            str(tmp_path / "nn.npz")]
+    result = CliRunner().invoke(main, [*args, "--alpha", "0.5"])
+    assert result.exit_code == 2 and "--metric tversky only" in result.output
+    result = CliRunner().invoke(main, [*args, "--metric", "tversky", "--alpha", "-1"])
+    assert result.exit_code == 2 and "--alpha" in result.output
+    assert not (tmp_path / "nn.npz").exists()

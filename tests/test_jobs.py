@@ -175,6 +175,26 @@ def test_the_k_best_above_a_threshold_through_the_command_line(rng, tmp_path, mo
         np.testing.assert_array_equal(got["scores"], np.where(meets, best, np.nan))
 
 
+def test_a_tversky_job_scores_each_row_against_the_others_with_its_weights(rng, tmp_path):
+    from dask_gpuchunk.jobs import similarity_job
+    from dask_gpuchunk._kernels.similarity import scores
+
+    fps = random_bits(rng, (90, 200), 0.15)
+    np.save(tmp_path / "fps.npy", np.packbits(fps, axis=1))
+    summary = similarity_job(tmp_path / "fps.npy", tmp_path / "top.npz", packed=True, top_k=4,
+                             metric="tversky", alpha=0.9, beta=0.2, chunk_rows=32,
+                             device="cpu")(None)
+    assert (summary["alpha"], summary["beta"]) == (0.9, 0.2)
+    s = scores(bit_products(fps, fps), fps.sum(axis=1), fps.sum(axis=1), "tversky",
+               weights=(0.9, 0.2)).astype(np.float64)
+    np.fill_diagonal(s, -1)
+    order = np.argsort(-s, axis=1, kind="stable")[:, :4]
+    with np.load(tmp_path / "top.npz") as got:
+        np.testing.assert_array_equal(got["indices"], order)
+        np.testing.assert_array_equal(got["scores"],
+                                      np.take_along_axis(s, order, axis=1).astype(np.float32))
+
+
 def test_a_similarity_job_warms_up_first_and_a_failed_warm_up_loses_nothing(rng, tmp_path,
                                                                              monkeypatch):
     from dask_gpuchunk import jobs
@@ -347,6 +367,7 @@ def test_similarity_job_leaves_a_npy_to_the_selection_s_blocks(rng, tmp_path, li
         type(da.ones(1)).__module__.startswith("dask.array._array_expr"),
         reason="threshold pairs are refused under dask's array query planning")),
     ({"top_k": 40}, 4096),  # beyond the kernels' 32: scores and keys of whole blocks
+    ({"top_k": 10, "metric": "tversky", "alpha": 0.7}, 4096),  # no CUDA kernel scores it
     ({}, 8192),  # dense: each block's counts and scores, 8 bytes a pair
 ])
 def test_similarity_job_chunks_by_what_a_block_holds(rng, tmp_path, monkeypatch, options,
@@ -364,7 +385,8 @@ def test_similarity_job_chunks_by_what_a_block_holds(rng, tmp_path, monkeypatch,
     assert summary["chunk_rows"] == rows
 
     def held(rows):
-        return max(block_bytes(rows, 32, method, options.get("top_k"), options.get("threshold"))
+        return max(block_bytes(rows, 32, method, options.get("top_k"), options.get("threshold"),
+                               options.get("metric", "tanimoto"))
                    for method in ("bmma", "int8"))
 
     assert held(rows) <= 2 << 30 and (held(2 * rows) > 2 << 30 or rows == 32768)

@@ -21,7 +21,8 @@ from dask_gpuchunk import config
 QUERY_PLANNING = type(da.ones(1)).__module__.startswith("dask.array._array_expr")
 
 
-def reference(x: np.ndarray, y: np.ndarray, metric: str) -> np.ndarray:
+def reference(x: np.ndarray, y: np.ndarray, metric: str, alpha: float = 1.0,
+              beta: float = 1.0) -> np.ndarray:
     """The metric's formula (dask_gpuchunk._kernels.similarity) on exact int64 counts."""
     c = bit_products(x, y)
     a = x.sum(axis=1, dtype=np.int64)[:, None]
@@ -33,6 +34,11 @@ def reference(x: np.ndarray, y: np.ndarray, metric: str) -> np.ndarray:
             s = np.float32(2 * c) / np.float32(a + b)
         elif metric == "cosine":
             s = (c / np.sqrt(a.astype(np.float64) * b)).astype(np.float32)
+        elif metric == "tversky":  # float32 products and sums, left to right
+            fc = np.float32(c)
+            den = (fc + np.float32(alpha) * np.float32(a - c)) + np.float32(beta) * np.float32(
+                b - c)
+            s = fc / den
         elif metric == "hamming":
             return (a + b - 2 * c).astype(np.int32)
         else:
@@ -85,6 +91,49 @@ def test_dense_scores_are_the_formula_to_the_last_bit(rng, metric):
     cross = dg.similarity(da.from_array(x, chunks=(40, 150)), da.from_array(y, chunks=17),
                           metric=metric).compute()
     np.testing.assert_array_equal(cross, reference(x, y, metric))
+
+
+@pytest.mark.skipif(QUERY_PLANNING, reason="threshold= is refused under array query planning")
+@pytest.mark.parametrize("alpha, beta", [(0.9, 0.1), (0.2, 0.7), (0.0, 1.0)])
+def test_tversky_is_exact_for_rows_against_columns_and_not_their_mirror(xp, rng, alpha, beta):
+    # Asymmetric: all pairs score every block for its rows (no transposed halves), on the
+    # array path on a GPU and in the CPU's kernels; dense, top-k and threshold against the
+    # formula, all pairs and queries, in uneven chunks.
+    x = fingerprints(rng, 90, 133)
+    y = random_bits(rng, (37, 133), 0.2)
+    s = reference(x, x, "tversky", alpha, beta)
+    assert not np.array_equal(s, s.T)
+    w = dg.asarray(xp.asarray(x), chunks=(25, -1))
+    host = (lambda a: a) if xp is np else (lambda a: a.get())
+    options = dict(metric="tversky", alpha=alpha, beta=beta)
+    np.testing.assert_array_equal(host(dg.similarity(w, **options).compute()), s)
+    indices, scores = dg.similarity(w, top_k=4, **options).compute()
+    want_i, want_s = brute_top_k(s, 4, False, True)
+    np.testing.assert_array_equal(host(indices), want_i)
+    np.testing.assert_array_equal(host(scores), want_s.astype(np.float32))
+    assert_pairs(*dg.similarity(w, threshold=0.45, **options).compute(), s, 0.45)
+    cross = reference(x, y, "tversky", alpha, beta)
+    q = dg.asarray(xp.asarray(y), chunks=(11, -1))
+    np.testing.assert_array_equal(host(dg.similarity(w, q, **options).compute()), cross)
+    indices, scores = dg.similarity(w, q, top_k=3, **options).compute()
+    want_i, want_s = brute_top_k(cross, 3, False, False)
+    np.testing.assert_array_equal(host(indices), want_i)
+    np.testing.assert_array_equal(host(scores), want_s.astype(np.float32))
+
+
+def test_tversky_weights_are_checked():
+    x = np.eye(4, dtype=np.uint8)
+    with pytest.raises(ValueError, match="weigh metric='tversky' only"):
+        dg.similarity(x, alpha=0.5)
+    for bad in (-0.1, float("nan"), "1", True):
+        with pytest.raises(ValueError, match="alpha must be a finite number"):
+            dg.similarity(x, metric="tversky", alpha=bad)
+    # beta defaults to alpha: (1, 1) is Tanimoto, (0.5, 0.5) Dice.
+    fps = fingerprints(np.random.default_rng(3), 30, 64)
+    np.testing.assert_array_equal(dg.similarity(fps, metric="tversky").compute(),
+                                  dg.similarity(fps).compute())
+    np.testing.assert_array_equal(dg.similarity(fps, metric="tversky", alpha=0.5).compute(),
+                                  dg.similarity(fps, metric="dice").compute())
 
 
 def test_empty_rows_score_zero_and_packed_words_of_any_dtype(rng):

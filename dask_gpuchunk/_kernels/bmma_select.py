@@ -45,7 +45,7 @@ from .bmma import TILE, TILE_SOURCE, BmmaTile, bmma_cuda, tile_kernel, words32
 from .similarity import (
     CUDA_TOP_K_MAX,
     FLOAT_METRICS,
-    METRIC_CODES,
+    cuda_metric_code,
     RANK_SOURCE,
     rank_keys,
     rank_limit,
@@ -323,7 +323,7 @@ def _kernel(name: str, tile: BmmaTile, metric: str | None = None) -> Any:
     # 14 s of NVRTC on an H100), and they compile side by side in a job's threads. A kernel
     # that scores pairs is compiled for one metric: the scan's unrolled tests, five metrics in
     # each at two call sites, made the top-k kernel's 10-11 s of NVRTC on an H100.
-    fixed = f"#define SELECT_METRIC {METRIC_CODES[metric]}\n" if metric is not None else ""
+    fixed = f"#define SELECT_METRIC {cuda_metric_code(metric)}\n" if metric is not None else ""
     source = (f"#define MAX_K {CUDA_TOP_K_MAX}\n" + fixed + _SELECT_COMMON
               + _SELECT_KERNELS[name])
     return tile_kernel(tile, source, name)
@@ -434,7 +434,7 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
             grid, (tile.threads,),
             (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
              np.int64(first_a), np.int64(first_b), state_a, state_b, np.int32(k),
-             np.int32(METRIC_CODES[metric]), np.int32(bool(exclude)), np.int32(both),
+             np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)), np.int32(both),
              slots_a, count_a, slots_b, count_b, np.int32(SLOTS)),
             shared_mem=tile.shared_bytes)
     merge = _kernel("merge_candidates", tile)
@@ -525,7 +525,7 @@ def pairs_at_least_bmma(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, fi
         grid, (tile.threads,),
         (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
          np.int64(first_a), np.int64(first_b), np.uint32(limit), np.float32(least),
-         np.int32(METRIC_CODES[metric]), np.int32(bool(exclude)), np.int32(bool(upper)),
+         np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)), np.int32(bool(upper)),
          out, found, np.int64(capacity)),
         shared_mem=tile.shared_bytes)
     count = int(found.get()[0])

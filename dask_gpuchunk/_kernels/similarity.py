@@ -11,9 +11,18 @@ metric          score                                             when the denom
 ``jaccard``     the same as ``tanimoto``                          0
 ``dice``        ``float32(2 * c) / float32(a + b)``               0 (both rows empty)
 ``cosine``      ``float32(c / sqrt(float64(a) * float64(b)))``    0 (either row empty)
+``tversky``     ``float32(c) / d``, ``d = float32(c) + alpha *``    0
+                ``float32(a - c) + beta * float32(b - c)``
+                (``alpha``, ``beta`` float32, each product and
+                sum rounded, left to right)
 ``hamming``     ``a + b - 2 * c`` (int32)                         -
 ``counts``      ``c`` (int32)                                     -
 ==============  ================================================  ================================
+
+Tversky weighs what only the row has by ``alpha`` and what only the column has by ``beta``
+(``alpha = beta = 1``: Tanimoto; ``0.5``: Dice): the one metric whose score of ``(i, j)`` is
+not that of ``(j, i)`` unless ``alpha = beta``. It is scored on the array path and the CPU's
+kernels only (:func:`cuda_metric_code` refuses it).
 
 Empty rows score 0 against everything (an empty fingerprint says nothing, so it resembles
 nothing), as RDKit and chemfp define it. Higher is better but for ``hamming``.
@@ -31,7 +40,8 @@ import numpy as np
 
 from .compiled import compiled_once
 
-__all__ = ["CUDA_TOP_K_MAX", "FLOAT_METRICS", "METRICS", "METRIC_CODES", "Metric", "NO_PAIR", "RANK_SOURCE",
+__all__ = ["ASYMMETRIC_METRICS", "CUDA_TOP_K_MAX", "FLOAT_METRICS", "METRICS", "METRIC_CODES",
+           "Metric", "NO_PAIR", "RANK_SOURCE", "TANIMOTO_WEIGHTS", "cuda_metric_code",
            "best_keys_cuda",
            "decode_indices", "decode_scores", "pairs_at_least_cuda", "rank_limit", "same_ids",
            "swapped_pairs",
@@ -39,10 +49,14 @@ __all__ = ["CUDA_TOP_K_MAX", "FLOAT_METRICS", "METRICS", "METRIC_CODES", "Metric
            "row_popcounts", "score_dtype", "scores", "smallest_keys", "sorted_pairs"]
 
 #: ``metric=`` values.
-Metric = Literal["tanimoto", "jaccard", "dice", "cosine", "hamming", "counts"]
+Metric = Literal["tanimoto", "jaccard", "dice", "cosine", "tversky", "hamming", "counts"]
 METRICS: tuple[str, ...] = get_args(Metric)
 #: Metrics whose scores are float32 in [0, 1].
-FLOAT_METRICS = ("tanimoto", "jaccard", "dice", "cosine")
+FLOAT_METRICS = ("tanimoto", "jaccard", "dice", "cosine", "tversky")
+#: Metrics whose score of a pair depends on which row is the row (``tversky``).
+ASYMMETRIC_METRICS = ("tversky",)
+#: The weights of a Tversky score that make it Tanimoto's (the default of ``alpha``, ``beta``).
+TANIMOTO_WEIGHTS = (1.0, 1.0)
 #: The key of an excluded pair (or of padding): sorts after every real pair.
 NO_PAIR = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 _LOW = np.uint64(0xFFFF_FFFF)
@@ -89,10 +103,11 @@ def row_popcounts(words64: Any) -> Any:
     return kernel(words64).sum(axis=1, dtype=np.int32)
 
 
-def scores(c: Any, a: Any, b: Any, metric: str, pairwise: bool = False) -> Any:
+def scores(c: Any, a: Any, b: Any, metric: str, pairwise: bool = False,
+           weights: tuple[float, float] = TANIMOTO_WEIGHTS) -> Any:
     """The ``metric`` of counts ``c`` ``(r, m)`` with row popcounts ``a`` ``(r,)`` and column
     popcounts ``b`` ``(m,)``, by the formulas of this module's table; ``pairwise``: ``c``,
-    ``a`` and ``b`` of one shape, a pair each.
+    ``a`` and ``b`` of one shape, a pair each; ``weights``: Tversky's ``(alpha, beta)``.
 
     Examples
     --------
@@ -103,6 +118,9 @@ def scores(c: Any, a: Any, b: Any, metric: str, pairwise: bool = False) -> Any:
     >>> scores(c, np.array([2, 3]), np.array([3, 3]), "hamming")
     array([[1, 5],
            [4, 0]], dtype=int32)
+    >>> scores(c, np.array([2, 3]), np.array([3, 3]), "tversky", weights=(0.9, 0.1))
+    array([[0.952381  , 0.        ],
+           [0.33333334, 1.        ]], dtype=float32)
     """
     xp = _xp(c)
     a = xp.asarray(a, dtype=np.int32)
@@ -120,6 +138,10 @@ def scores(c: Any, a: Any, b: Any, metric: str, pairwise: bool = False) -> Any:
     elif metric == "cosine":
         num = c.astype(np.float64)
         den = xp.sqrt(a.astype(np.float64) * b.astype(np.float64))
+    elif metric == "tversky":
+        alpha, beta = (np.float32(w) for w in weights)
+        num = c.astype(np.float32)
+        den = (num + alpha * (a - c).astype(np.float32)) + beta * (b - c).astype(np.float32)
     else:
         raise ValueError(f"unknown metric {metric!r}")
     # A zero denominator comes with c = 0: 0 / 1 gives the defined 0.
@@ -341,7 +363,7 @@ def pairs_at_least_cuda(counts: Any, pop_rows: Any, pop_cols: Any, first_row: in
     pop_cols = cupy.asarray(pop_cols, dtype=np.int32)
     keep = _keep_kernel(counts, pop_rows[:, None], pop_cols[None, :],
                         np.uint32(rank_limit(threshold, metric)),
-                        np.int32(METRIC_CODES[metric]))
+                        np.int32(cuda_metric_code(metric)))
     excluded = same_ids(counts, first_row, first_col) if exclude else None
     if excluded is not None:
         keep &= ~excluded
@@ -354,9 +376,23 @@ def pairs_at_least_cuda(counts: Any, pop_rows: Any, pop_cols: Any, first_row: in
     return out
 
 
-#: The ``metric`` argument of the CUDA kernels.
+#: The ``metric`` argument of the kernels (Tversky's on the CPU only).
 METRIC_CODES = {"tanimoto": 0, "jaccard": 0, "dice": 1, "cosine": 2, "hamming": 3,
-                 "counts": 4}
+                 "counts": 4, "tversky": 5}
+
+
+def cuda_metric_code(metric: str) -> int:
+    """The ``metric`` argument of the CUDA kernels (``rank_of``), which score every metric
+    but Tversky's (scored on the array path on a GPU).
+
+    Examples
+    --------
+    >>> cuda_metric_code("dice")
+    1
+    """
+    if metric in ASYMMETRIC_METRICS:
+        raise ValueError(f"the CUDA kernels do not score {metric!r}; it takes the array path")
+    return METRIC_CODES[metric]
 _best_keys_kernel: Any = None
 
 
@@ -394,6 +430,6 @@ def best_keys_cuda(counts: Any, pop_rows: Any, pop_cols: Any, first_row: int, fi
             ((targets + 31) // 32,), (32, slices),
             (matrix, pops[0], pops[1], np.int64(firsts[0]), np.int64(firsts[1]),
              np.int64(targets), np.int64(candidates), np.int32(k),
-             np.int32(METRIC_CODES[metric]), np.int32(bool(exclude)), out),
+             np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)), out),
             shared_mem=slices * 32 * k * 8)
     return out

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .similarity import FLOAT_METRICS, METRIC_CODES, NO_PAIR, lower_is_better
+from .similarity import FLOAT_METRICS, METRIC_CODES, NO_PAIR, TANIMOTO_WEIGHTS, lower_is_better
 from .source_cache import cached_njit
 
 __all__ = ["best_keys_of_columns", "best_keys_of_rows", "pairs_at_least_cpu"]
@@ -32,9 +32,11 @@ Launch = Callable[..., Any]
 _COLUMNS_PER_TASK = 32  # columns one thread keeps lists for while it walks the rows
 
 
-def _score_bits(c: int, pa: int, pb: int, metric: int, fbuf: Any, ubuf: Any) -> int:
+def _score_bits(c: int, pa: int, pb: int, metric: int, alpha: Any, beta: Any, fbuf: Any,
+                ubuf: Any) -> int:
     """The score of a pair as ``uint32`` bits: a float32 score's own bits (their order is the
-    scores' order: scores are never negative), an integer score's value."""
+    scores' order: scores are never negative), an integer score's value. ``pa`` is the row's
+    popcount (Tversky weighs what only it has by the float32 ``alpha``), ``pb`` the other's."""
     if metric == 3:  # hamming
         return np.uint32(pa + pb - 2 * c)
     if metric == 4:  # counts
@@ -45,6 +47,9 @@ def _score_bits(c: int, pa: int, pb: int, metric: int, fbuf: Any, ubuf: Any) -> 
     elif metric == 1:  # dice
         den = pa + pb
         fbuf[0] = np.float32(2 * c) / np.float32(den if den != 0 else 1)
+    elif metric == 5:  # tversky, float32 products and sums left to right, as the array path
+        fden = (np.float32(c) + alpha * np.float32(pa - c)) + beta * np.float32(pb - c)
+        fbuf[0] = np.float32(c) / (fden if fden != np.float32(0) else np.float32(1))
     else:  # cosine, in float64 as the array path computes it
         root = np.sqrt(np.float64(pa) * np.float64(pb))
         fbuf[0] = np.float32(np.float64(c) / (root if root != 0.0 else 1.0))
@@ -66,7 +71,7 @@ def _insert(row: Any, key: np.uint64) -> None:
 
 
 def _rows_kernel(counts: Any, pop_r: Any, pop_c: Any, first_col: int, metric: int,
-                 exclude: bool, shift: int, out: Any) -> None:
+                 alpha: Any, beta: Any, exclude: bool, shift: int, out: Any) -> None:
     r, m = counts.shape
     k = out.shape[1]
     lower = metric == 3
@@ -78,14 +83,14 @@ def _rows_kernel(counts: Any, pop_r: Any, pop_c: Any, first_col: int, metric: in
         for j in range(m):
             if exclude and j == i + shift:
                 continue
-            key = _key_jit(_bits_jit(counts[i, j], pop_r[i], pop_c[j], metric, fbuf, ubuf),
-                           lower, first_col + j)
+            key = _key_jit(_bits_jit(counts[i, j], pop_r[i], pop_c[j], metric, alpha, beta,
+                                     fbuf, ubuf), lower, first_col + j)
             if key < row[k - 1]:
                 _insert_jit(row, key)
 
 
 def _columns_kernel(counts: Any, pop_r: Any, pop_c: Any, first_row: int, metric: int,
-                    exclude: bool, shift: int, out: Any) -> None:
+                    alpha: Any, beta: Any, exclude: bool, shift: int, out: Any) -> None:
     r, m = counts.shape
     lower = metric == 3
     groups = (m + _COLUMNS_PER_TASK - 1) // _COLUMNS_PER_TASK
@@ -100,15 +105,16 @@ def _columns_kernel(counts: Any, pop_r: Any, pop_c: Any, first_row: int, metric:
             for j in range(j0, j1):
                 if exclude and i == j + shift:
                     continue
-                key = _key_jit(_bits_jit(counts[i, j], pop_r[i], pop_c[j], metric, fbuf, ubuf),
-                               lower, first_row + i)
+                # The column is the pair's row here: its popcount first.
+                key = _key_jit(_bits_jit(counts[i, j], pop_c[j], pop_r[i], metric, alpha, beta,
+                                         fbuf, ubuf), lower, first_row + i)
                 if key < out[j, k - 1]:
                     _insert_jit(out[j], key)
 
 
 def _pairs_kernel(counts: Any, pop_r: Any, pop_c: Any, first_row: int, first_col: int,
-                  metric: int, limit: int, exclude: bool, shift: int, found: Any,
-                  out: Any) -> None:
+                  metric: int, alpha: Any, beta: Any, limit: int, exclude: bool, shift: int,
+                  found: Any, out: Any) -> None:
     """``out`` empty (0 rows): count each row's pairs into ``found``; else write them where
     ``found`` (the counts' exclusive prefix sums) says."""
     r, m = counts.shape
@@ -121,7 +127,7 @@ def _pairs_kernel(counts: Any, pop_r: Any, pop_c: Any, first_row: int, first_col
         for j in range(m):
             if exclude and j == i + shift:
                 continue
-            bits = _bits_jit(counts[i, j], pop_r[i], pop_c[j], metric, fbuf, ubuf)
+            bits = _bits_jit(counts[i, j], pop_r[i], pop_c[j], metric, alpha, beta, fbuf, ubuf)
             if (bits <= limit) if lower else (bits >= limit):
                 if not counting:
                     out[at, 0] = (np.uint64(first_row + i) << np.uint64(32)) | np.uint64(
@@ -176,12 +182,13 @@ def _prepared(counts: np.ndarray, pop_rows: Any, pop_cols: Any) -> tuple[Any, An
 
 def best_keys_of_rows(counts: np.ndarray, pop_rows: Any, pop_cols: Any, first_row: int,
                       first_col: int, metric: str, k: int, exclude_self: bool = False,
-                      launch: Launch | None = None) -> np.ndarray:
+                      launch: Launch | None = None,
+                      weights: tuple[float, float] = TANIMOTO_WEIGHTS) -> np.ndarray:
     """Each row's ``k`` best keys ``(r, k)`` in a block of ``counts`` ``(r, m)`` (rows
     ``first_row`` on, columns ``first_col`` on), sorted, :data:`NO_PAIR` where fewer;
     ``exclude_self``: a pair of equal ids is left out. ``launch(kernel, *args)`` calls the
     numba kernel (the chunk layer's ``run_cpu_kernel``, which shares the cores between
-    threads); default: a plain call.
+    threads); default: a plain call. ``weights``: Tversky's ``(alpha, beta)``.
 
     Examples
     --------
@@ -194,40 +201,44 @@ def best_keys_of_rows(counts: np.ndarray, pop_rows: Any, pop_cols: Any, first_ro
            [1.       , 0.2      ]], dtype=float32))
     """
     return _best_keys(False, counts, pop_rows, pop_cols, first_row, first_col, metric, k,
-                      exclude_self, launch)
+                      exclude_self, launch, weights)
 
 
 def best_keys_of_columns(counts: np.ndarray, pop_rows: Any, pop_cols: Any, first_row: int,
                          first_col: int, metric: str, k: int, exclude_self: bool = False,
-                         launch: Launch | None = None) -> np.ndarray:
+                         launch: Launch | None = None,
+                         weights: tuple[float, float] = TANIMOTO_WEIGHTS) -> np.ndarray:
     """:func:`best_keys_of_rows` of the transposed block: each column's ``k`` best rows,
-    ``(m, k)``, without a transposed copy."""
+    ``(m, k)``, without a transposed copy (the column the pair's row: Tversky's ``alpha``
+    weighs what only the column has)."""
     return _best_keys(True, counts, pop_rows, pop_cols, first_row, first_col, metric, k,
-                      exclude_self, launch)
+                      exclude_self, launch, weights)
 
 
 def _best_keys(columns: bool, counts: np.ndarray, pop_rows: Any, pop_cols: Any,
                first_row: int, first_col: int, metric: str, k: int, exclude_self: bool,
-               launch: Launch | None) -> np.ndarray:
+               launch: Launch | None, weights: tuple[float, float]) -> np.ndarray:
     counts, pop_rows, pop_cols = _prepared(counts, pop_rows, pop_cols)
     out = np.empty((counts.shape[1 if columns else 0], k), dtype=np.uint64)
     launch = launch or _plain_call
+    alpha, beta = (np.float32(w) for w in weights)
     if columns:  # the columns' candidates are rows: their ids from first_row
         launch(_kernel("_columns_kernel"), counts, pop_rows, pop_cols, first_row,
-               METRIC_CODES[metric], exclude_self, first_col - first_row, out)
+               METRIC_CODES[metric], alpha, beta, exclude_self, first_col - first_row, out)
     else:
         launch(_kernel("_rows_kernel"), counts, pop_rows, pop_cols, first_col,
-               METRIC_CODES[metric], exclude_self, first_row - first_col, out)
+               METRIC_CODES[metric], alpha, beta, exclude_self, first_row - first_col, out)
     return out
 
 
 def pairs_at_least_cpu(counts: np.ndarray, pop_rows: Any, pop_cols: Any, first_row: int,
                        first_col: int, metric: str, threshold: Any, exclude_self: bool = False,
-                       launch: Launch | None = None) -> np.ndarray:
+                       launch: Launch | None = None,
+                       weights: tuple[float, float] = TANIMOTO_WEIGHTS) -> np.ndarray:
     """The pairs of a block of ``counts`` whose score meets ``threshold`` (at most it for
     hamming), as :func:`dask_gpuchunk._kernels.similarity.pairs_at_least` gives them: ``uint64``
-    ``(p, 2)``, ``row << 32 | col`` and the score's bits, in row-then-column order. ``launch``:
-    as for :func:`best_keys_of_rows`.
+    ``(p, 2)``, ``row << 32 | col`` and the score's bits, in row-then-column order. ``launch``
+    and ``weights``: as for :func:`best_keys_of_rows`.
 
     Examples
     --------
@@ -238,6 +249,7 @@ def pairs_at_least_cpu(counts: np.ndarray, pop_rows: Any, pop_cols: Any, first_r
     """
     counts, pop_rows, pop_cols = _prepared(counts, pop_rows, pop_cols)
     code = METRIC_CODES[metric]
+    alpha, beta = (np.float32(w) for w in weights)
     if metric in FLOAT_METRICS:  # float32 scores compared as their bits (never negative)
         limit = int(np.float32(max(float(threshold), 0.0)).view(np.uint32))
     elif lower_is_better(metric):  # an integer distance of at most the threshold
@@ -250,11 +262,11 @@ def pairs_at_least_cpu(counts: np.ndarray, pop_rows: Any, pop_cols: Any, first_r
     found = np.zeros(counts.shape[0], dtype=np.int64)
     kernel, launch = _kernel("_pairs_kernel"), launch or _plain_call
     shift = first_row - first_col
-    launch(kernel, counts, pop_rows, pop_cols, first_row, first_col, code, limit, exclude_self,
-           shift, found, np.empty((0, 2), dtype=np.uint64))
+    launch(kernel, counts, pop_rows, pop_cols, first_row, first_col, code, alpha, beta, limit,
+           exclude_self, shift, found, np.empty((0, 2), dtype=np.uint64))
     starts = np.concatenate([[0], np.cumsum(found)])
     out = np.empty((int(starts[-1]), 2), dtype=np.uint64)
     if len(out):
-        launch(kernel, counts, pop_rows, pop_cols, first_row, first_col, code, limit,
-               exclude_self, shift, starts[:-1].copy(), out)
+        launch(kernel, counts, pop_rows, pop_cols, first_row, first_col, code, alpha, beta,
+               limit, exclude_self, shift, starts[:-1].copy(), out)
     return out

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from .compiled import compiled_once
-from .similarity import METRIC_CODES, RANK_SOURCE
+from .similarity import RANK_SOURCE, cuda_metric_code
 from .wgmma import TILE, WgmmaTile, compile_for_sm90a, tensor_map, tile_source
 
 __all__ = ["launch_pairs_at_least", "launch_top_k_candidates", "select_source",
@@ -395,7 +395,7 @@ def select_source(name: str, metric: str, tile: WgmmaTile = TILE) -> str:
     ``"pairs_at_least_wgmma"``) scoring by ``metric``, for ``tile``, for ``sm_90a``."""
     if name not in _KERNELS:
         raise ValueError(f"no wgmma selection kernel {name!r}; there are {tuple(_KERNELS)}")
-    return (tile_source(tile) + f"#define SELECT_METRIC {METRIC_CODES[metric]}\n" + RANK_SOURCE
+    return (tile_source(tile) + f"#define SELECT_METRIC {cuda_metric_code(metric)}\n" + RANK_SOURCE
             + _SELECT + _KERNELS[name])
 
 
@@ -439,7 +439,7 @@ def launch_top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int
         grid, (tile.threads,),
         (map_a, map_b, np.int32(na), np.int32(nb), np.int32(steps), pop_a, pop_b,
          np.int64(first_a), np.int64(first_b), state_a, state_b, np.int32(k),
-         np.int32(METRIC_CODES[metric]), np.int32(bool(exclude)), np.int32(both),
+         np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)), np.int32(both),
          np.int32(_filtered(a)), slots_a, count_a, slots_b, count_b, np.int32(nslots)),
         shared_mem=shared_bytes(tile))
     del kept_a, kept_b  # referenced until the launch is queued (see wgmma.launch)
@@ -458,7 +458,7 @@ def launch_pairs_at_least(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, 
         grid, (tile.threads,),
         (map_a, map_b, np.int32(na), np.int32(nb), np.int32(steps), pop_a, pop_b,
          np.int64(first_a), np.int64(first_b), np.uint32(limit),
-         np.int32(METRIC_CODES[metric]), np.int32(bool(exclude)), np.int32(bool(upper)), out,
+         np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)), np.int32(bool(upper)), out,
          found, np.int64(capacity)),
         shared_mem=shared_bytes(tile))
     del kept_a, kept_b
