@@ -54,7 +54,7 @@ from .similarity import (
 )
 
 __all__ = ["FUSED_METHODS", "PAIRS_FIRST_CAPACITY", "REDONE_TARGETS", "SLOTS", "compile_ahead",
-           "pairs_at_least_bmma", "redone",
+           "launch_candidates", "pairs_at_least_bmma", "redone",
            "top_k_candidates", "top_k_scratch_bytes"]
 
 #: Candidate slots per target and block in :func:`top_k_candidates`.
@@ -423,20 +423,8 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
         count_b = cupy.zeros(nb, dtype=np.int32)
     else:  # never read: both = 0
         state_b, slots_b, count_b = state_a, slots_a, count_a
-    if method == "wgmma":
-        wgmma_select.launch_top_k_candidates(
-            a, b, pop_a, pop_b, first_a, first_b, state_a, state_b, k, metric, exclude, both,
-            slots_a, count_a, slots_b, count_b, SLOTS)
-    else:
-        a32, b32 = _operands(a, b, tile)
-        grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
-        _kernel("top_k_candidates", tile, metric)(
-            grid, (tile.threads,),
-            (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
-             np.int64(first_a), np.int64(first_b), state_a, state_b, np.int32(k),
-             np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)), np.int32(both),
-             slots_a, count_a, slots_b, count_b, np.int32(SLOTS)),
-            shared_mem=tile.shared_bytes)
+    launch_candidates(a, b, pop_a, pop_b, first_a, first_b, state_a, state_b, both, metric,
+                      exclude, slots_a, count_a, slots_b, count_b, tile, method)
     merge = _kernel("merge_candidates", tile)
     sides = [(a, b, pop_a, pop_b, first_a, first_b, state_a, slots_a, count_a)]
     if both:
@@ -460,6 +448,32 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
                 _redone(which, targets, others, pop_t, pop_o, first_t, first_o, old, state,
                         metric, exclude)
     return new_states[0], (new_states[1] if both else None)
+
+
+def launch_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
+                      state_a: Any, state_b: Any, both: bool, metric: str, exclude: bool,
+                      slots_a: Any, count_a: Any, slots_b: Any, count_b: Any,
+                      tile: BmmaTile = TILE, method: str = "bmma") -> None:
+    """Queue :func:`top_k_candidates`' kernel alone (``method``'s) on CuPy's current stream:
+    ``a``, ``b`` CuPy ``uint64`` words, popcounts ``int32``, states ``(n, k)`` C-contiguous,
+    candidates into ``slots_*`` ``(n, SLOTS)`` counted in ``count_*`` (zeros before); with
+    ``both`` false nothing is kept for the columns (pass ``state_a``'s buffers for theirs)."""
+    k = state_a.shape[1]
+    if method == "wgmma":
+        wgmma_select.launch_top_k_candidates(
+            a, b, pop_a, pop_b, first_a, first_b, state_a, state_b, k, metric, exclude, both,
+            slots_a, count_a, slots_b, count_b, SLOTS)
+        return
+    na, nb = a.shape[0], b.shape[0]
+    a32, b32 = _operands(a, b, tile)
+    grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
+    _kernel("top_k_candidates", tile, metric)(
+        grid, (tile.threads,),
+        (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
+         np.int64(first_a), np.int64(first_b), state_a, state_b, np.int32(k),
+         np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)), np.int32(both),
+         slots_a, count_a, slots_b, count_b, np.int32(SLOTS)),
+        shared_mem=tile.shared_bytes)
 
 
 #: Targets whose candidates overflowed their slots and were redone (:func:`_redone`), in this

@@ -13,8 +13,10 @@ for all pairs, each unordered pair once, as the kernels score it; ``queries * n 
 queries x database and the peers' rows, which score every pair they are given):
 
 * ours: all-pairs top-k and threshold, queries x database top-k and threshold, through
-  ``dg.similarity`` (the default method: the selection in the bmma kernel's epilogue where the
-  GPU has 1-bit tensor cores);
+  ``dg.similarity`` (the default method: the selection in the wgmma kernel's epilogue on
+  Hopper, bmma's elsewhere the GPU has 1-bit tensor cores);
+* ours, on a GPU: one block of ``chunk_rows`` rows in its parts, by each kernel with a
+  selection epilogue (:mod:`dask_gpuchunk.bench.similarity_blocks`);
 * ours: the dense Gram's counts of the same all-pairs blocks, each written to device memory and
   dropped: what scoring costs when the counts are written out;
 * peers, timed on a subset and reported as a rate: CuPy (float32 GEMM of the unpacked 0/1 rows,
@@ -42,6 +44,7 @@ import numpy as np
 
 from .elementwise import _Bench, _machine
 from .report import machine_line, report_of
+from .similarity_blocks import block_entries
 from .timing import Entry
 
 __all__ = ["format_table", "make_fingerprints", "run"]
@@ -229,6 +232,9 @@ def run(
         e.extra["pairs"] = all_pairs
     if gpu:
         x = qx = chunks = None
+        cupy.get_default_memory_pool().free_all_blocks()
+    block_entries(bench, table, words, chunk_rows, k, threshold)
+    if gpu:
         cupy.get_default_memory_pool().free_all_blocks()
         if bench.want("ceiling"):
             log("1-bit tensor-core ceiling ...")

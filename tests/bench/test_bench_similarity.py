@@ -33,8 +33,10 @@ def test_every_row_runs_and_passes_its_exact_check_on_this_machine():
     report = run(n=2500, bits=192, density=0.1, queries=150, chunk_rows=600, k=4,
                  threshold=0.6, peer_rows=900, repeat=1, log=lambda s: None)
     entries = {e["name"]: e for e in report["entries"]}
-    ours = [e for e in entries.values() if e["kind"] == "ours"]
+    blocks = [e for e in entries.values() if e["name"].startswith("ours one ")]
+    ours = [e for e in entries.values() if e["kind"] == "ours" and e not in blocks]
     assert len(ours) == 6
+    assert [e["skipped"] for e in blocks] == ["no CUDA GPU visible"]  # parts of one GPU block
     for e in ours:
         if QUERY_PLANNING and "threshold" in e["name"]:  # refused there, and said why
             assert "query planning" in e["skipped"], e
@@ -105,3 +107,5 @@ def test_on_the_gpu_ours_and_the_cupy_peer_run_and_agree(tmp_path):
             line = next(line for line in result.output.splitlines() if f"peer {peer}" in line)
             assert "not importable" not in line and "Error" not in line, line
     assert (tmp_path / "bench-similarity.json").exists()
+    # One block in its parts, by each kernel with a selection epilogue.
+    assert "one 4,096 x 4,096 block: fused top-10, its candidates kernel" in result.output
