@@ -305,9 +305,9 @@ def test_dense_scores_agree_with_scipy_on_non_empty_rows(rng):
 
 @pytest.mark.parametrize("count", [1, 2, 5, 8])
 def test_round_robin_meets_every_pair_once_in_rounds_of_disjoint_chunks(count):
-    from dask_gpuchunk.similarity import _round_robin
+    from dask_gpuchunk.similarity_graphs import round_robin
 
-    order = _round_robin(count)
+    order = round_robin(count)
     assert sorted(order) == [(i, j) for i in range(count) for j in range(i + 1, count)]
     per_round = count // 2
     for start in range(0, len(order), max(per_round, 1)):
@@ -324,7 +324,7 @@ def test_top_k_and_threshold_beyond_the_kernels_first_room(xp, rng, monkeypatch)
     monkeypatch.setattr(bmma_select, "SLOTS", 1)
     monkeypatch.setattr(bmma_select, "REDONE_TARGETS", 7)
     # and room for 4 pairs at first: blocks with more are computed again with room for all.
-    monkeypatch.setattr(importlib.import_module("dask_gpuchunk.similarity"),
+    monkeypatch.setattr(importlib.import_module("dask_gpuchunk.selection"),
                         "PAIRS_FIRST_CAPACITY", 4)
     x = fingerprints(rng, 150, 300)
     w = dg.asarray(xp.asarray(np.packbits(x, axis=1)), chunks=(40, -1))
@@ -398,7 +398,7 @@ def test_tanimoto_of_morgan_fingerprints_agrees_with_rdkit(xp):
 @pytest.mark.skipif(QUERY_PLANNING, reason="the chain is listed where graphs are listed")
 @pytest.mark.parametrize("per_task", [1, 3, 64])
 def test_top_k_chain_tasks_take_several_blocks_of_a_round(rng, monkeypatch, per_task):
-    similarity_module = importlib.import_module("dask_gpuchunk.similarity")
+    similarity_module = importlib.import_module("dask_gpuchunk.similarity_graphs")
     monkeypatch.setattr(similarity_module, "BLOCKS_PER_TASK", per_task)
     monkeypatch.setattr(similarity_module, "CPU_BLOCKS_PER_TASK", per_task)
     x = fingerprints(rng, 230, 90)  # 23 chunks (odd: a chunk rests each round)
@@ -432,7 +432,7 @@ def test_threshold_over_many_chunks_warns_nothing(rng):
 
 
 def test_plain_path_slices_are_a_quarter_of_the_budget_and_never_below_the_floor(monkeypatch):
-    similarity_module = importlib.import_module("dask_gpuchunk.similarity")
+    similarity_module = importlib.import_module("dask_gpuchunk.selection")
     floor = similarity_module.SELECT_COUNTS_BYTES
     monkeypatch.setattr(similarity_module, "working_budget", lambda: 8 << 30)
     assert similarity_module._select_counts_bytes() == 2 << 30
@@ -452,7 +452,7 @@ def test_plain_path_takes_a_blocks_counts_in_slices(rng, monkeypatch, method):
     # threshold's pairs; the results are the same as from whole blocks.
     import cupy
 
-    similarity_module = importlib.import_module("dask_gpuchunk.similarity")
+    similarity_module = importlib.import_module("dask_gpuchunk.selection")
     monkeypatch.setattr(similarity_module, "_select_counts_bytes", lambda: 7 * 40 * 4)
     assert similarity_module._rows_per_slice(40, similarity_module._select_counts_bytes()) == 7
     x = fingerprints(rng, 150, 300)
@@ -544,8 +544,9 @@ def test_top_k_of_a_npy_sends_no_words_between_workers(rng, tmp_path):
 def test_top_k_chains_of_several_workers_match_numpy(xp, rng, monkeypatch, workers, metric):
     # A chain per worker: each begins from every row chunk's first state, takes every
     # workers-th round, and the chains' states merge at the end, each key once.
-    similarity_module = importlib.import_module("dask_gpuchunk.similarity")
-    monkeypatch.setattr(similarity_module, "cluster_workers", lambda: workers)
+    # The chains' count, and (CuPy chunks) the grouping's share of the workers.
+    for name in ("dask_gpuchunk.similarity_graphs", "dask_gpuchunk.similarity"):
+        monkeypatch.setattr(importlib.import_module(name), "cluster_workers", lambda: workers)
     x = fingerprints(rng, 230, 90)  # 23 chunks of 10 rows
     y = random_bits(rng, (61, 90), 0.2)
     lower = metric == "hamming"
@@ -581,7 +582,7 @@ def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path, monkeypatch):
     from distributed import Client, LocalCluster, get_task_stream
 
     # The blocks of a round grouped into tasks as on GPUs (on the CPU, a task each).
-    similarity_module = importlib.import_module("dask_gpuchunk.similarity")
+    similarity_module = importlib.import_module("dask_gpuchunk.similarity_graphs")
     monkeypatch.setattr(similarity_module, "CPU_BLOCKS_PER_TASK",
                         similarity_module.BLOCKS_PER_TASK)
     x = fingerprints(rng, 17 * 30, 300)
@@ -702,19 +703,19 @@ def test_selections_of_host_words_on_a_gpu_bring_back_no_counts(rng, method):
 
 
 def test_no_kernel_is_compiled_ahead_where_no_fused_kernel_will_run(monkeypatch):
-    similarity = importlib.import_module("dask_gpuchunk.similarity")
+    selection = importlib.import_module("dask_gpuchunk.selection")
 
-    monkeypatch.setattr(similarity, "gpu_available", lambda: False)
-    assert similarity.compile_selection_ahead("auto", 10, None) is None
-    monkeypatch.setattr(similarity, "gpu_available", lambda: True)
-    assert similarity.compile_selection_ahead("popcount", 10, None) is None
-    assert similarity.compile_selection_ahead("bmma", None, None) is None  # dense: no selection
+    monkeypatch.setattr(selection, "gpu_available", lambda: False)
+    assert selection.compile_selection_ahead("auto", 10, None) is None
+    monkeypatch.setattr(selection, "gpu_available", lambda: True)
+    assert selection.compile_selection_ahead("popcount", 10, None) is None
+    assert selection.compile_selection_ahead("bmma", None, None) is None  # dense: no selection
     started = []
-    monkeypatch.setattr(similarity, "compile_ahead",
+    monkeypatch.setattr(selection, "compile_ahead",
                         lambda *args, **kwargs: started.append((*args, kwargs["method"])))
-    similarity.compile_selection_ahead("bmma", 64, None)  # k beyond the fused kernel's
-    similarity.compile_selection_ahead("bmma", 10, None)
-    similarity.compile_selection_ahead("bmma", None, 0.5, "dice")
+    selection.compile_selection_ahead("bmma", 64, None)  # k beyond the fused kernel's
+    selection.compile_selection_ahead("bmma", 10, None)
+    selection.compile_selection_ahead("bmma", None, 0.5, "dice")
     assert started == [("top_k", "tanimoto", "bmma"), ("threshold", "dice", "bmma")]
 
 
@@ -722,22 +723,22 @@ def test_selections_on_a_hopper_run_the_wgmma_kernel_s_fused_epilogue(monkeypatc
     # wgmma, auto's method on compute capability 9.0, selects in its own epilogue; bmma's
     # epilogue only where asked for (or for a selection left out of WGMMA_SELECTIONS, to
     # measure one beside the other).
-    similarity = importlib.import_module("dask_gpuchunk.similarity")
+    selection = importlib.import_module("dask_gpuchunk.selection")
     gram_module = importlib.import_module("dask_gpuchunk.gram")
 
     monkeypatch.setattr(gram_module, "_compute_capability", lambda: (9, 0))
     assert gram_module.resolve_method("auto", on_gpu=True) == "wgmma"
-    assert similarity._selecting_method("auto", "top_k") == "wgmma"
-    assert similarity._selecting_method("bmma", "threshold") == "bmma"
-    assert similarity._selecting_method("int8", "top_k") == "int8"
-    monkeypatch.setattr(similarity, "gpu_available", lambda: True)
+    assert selection._selecting_method("auto", "top_k") == "wgmma"
+    assert selection._selecting_method("bmma", "threshold") == "bmma"
+    assert selection._selecting_method("int8", "top_k") == "int8"
+    monkeypatch.setattr(selection, "gpu_available", lambda: True)
     started = []
-    monkeypatch.setattr(similarity, "compile_ahead",
+    monkeypatch.setattr(selection, "compile_ahead",
                         lambda *args, **kwargs: started.append((*args, kwargs["method"])))
-    similarity.compile_selection_ahead("auto", 10, None)
-    monkeypatch.setattr(similarity, "WGMMA_SELECTIONS", frozenset({"top_k"}))
-    assert similarity._selecting_method("wgmma", "threshold") == "bmma"
-    similarity.compile_selection_ahead("auto", None, 0.7)
+    selection.compile_selection_ahead("auto", 10, None)
+    monkeypatch.setattr(selection, "WGMMA_SELECTIONS", frozenset({"top_k"}))
+    assert selection._selecting_method("wgmma", "threshold") == "bmma"
+    selection.compile_selection_ahead("auto", None, 0.7)
     assert started == [("top_k", "tanimoto", "wgmma"), ("threshold", "tanimoto", "bmma")]
 
 

@@ -1,0 +1,251 @@
+"""The graphs of a top-k or threshold similarity selection, listed by hand: the top-k chain
+of states per row chunk, in rounds of disjoint chunk pairs (a chain per worker on a cluster of
+several), and a threshold's task per block merged per row chunk; each block's words read where
+it runs when they come from a ``.npy``. What the tasks run is
+:mod:`dask_gpuchunk.selection`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import dask.array as da
+import numpy as np
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
+from dask.task_spec import List, Task, TaskRef
+
+from ._kernels import similarity as kernels
+from .devices import cluster_workers, gpu_available
+from .io import npy_reader_of
+from .resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
+from .selection import (
+    Selection,
+    cross_block,
+    first_state,
+    gathered,
+    merged_chain_states,
+    next_states_of_blocks,
+    popcounts,
+    state_of,
+    upper_block,
+)
+
+__all__ = ["BLOCKS_PER_TASK", "CPU_BLOCKS_PER_TASK", "chains_for", "merged_keys",
+           "merged_pairs", "round_robin", "threshold_pairs", "top_k_chain"]
+
+#: Blocks of one round that one task of the top-k chain computes, one after the other, at
+#: most, on GPUs. The distributed scheduler costs about a millisecond or two a task, as much as
+#: the fused kernel takes for a block of 16,384 x 16,384 rows; a round of 62 chunks' 31 blocks
+#: still makes four tasks, which one worker's threads run at once.
+BLOCKS_PER_TASK = 8
+#: The same on the CPU, where a block takes a tenth of a second or more: one a task, so that
+#: progress bars counting tasks move with the work.
+CPU_BLOCKS_PER_TASK = 1
+
+def chains_for(workers: int, rounds: int) -> int:
+    """Chains of the top-k over ``rounds`` rounds of blocks on a cluster of ``workers``: one
+    per worker (each keeps its own states on its own device, merged once at the end), one on
+    a single worker or process. One chain over two GPUs moved every state between them
+    between rounds (1.2 GB a worker over TLS for 10**6 rows) and took twice as long as on one.
+
+    Examples
+    --------
+    >>> chains_for(1, 30), chains_for(4, 30), chains_for(4, 2), chains_for(2, 0)
+    (1, 4, 2, 1)
+    """
+    return max(1, min(workers, rounds))
+
+
+def round_robin(count: int) -> list[tuple[int, int]]:
+    """Every pair ``i < j`` of ``count`` chunks once, in rounds where each chunk meets one
+    other (the circle method): a round's blocks update disjoint states, so they run at once."""
+    players = list(range(count)) + ([None] if count % 2 else [])
+    size = len(players)
+    order = []
+    for _ in range(size - 1):
+        for p in range(size // 2):
+            i, j = players[p], players[size - 1 - p]
+            if i is not None and j is not None:
+                order.append((min(i, j), max(i, j)))
+        players = [players[0], players[-1], *players[1:-1]]
+    return order
+
+
+def _resident_popcounts(source: ResidentSource, start: int, stop: int, device: str) -> Any:
+    return popcounts(rows_where_it_runs(source, start, stop, device))
+
+
+def _chunk_refs(words: da.Array, pops: da.Array, device: str, dsk: dict, tag: str
+                ) -> tuple[list[Any], list[Any], list[da.Array]]:
+    """What a task of the top-k chain names for each row chunk's words and popcounts: the keys
+    of ``words`` and ``pops``, or, for words straight from a ``.npy``
+    (:func:`dask_gpuchunk.io.npy_reader_of`), tasks inside the task that read them where it
+    runs (:func:`~dask_gpuchunk.resident.rows_where_it_runs`, through a source that ``dsk``
+    gains): then no chunk of words is sent between workers. Last, the collections the names
+    need (none for a ``.npy``)."""
+    reader = npy_reader_of(words)
+    if reader is None:
+        keys = [(words.name, i, 0) for i in range(len(words.chunks[0]))]
+        return ([TaskRef(key) for key in keys],
+                [TaskRef((pops.name, i)) for i in range(len(words.chunks[0]))], [words, pops])
+    entries, source_key = source_tasks(reader, tag)
+    dsk.update(entries)
+    bounds = row_bounds(words.chunks[0])
+    source = TaskRef(source_key)
+    return ([Task(None, rows_where_it_runs, source, a, b, device) for a, b in bounds],
+            [Task(None, _resident_popcounts, source, a, b, device) for a, b in bounds], [])
+
+
+def _chunk_refs_of_both(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
+                        device: str, dsk: dict, token: str) -> tuple[list, list, list, list, list]:
+    """:func:`_chunk_refs` of ``x`` and of ``y`` (the same where ``wy`` is ``wx``): words and
+    popcounts of each, then the collections they need."""
+    words_x, pops_x, needs = _chunk_refs(wx, pop_x, device, dsk, f"x-{token}")
+    if wy is wx:
+        return words_x, pops_x, words_x, pops_x, needs
+    words_y, pops_y, needs_y = _chunk_refs(wy, pop_y, device, dsk, f"y-{token}")
+    return words_x, pops_x, words_y, pops_y, needs + needs_y
+
+
+def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
+                 all_pairs: bool, selection: Selection, method: str, device: str,
+                 meta: Any) -> da.Array:
+    """The best keys ``(n, k)`` of each row, listed by hand as a chain of states per row
+    chunk: each row chunk's first block (all pairs: its diagonal block) by the plain path,
+    then the further blocks, each updating the states of its row chunk and (all pairs) its
+    column chunk (:func:`_next_states`), in rounds of disjoint chunk pairs, up to
+    :data:`BLOCKS_PER_TASK` of a round in one task; what a block keeps never leaves the device
+    that computed it, and only the states (``8 k`` bytes a row) move between tasks.
+
+    On a cluster of several workers, a chain per worker (:func:`chains_for`): chain ``c``
+    begins from every first state, gathered by a task that distributed hands to a worker of
+    its own (a data producer: a root task, which goes where a thread is free, not where its
+    dependencies are), and takes the rounds ``r`` with ``r % chains == c``, which follow it
+    there; a chunk's states of the chains merge at the end (:func:`merged_chain_states`)."""
+    k = selection.k
+    chunks_x, chunks_y = len(wx.chunks[0]), len(wy.chunks[0])
+    if all_pairs:  # rounds of disjoint chunk pairs
+        order = round_robin(chunks_x)
+        per_round = max(chunks_x // 2, 1)
+        rounds = [order[r:r + per_round] for r in range(0, len(order), per_round)]
+    else:  # a round per database chunk: each query chunk's state once
+        rounds = [[(i, j) for i in range(chunks_x)] for j in range(1, chunks_y)]
+    chains = chains_for(cluster_workers(), len(rounds))
+    token = tokenize(wx, wy, selection, method, device, chains)
+    name, first, begin, step = (f"similarity-top-k-{token}", f"similarity-first-{token}",
+                                f"similarity-begin-{token}", f"similarity-step-{token}")
+    starts_x = [start for start, _ in row_bounds(wx.chunks[0])]
+    starts_y = [start for start, _ in row_bounds(wy.chunks[0])]
+    opts = {"selection": selection, "method": method, "device": device}
+    dsk: dict[Any, Any] = {}
+    words_x, pops_x, words_y, pops_y, needs = _chunk_refs_of_both(wx, wy, pop_x, pop_y, device,
+                                                                 dsk, token)
+    # Read from a .npy, a first block's only dependency is the words' source: marked a data
+    # producer, it goes to a worker with a free thread, not where the source was made.
+    first_task = functools.partial(first_state, **opts)
+    for i in range(chunks_x):
+        j = i if all_pairs else 0
+        dsk[(first, i)] = Task((first, i), first_task, words_x[i], words_y[j], pops_x[i],
+                               pops_y[j], starts_x[i], starts_y[j], all_pairs,
+                               _data_producer=not needs)
+    # latest[c][i]: the task and slot holding chain c's state of row chunk i so far.
+    if chains == 1:
+        latest = [{i: ((first, i), 0) for i in range(chunks_x)}]
+    else:
+        latest = []
+        for c in range(chains):
+            dsk[(begin, c)] = Task((begin, c), gathered,
+                                   *(TaskRef((first, i)) for i in range(chunks_x)),
+                                   _data_producer=True)
+            latest.append({i: ((begin, c), i) for i in range(chunks_x)})
+    next_task = functools.partial(next_states_of_blocks, **opts)
+    per_task = (BLOCKS_PER_TASK if device != "cpu" and gpu_available()
+                else CPU_BLOCKS_PER_TASK)
+    for r, blocks in enumerate(rounds):
+        held = latest[r % chains]
+        tasks = -(-len(blocks) // per_task)
+        for t in range(tasks):
+            key = (step, r, t)
+            args: list[Any] = []
+            mine = blocks[t * len(blocks) // tasks:(t + 1) * len(blocks) // tasks]
+            for i, j in mine:
+                args += [words_x[i], words_y[j], pops_x[i], pops_y[j], starts_x[i],
+                         starts_y[j], *_ref(held[i]), *_ref(held[j] if all_pairs else None)]
+            dsk[key] = Task(key, next_task, *args)
+            for b, (i, j) in enumerate(mine):
+                held[i] = (key, 2 * b)
+                if all_pairs:
+                    held[j] = (key, 2 * b + 1)
+    for i in range(chunks_x):
+        key = (name, i, 0)
+        if chains == 1:
+            dsk[key] = Task(key, state_of, *_ref(latest[0][i]))
+        else:
+            dsk[key] = Task(key, merged_chain_states, k,
+                            *(part for held in latest for part in _ref(held[i])))
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=needs)
+    return da.Array(graph, name, (wx.chunks[0], (k,)), dtype=np.uint64, meta=meta)
+
+
+def threshold_pairs(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
+                     all_pairs: bool, selection: Selection, method: str, device: str,
+                     meta: Any) -> da.Array:
+    """The pairs meeting ``selection``'s threshold of each row chunk ``(nan, 2)``, listed by
+    hand: a task per block (all pairs: on or above the diagonal only) keeps its pairs
+    (:func:`upper_block`, :func:`cross_block`), a task per row chunk merges them
+    (:func:`merged_pairs`). Words straight from a ``.npy`` are read by each block's own task
+    where it runs (:func:`_chunk_refs`), each block then marked a data producer: through
+    ``blockwise``, a task read each chunk and sent it to the blocks on other workers, which
+    staged it to their GPU again for every block."""
+    chunks_x, chunks_y = len(wx.chunks[0]), len(wy.chunks[0])
+    token = tokenize(wx, wy, selection, method, device, "pairs")
+    name, kept = f"similarity-pairs-{token}", f"similarity-kept-{token}"
+    dsk: dict[Any, Any] = {}
+    words_x, pops_x, words_y, pops_y, needs = _chunk_refs_of_both(wx, wy, pop_x, pop_y, device,
+                                                                 dsk, token)
+    ids_x = [range(a, b) for a, b in row_bounds(wx.chunks[0])]
+    ids_y = [range(a, b) for a, b in row_bounds(wy.chunks[0])]
+    block = functools.partial(upper_block if all_pairs else cross_block,
+                              selection=selection, method=method, device=device)
+    for i in range(chunks_x):
+        for j in range(i if all_pairs else 0, chunks_y):
+            dsk[(kept, i, j)] = Task((kept, i, j), block, words_x[i], words_y[j], pops_x[i],
+                                     pops_y[j], ids_x[i], ids_y[j], _data_producer=not needs)
+    for i in range(chunks_x):
+        if all_pairs:  # the blocks right of the diagonal, and the transposed halves above it
+            row_blocks = List(*(TaskRef((kept, i, j)) for j in range(i, chunks_x)))
+            column_blocks: Any = List(*(TaskRef((kept, j, i)) for j in range(i)))
+        else:
+            row_blocks = List(*(TaskRef((kept, i, j)) for j in range(chunks_y)))
+            column_blocks = None
+        dsk[(name, i, 0)] = Task((name, i, 0), merged_pairs, row_blocks, column_blocks)
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=needs)
+    return da.Array(graph, name, ((np.nan,) * chunks_x, (2,)), dtype=np.uint64, meta=meta)
+
+
+def _ref(held: tuple[Any, int] | None) -> tuple[Any, int]:
+    """A state's ``(previous, slot)`` arguments: the task that holds it, or ``None``."""
+    return (None, 0) if held is None else (TaskRef(held[0]), held[1])
+
+
+def _row_parts(row_blocks: list[Any], column_blocks: list[Any] | None) -> list[Any]:
+    """What the blocks of one row chunk kept: from its own blocks on or above the diagonal,
+    and (all pairs) from the blocks above it in its column, their transposed halves."""
+    if column_blocks is None:
+        return list(row_blocks)
+    parts = [block[0] for block in row_blocks if block is not None]
+    parts += [block[1] for block in column_blocks if block is not None and block[1] is not None]
+    return parts
+
+
+def merged_keys(row_blocks: list[Any], column_blocks: list[Any] | None = None, *, k: int
+                 ) -> Any:
+    parts = _row_parts(row_blocks, column_blocks)
+    xp = kernels._xp(parts[0])
+    return kernels.smallest_keys(xp.concatenate(parts, axis=1), k)
+
+
+def merged_pairs(row_blocks: list[Any], column_blocks: list[Any] | None = None) -> Any:
+    return kernels.sorted_pairs(_row_parts(row_blocks, column_blocks))
