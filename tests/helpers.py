@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-__all__ = ["DTYPES", "assert_same", "bit_products", "random_array", "random_bits"]
+__all__ = ["DTYPES", "assert_assembles_for_sm90a", "assert_same", "bit_products", "random_array",
+           "random_bits"]
 
 DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
           "float32", "float64", "complex64", "complex128"]
@@ -59,3 +62,20 @@ def bit_products(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     NumPy's int64 matmul has none: 2,400 x 4,096 bits took 25 s), every count a whole number
     below 2**53."""
     return (np.asarray(x, np.float64) @ np.asarray(y, np.float64).T).astype(np.int64)
+
+
+def assert_assembles_for_sm90a(tmp_path: Any, name: str, source: str) -> None:
+    """``source`` through ``nvcc`` / ``ptxas`` for ``sm_90a``: valid, nothing spilled, and the
+    asynchronous ``wgmma`` instructions kept asynchronous (ptxas says "Potential Performance
+    Loss: wgmma.mma_async instructions are serialized" where it cannot), no warning."""
+    import subprocess
+
+    path = tmp_path / f"{name}.cu"
+    path.write_text(source)
+    done = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v",
+                           "-o", str(tmp_path / f"{name}.cubin"), str(path)],
+                          capture_output=True, text=True, timeout=180)
+    report = done.stdout + done.stderr
+    assert done.returncode == 0, report
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert "serialized" not in report and "warning" not in report.lower(), report

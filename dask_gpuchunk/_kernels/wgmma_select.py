@@ -126,6 +126,18 @@ __device__ __forceinline__ void least_pops(const int* __restrict__ pops, int fir
     if ((threadIdx.x & 31) == 0) atomicMin(least, mine);
 }
 
+__device__ __forceinline__ int warp_inclusive_sum(int mine, int lane)
+{
+    // The sum of mine over lanes 0 to lane (every lane of the warp calls it).
+    int sum = mine;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(FULL_MASK, sum, o);
+        if (lane >= o) sum += t;
+    }
+    return sum;
+}
+
 __device__ __forceinline__ void* shared_pointer(unsigned char* smem, unsigned address)
 {
     // The generic pointer of a shared-window address at or after smem.
@@ -261,12 +273,7 @@ top_k_candidates_wgmma(const void* __restrict__ map_a, const void* __restrict__ 
                              | (unsigned)(d[3] >= min(lo_r[1], lo2.y)) << 3;
         if (!__any_sync(FULL_MASK, hit)) continue;
         const int mine = __popc(hit);
-        int before = mine;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int t = __shfl_up_sync(FULL_MASK, before, o);
-            if (lane >= o) before += t;
-        }
+        const int before = warp_inclusive_sum(mine, lane);
         const int total = __shfl_sync(FULL_MASK, before, 31);
         if (queued + total > QUEUE) {
             tested(queue, queued, row_block, col_block, na, nb, pop_a, pops_c, first_a, first_b,
@@ -346,12 +353,7 @@ pairs_at_least_wgmma(const void* __restrict__ map_a, const void* __restrict__ ma
         // The warp's pairs of this step in one atomic: each lane's place from an exclusive
         // scan of the lanes' counts.
         const int mine = __popc(kept);
-        int before = mine;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int t = __shfl_up_sync(FULL_MASK, before, o);
-            if (lane >= o) before += t;
-        }
+        const int before = warp_inclusive_sum(mine, lane);
         const int total = __shfl_sync(FULL_MASK, before, 31);
         if (!total) continue;
         unsigned long long at = 0;

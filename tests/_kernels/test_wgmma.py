@@ -9,11 +9,10 @@ every tile here; the default tile on odd sizes beside bmma's kernel in test_gram
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
-from helpers import random_bits
+from helpers import assert_assembles_for_sm90a, random_bits
 
 from dask_gpuchunk._kernels.bitpack import reference_bitpack
 from dask_gpuchunk._kernels.gram import reference_gram
@@ -26,17 +25,7 @@ TILES = [TILE, WgmmaTile(128, 128, 4, 1024, 8), WgmmaTile(128, 256, 3, 1024, 8),
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc to assemble the kernel with")
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: "x".join(map(str, t)))
 def test_wgmma_source_assembles_for_sm90a_without_spills(tmp_path, tile):
-    source = tmp_path / "gram_wgmma.cu"
-    source.write_text(kernel_source(tile))
-    done = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v",
-                           "-o", str(tmp_path / "gram_wgmma.cubin"), str(source)],
-                          capture_output=True, text=True, timeout=120)
-    report = done.stdout + done.stderr
-    assert done.returncode == 0, report
-    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
-    # ptxas says "Potential Performance Loss: wgmma.mma_async instructions are serialized"
-    # where it cannot keep them asynchronous.
-    assert "serialized" not in report and "warning" not in report.lower(), report
+    assert_assembles_for_sm90a(tmp_path, "gram_wgmma", kernel_source(tile))
 
 
 def test_wgmma_tile_checks():

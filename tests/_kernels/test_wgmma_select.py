@@ -10,9 +10,9 @@ GPU (the ``wgmma`` cases of each test there).
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import pytest
+from helpers import assert_assembles_for_sm90a
 
 from dask_gpuchunk._kernels import wgmma_select
 from dask_gpuchunk._kernels.wgmma import TILE
@@ -23,15 +23,7 @@ from dask_gpuchunk._kernels.wgmma import TILE
     ("top_k_candidates_wgmma", "tanimoto"), ("top_k_candidates_wgmma", "hamming"),
     ("pairs_at_least_wgmma", "tanimoto"), ("pairs_at_least_wgmma", "cosine")])
 def test_selection_sources_assemble_for_sm90a_without_spills(tmp_path, name, metric):
-    source = tmp_path / f"{name}.cu"
-    source.write_text(wgmma_select.select_source(name, metric))
-    done = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v",
-                           "-o", str(tmp_path / f"{name}.cubin"), str(source)],
-                          capture_output=True, text=True, timeout=180)
-    report = done.stdout + done.stderr
-    assert done.returncode == 0, report
-    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
-    assert "serialized" not in report and "warning" not in report.lower(), report
+    assert_assembles_for_sm90a(tmp_path, name, wgmma_select.select_source(name, metric))
 
 
 def test_selection_sources_name_one_kernel_and_one_metric():
