@@ -22,6 +22,7 @@ TILES = [TILE, WgmmaTile(128, 128, 4, 1024, 8), WgmmaTile(128, 256, 3, 1024, 8),
          WgmmaTile(256, 128, 3, 1024, 4), WgmmaTile(128, 256, 2, 1024, 1)]
 
 
+@pytest.mark.slow  # ptxas alone: the same in every CI job, run in the first
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc to assemble the kernel with")
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: "x".join(map(str, t)))
 def test_wgmma_source_assembles_for_sm90a_without_spills(tmp_path, tile):
