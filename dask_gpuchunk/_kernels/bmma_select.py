@@ -530,17 +530,17 @@ def pairs_at_least_bmma(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, fi
     if method == "wgmma":
         wgmma_select.launch_pairs_at_least(a, b, pop_a, pop_b, first_a, first_b, limit, metric,
                                            exclude, upper, out, found, capacity)
-        count = int(found.get()[0])
-        return (out[:count] if count <= capacity else None), count
-    a32, b32 = _operands(a, b, tile)
-    least = np.float32(threshold) * np.float32(0.99999905) if metric in FLOAT_METRICS else 0.0
-    grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
-    _kernel("pairs_at_least", tile, metric)(
-        grid, (tile.threads,),
-        (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
-         np.int64(first_a), np.int64(first_b), np.uint32(limit), np.float32(least),
-         np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)), np.int32(bool(upper)),
-         out, found, np.int64(capacity)),
-        shared_mem=tile.shared_bytes)
+    else:
+        a32, b32 = _operands(a, b, tile)
+        least = (np.float32(threshold) * np.float32(0.99999905) if metric in FLOAT_METRICS
+                 else 0.0)
+        grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
+        _kernel("pairs_at_least", tile, metric)(
+            grid, (tile.threads,),
+            (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
+             np.int64(first_a), np.int64(first_b), np.uint32(limit), np.float32(least),
+             np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)),
+             np.int32(bool(upper)), out, found, np.int64(capacity)),
+            shared_mem=tile.shared_bytes)
     count = int(found.get()[0])
     return (out[:count] if count <= capacity else None), count

@@ -393,6 +393,8 @@ def cuda_metric_code(metric: str) -> int:
     if metric in ASYMMETRIC_METRICS:
         raise ValueError(f"the CUDA kernels do not score {metric!r}; it takes the array path")
     return METRIC_CODES[metric]
+
+
 _best_keys_kernel: Any = None
 
 

@@ -418,11 +418,22 @@ def _filtered(words: Any) -> bool:
     return words.shape[1] * 64 < FILTERED_BITS
 
 
-def _maps(a: Any, b: Any, tile: WgmmaTile) -> tuple[Any, Any, Any, Any, int]:
+def _launch(name: str, a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
+            metric: str, tile: WgmmaTile, *rest: Any) -> None:
+    """Queue the selection kernel ``name`` on CuPy's current stream over the tiles of ``a``
+    against ``b``: its arguments the words' tensor maps, sizes, stages, popcounts and first
+    ids, then ``rest``."""
     map_a, kept_a = tensor_map(a, tile.kbits)
     map_b, kept_b = (map_a, kept_a) if b is a else tensor_map(b, tile.kbits)
+    na, nb = a.shape[0], b.shape[0]
     steps = -(-kept_a.shape[1] * 64 // tile.kbits)
-    return map_a, map_b, kept_a, kept_b, steps
+    grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
+    kernel(name, metric, tile).kernel(
+        grid, (tile.threads,),
+        (map_a, map_b, np.int32(na), np.int32(nb), np.int32(steps), pop_a, pop_b,
+         np.int64(first_a), np.int64(first_b), *rest),
+        shared_mem=shared_bytes(tile))
+    del kept_a, kept_b  # referenced until the launch is queued (see wgmma.launch)
 
 
 def launch_top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int,
@@ -433,18 +444,10 @@ def launch_top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int
     """Queue the candidates kernel on CuPy's current stream: ``a``, ``b`` CuPy ``uint64``
     words of one width, the rest as
     :func:`~dask_gpuchunk._kernels.bmma_select.top_k_candidates` makes them."""
-    map_a, map_b, kept_a, kept_b, steps = _maps(a, b, tile)
-    na, nb = a.shape[0], b.shape[0]
-    grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
-    compiled = kernel("top_k_candidates_wgmma", metric, tile)
-    compiled.kernel(
-        grid, (tile.threads,),
-        (map_a, map_b, np.int32(na), np.int32(nb), np.int32(steps), pop_a, pop_b,
-         np.int64(first_a), np.int64(first_b), state_a, state_b, np.int32(k),
-         np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)), np.int32(both),
-         np.int32(_filtered(a)), slots_a, count_a, slots_b, count_b, np.int32(nslots)),
-        shared_mem=shared_bytes(tile))
-    del kept_a, kept_b  # referenced until the launch is queued (see wgmma.launch)
+    _launch("top_k_candidates_wgmma", a, b, pop_a, pop_b, first_a, first_b, metric, tile,
+            state_a, state_b, np.int32(k), np.int32(cuda_metric_code(metric)),
+            np.int32(bool(exclude)), np.int32(both), np.int32(_filtered(a)), slots_a, count_a,
+            slots_b, count_b, np.int32(nslots))
 
 
 def launch_pairs_at_least(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
@@ -452,15 +455,6 @@ def launch_pairs_at_least(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, 
                           found: Any, capacity: int, tile: WgmmaTile = TILE) -> None:
     """Queue the threshold kernel on CuPy's current stream, as
     :func:`~dask_gpuchunk._kernels.bmma_select.pairs_at_least_bmma` makes its arguments."""
-    map_a, map_b, kept_a, kept_b, steps = _maps(a, b, tile)
-    na, nb = a.shape[0], b.shape[0]
-    grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
-    compiled = kernel("pairs_at_least_wgmma", metric, tile)
-    compiled.kernel(
-        grid, (tile.threads,),
-        (map_a, map_b, np.int32(na), np.int32(nb), np.int32(steps), pop_a, pop_b,
-         np.int64(first_a), np.int64(first_b), np.uint32(limit),
-         np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)), np.int32(bool(upper)), out,
-         found, np.int64(capacity)),
-        shared_mem=shared_bytes(tile))
-    del kept_a, kept_b
+    _launch("pairs_at_least_wgmma", a, b, pop_a, pop_b, first_a, first_b, metric, tile,
+            np.uint32(limit), np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)),
+            np.int32(bool(upper)), out, found, np.int64(capacity))
