@@ -64,10 +64,14 @@ def bit_products(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return (np.asarray(x, np.float64) @ np.asarray(y, np.float64).T).astype(np.int64)
 
 
-def assert_assembles_for_sm90a(tmp_path: Any, name: str, source: str) -> None:
-    """``source`` through ``nvcc`` / ``ptxas`` for ``sm_90a``: valid, nothing spilled, and the
-    asynchronous ``wgmma`` instructions kept asynchronous (ptxas says "Potential Performance
-    Loss: wgmma.mma_async instructions are serialized" where it cannot), no warning."""
+def assert_assembles_for_sm90a(tmp_path: Any, name: str, source: str,
+                               spills_at_most: int = 0) -> None:
+    """``source`` through ``nvcc`` / ``ptxas`` for ``sm_90a``: valid, at most
+    ``spills_at_most`` bytes spilled, and the asynchronous ``wgmma`` instructions kept
+    asynchronous (ptxas says "Potential Performance Loss: wgmma.mma_async instructions are
+    serialized" where it cannot), no warning."""
+    import re
+
     import subprocess
 
     path = tmp_path / f"{name}.cu"
@@ -77,5 +81,6 @@ def assert_assembles_for_sm90a(tmp_path: Any, name: str, source: str) -> None:
                           capture_output=True, text=True, timeout=180)
     report = done.stdout + done.stderr
     assert done.returncode == 0, report
-    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    spilled = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    assert spilled and max(spilled) <= spills_at_most, report
     assert "serialized" not in report and "warning" not in report.lower(), report

@@ -188,19 +188,27 @@ __device__ __forceinline__ unsigned long long descriptor(unsigned address)
          | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 
-__device__ __forceinline__ bool tile_place(int na, int nb, int upper, int& row_block,
-                                           int& col_block)
+__device__ __forceinline__ bool tile_at(unsigned tile, int na, int nb, int upper,
+                                        int& row_block, int& col_block)
 {
-    // This block's tile of C: a one-dimensional grid, rows of tiles taken GROUP at a time.
-    // False for a tile wholly below the diagonal of a symmetric block (its mirror is computed).
+    // Tile number `tile` of C, rows of tiles taken GROUP at a time (the tiles running at once
+    // share their rows of A and columns of B in L2). False for a tile wholly below the
+    // diagonal of a symmetric block (its mirror is computed).
     const int tiles_m = (na + BM - 1) / BM, tiles_n = (nb + BN - 1) / BN;
     const int per_group = GROUP * tiles_n;
-    const int first_m = (blockIdx.x / per_group) * GROUP;
+    const int first_m = (tile / per_group) * GROUP;
     const int rows_here = min(tiles_m - first_m, GROUP);
-    const int in_group = blockIdx.x % per_group;
+    const int in_group = tile % per_group;
     row_block = (first_m + in_group % rows_here) * BM;
     col_block = (in_group / rows_here) * BN;
     return !(upper && row_block >= col_block + BN);
+}
+
+__device__ __forceinline__ bool tile_place(int na, int nb, int upper, int& row_block,
+                                           int& col_block)
+{
+    // This block's tile of C: a one-dimensional grid, a tile a block.
+    return tile_at(blockIdx.x, na, nb, upper, row_block, col_block);
 }
 
 __device__ __forceinline__ unsigned stages_base(const unsigned char* smem)

@@ -22,16 +22,23 @@ fingerprints through at a top-10's bounds (11 ms).
 Threshold: far above most pairs, each row's least count (``c >= s * a`` and its kin:
 :c:func:`least_count`) leaves out nearly every pair with no tile-wide setup; the pairs that
 pass are appended with one atomic per warp and 8-column step that has any (a warp's exclusive
-scan gives each lane its places).
+scan gives each lane its places). The threshold kernel is persistent (a block per
+multiprocessor takes tiles in turn: :func:`resident_blocks`): its producer thread copies the
+next tile's stages while the consumers select from this one, and a helper warp fills the next
+tile's column popcounts (two buffers, in turn, each with a full and an empty barrier).
 
 Measured (H200, 8 GiB cap, 10**6 x 2048 bits at 7.5 % density, device-resident): all-pairs
-top-10 2.0 s against bmma's epilogue's 2.3 s, threshold 0.7 0.69 s against 1.20 s; a
-32,768-row block's fused top-k 4.2 ms (bmma's 4.1 ms; its counts alone, written to memory,
-1.9 ms): the top-k kernel is not yet faster than bmma's per block. No dask here.
+top-10 1.9 s against bmma's epilogue's 2.3 s; threshold 0.7 0.55 s (0.64 s one block a tile,
+1.20 s bmma's); a 32,768-row block's fused threshold 0.9-1.2 ms, fused top-k 3.9-4.3 ms
+(bmma's 3.8 ms; its counts alone, written to memory, 1.9 ms). The top-k kernel made
+persistent the same way was no faster (2.0-2.4 s), so its time is not the tile's latency
+(the exact tests of the pairs its floors let through, by estimate: docs/performance.md). No
+dask here.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -40,8 +47,8 @@ from .compiled import compiled_once
 from .similarity import RANK_SOURCE, cuda_metric_code
 from .wgmma import TILE, WgmmaTile, compile_for_sm90a, tensor_map, tile_source
 
-__all__ = ["launch_pairs_at_least", "launch_top_k_candidates", "select_source",
-           "shared_bytes"]
+__all__ = ["launch_pairs_at_least", "launch_top_k_candidates", "resident_blocks",
+           "select_source", "shared_bytes"]
 
 _SELECT = r"""
 #define FULL_MASK 0xFFFFFFFFu
@@ -50,6 +57,15 @@ _SELECT = r"""
 #define CONSUMERS (128 * WARPGROUPS)
 #define QUEUE 128  // counts a warp queues for the exact test
 #define ABOVE_ALL __int_as_float(0x7F800000)  // +inf (NVRTC has no math.h)
+
+#define HELPERS 96  // the producer warpgroup's three warps that do not copy: the columns' data
+#define STAGE_BYTES ((BM + BN) * CHUNKS * 16)
+// Of the persistent threshold kernel, after the stages: their barriers, then the two column
+// buffers' (full, empty), then the buffers (COLUMN_BYTES each: the tile's columns' popcounts).
+#define COLUMNS_FULL(base) ((base) + STAGES * STAGE_BYTES + 16 * STAGES)
+#define COLUMNS_EMPTY(base) (COLUMNS_FULL(base) + 16)
+#define COLUMN_BYTES (4 * BN)
+#define COLUMN_DATA(base, b) (COLUMNS_EMPTY(base) + 16 + (b) * COLUMN_BYTES)
 
 __device__ __forceinline__ float lifted(int c)
 {
@@ -124,6 +140,84 @@ __device__ __forceinline__ void least_pops(const int* __restrict__ pops, int fir
         if (first + v < n) mine = min(mine, pops[first + v]);
     mine = __reduce_min_sync(FULL_MASK, mine);
     if ((threadIdx.x & 31) == 0) atomicMin(least, mine);
+}
+
+__device__ __forceinline__ void rings_init(unsigned base)
+{
+    // The stages' barriers (as tile_counts has them), then each column buffer's: full once
+    // every helper thread has filled it, empty once every consumer thread is done with it.
+    // Thread 0 of the block; a __syncthreads after.
+    const unsigned full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;
+    for (int s = 0; s < STAGES; ++s) {
+        barrier_init(full + 8 * s, 1);
+        barrier_init(empty + 8 * s, 4 * WARPGROUPS);
+    }
+    for (int b = 0; b < 2; ++b) {
+        barrier_init(COLUMNS_FULL(base) + 8 * b, HELPERS);
+        barrier_init(COLUMNS_EMPTY(base) + 8 * b, CONSUMERS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ void copy_tiles(const void* map_a, const void* map_b, int na, int nb, int steps,
+                           int upper, unsigned base)
+{
+    // The producer thread: every stage of every tile of this block (tiles blockIdx.x,
+    // + gridDim.x, ...), as far ahead of the consumers as the stages allow, so that a tile's
+    // copies land while the one before is still being selected from.
+    const unsigned full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n"
+                 :: "l"(map_a) : "memory");
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n"
+                 :: "l"(map_b) : "memory");
+    const unsigned tiles = ((na + BM - 1) / BM) * ((nb + BN - 1) / BN);
+    unsigned g = 0;  // stages filled so far, over the block's tiles
+    for (unsigned tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int row_block, col_block;
+        if (!tile_at(tile, na, nb, upper, row_block, col_block)) continue;
+        for (int step = 0; step < steps; ++step, ++g) {
+            const unsigned slot = g % STAGES, at = base + slot * STAGE_BYTES, bar = full + 8 * slot;
+            barrier_wait(empty + 8 * slot, ((g / STAGES) & 1) ^ 1);
+            barrier_arrive_expecting(bar, STAGE_BYTES);
+            for (int p = 0; p < BM / BLOCK; ++p)
+                tensor_copy(at + p * BLOCK_BYTES, map_a, step * (KBITS / 8),
+                            row_block + p * BLOCK, bar);
+            for (int p = 0; p < NSUB; ++p)
+                tensor_copy(at + (BM / BLOCK + p) * BLOCK_BYTES, map_b, step * (KBITS / 8),
+                            col_block + p * BLOCK, bar);
+        }
+    }
+}
+
+__device__ __forceinline__ void counts_of_tile(int (&acc)[ACC], int steps, unsigned base,
+                                               unsigned& g)
+{
+    // A consumer thread's counts of its tile, from the stages g on (g advanced past them);
+    // each stage given back once the instructions reading it are done.
+    const unsigned full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;
+    const int warpgroup = threadIdx.x / 128, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) acc[i] = 0;
+    for (int step = 0; step < steps; ++step, ++g) {
+        const unsigned slot = g % STAGES, at = base + slot * STAGE_BYTES;
+        barrier_wait(full + 8 * slot, (g / STAGES) & 1);
+        const unsigned a_at = at + (warpgroup / 2) * BLOCK_BYTES + (warpgroup % 2) * 64 * 128;
+        const unsigned b_at = at + (BM / BLOCK) * BLOCK_BYTES;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int s = 0; s < STEPS_K; ++s) {
+            const unsigned long long a_desc = descriptor(a_at + 32 * s);
+#pragma unroll
+            for (int h = 0; h < NSUB; ++h)
+                mma_b1(*reinterpret_cast<int(*)[64]>(acc + 64 * h), a_desc,
+                       descriptor(b_at + h * BLOCK_BYTES + 32 * s), 1);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        if (step > 0 && lane == 0) barrier_arrive(empty + 8 * ((g - 1) % STAGES));
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    if (lane == 0) barrier_arrive(empty + 8 * ((g - 1) % STAGES));
 }
 
 __device__ __forceinline__ int warp_inclusive_sum(int mine, int lane)
@@ -305,71 +399,102 @@ pairs_at_least_wgmma(const void* __restrict__ map_a, const void* __restrict__ ma
                      long long capacity)
 {
     // As bmma_select's pairs_at_least: every pair whose rank is at most limit, appended to
-    // out as (row id << 32 | column id, the score's bits); found counts them all.
+    // out as (row id << 32 | column id, the score's bits); found counts them all. Persistent
+    // as top_k_candidates_wgmma; a column buffer holds the tile's columns' popcounts.
 #ifdef SELECT_METRIC
     metric = SELECT_METRIC;
 #endif
     extern __shared__ __align__(128) unsigned char smem[];
-    int row_block, col_block;
-    if (!tile_place(na, nb, upper, row_block, col_block)) return;
     const unsigned base = stages_base(smem);
-    const unsigned columns = base + STAGES * (BM + BN) * CHUNKS * 16 + 16 * STAGES;
-    int* pops_c = static_cast<int*>(shared_pointer(smem, columns));
-    for (int v = threadIdx.x; v < BN; v += THREADS)
-        pops_c[v] = col_block + v < nb ? pop_b[col_block + v] : 0;
-    int acc[ACC];
-    if (!tile_counts(acc, map_a, map_b, steps, row_block, col_block, base)) return;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, warpgroup = warp / 4;
-    const int r0 = row_block + warpgroup * 64 + (warp & 3) * 16 + lane / 4;
-    // A threshold is far above most pairs: each row's least count (no tile-wide setup, whose
-    // barrier held each tile's first copies back: 0.92 s against 0.67 s for 10^6 rows at
-    // 0.7 on an H200) leaves out nearly all of them.
-    int pop_r[2], least_r[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = r0 + 8 * h;
-        pop_r[h] = r < na ? pop_a[r] : 0;
-        least_r[h] = r < na ? least_count(limit, pop_r[h], metric) : NEVER;
+    if (threadIdx.x == 0) rings_init(base);
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const unsigned tiles = ((na + BM - 1) / BM) * ((nb + BN - 1) / BN);
+
+    if (warp == PRODUCER) {
+        if (lane == 0) copy_tiles(map_a, map_b, na, nb, steps, upper, base);
+        return;
     }
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-        const int v0 = 8 * j + 2 * (lane & 3);
-        const int* d = acc + 4 * j;
-        const bool may = max(d[0], d[1]) >= least_r[0] || max(d[2], d[3]) >= least_r[1];
-        // The whole warp takes each step (its shuffles need every lane): skipped only where
-        // no lane has a pair that may pass.
-        if (!__any_sync(FULL_MASK, may)) continue;
-        unsigned kept = 0, ranks[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const int h = q / 2, v = v0 + (q & 1), r = r0 + 8 * h, col = col_block + v;
-            ranks[q] = 0;
-            if (!may || r >= na || col >= nb || (upper && r > col)
-                || (exclude && first_a + r == first_b + col))
-                continue;
-            ranks[q] = rank_of(d[q], pop_r[h], pops_c[v], metric);
-            if (ranks[q] <= limit) kept |= 1u << q;
+    if (warp > PRODUCER) {
+        const int helper = threadIdx.x - 32 * (PRODUCER + 1);
+        unsigned i = 0;
+        for (unsigned tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            int row_block, col_block;
+            if (!tile_at(tile, na, nb, upper, row_block, col_block)) continue;
+            const int b = i & 1;
+            barrier_wait(COLUMNS_EMPTY(base) + 8 * b, ((i >> 1) & 1) ^ 1);
+            int* pops_c = static_cast<int*>(shared_pointer(smem, COLUMN_DATA(base, b)));
+            for (int v = helper; v < BN; v += HELPERS)
+                pops_c[v] = col_block + v < nb ? pop_b[col_block + v] : 0;
+            barrier_arrive(COLUMNS_FULL(base) + 8 * b);
+            ++i;
         }
-        // The warp's pairs of this step in one atomic: each lane's place from an exclusive
-        // scan of the lanes' counts.
-        const int mine = __popc(kept);
-        const int before = warp_inclusive_sum(mine, lane);
-        const int total = __shfl_sync(FULL_MASK, before, 31);
-        if (!total) continue;
-        unsigned long long at = 0;
-        if (lane == 31) at = atomicAdd(found, (unsigned long long)total);
-        at = __shfl_sync(FULL_MASK, at, 31) + (unsigned long long)(before - mine);
+        return;
+    }
+
+    const int warpgroup = warp / 4;
+    unsigned g = 0, i = 0;
+    for (unsigned tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int row_block, col_block;
+        if (!tile_at(tile, na, nb, upper, row_block, col_block)) continue;
+        const int r0 = row_block + warpgroup * 64 + (warp & 3) * 16 + lane / 4;
+        // A threshold is far above most pairs: each row's least count (no tile-wide setup,
+        // whose barrier held each tile's first copies back: 0.92 s against 0.67 s for 10^6
+        // rows at 0.7 on an H200) leaves out nearly all of them.
+        int pop_r[2], least_r[2];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            if (!(kept >> q & 1u)) continue;
-            const int r = r0 + 8 * (q / 2), col = col_block + v0 + (q & 1);
-            if (at < (unsigned long long)capacity) {
-                out[2 * at] = ((unsigned long long)(first_a + r) << 32)
-                              | (unsigned)(first_b + col);
-                out[2 * at + 1] = metric == 3 ? ranks[q] : 0xFFFFFFFFu - ranks[q];
+        for (int h = 0; h < 2; ++h) {
+            const int r = r0 + 8 * h;
+            pop_r[h] = r < na ? pop_a[r] : 0;
+            least_r[h] = r < na ? least_count(limit, pop_r[h], metric) : NEVER;
+        }
+        int acc[ACC];
+        counts_of_tile(acc, steps, base, g);
+        const int b = i & 1;
+        barrier_wait(COLUMNS_FULL(base) + 8 * b, (i >> 1) & 1);
+        const int* pops_c = static_cast<const int*>(shared_pointer(smem, COLUMN_DATA(base, b)));
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int v0 = 8 * j + 2 * (lane & 3);
+            const int* d = acc + 4 * j;
+            const bool may = max(d[0], d[1]) >= least_r[0] || max(d[2], d[3]) >= least_r[1];
+            // The whole warp takes each step (its shuffles need every lane): skipped only
+            // where no lane has a pair that may pass.
+            if (!__any_sync(FULL_MASK, may)) continue;
+            unsigned kept = 0, ranks[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int h = q / 2, v = v0 + (q & 1), r = r0 + 8 * h, col = col_block + v;
+                ranks[q] = 0;
+                if (!may || r >= na || col >= nb || (upper && r > col)
+                    || (exclude && first_a + r == first_b + col))
+                    continue;
+                ranks[q] = rank_of(d[q], pop_r[h], pops_c[v], metric);
+                if (ranks[q] <= limit) kept |= 1u << q;
             }
-            ++at;
+            // The warp's pairs of this step in one atomic: each lane's place from an
+            // exclusive scan of the lanes' counts.
+            const int mine = __popc(kept);
+            const int before = warp_inclusive_sum(mine, lane);
+            const int total = __shfl_sync(FULL_MASK, before, 31);
+            if (!total) continue;
+            unsigned long long at = 0;
+            if (lane == 31) at = atomicAdd(found, (unsigned long long)total);
+            at = __shfl_sync(FULL_MASK, at, 31) + (unsigned long long)(before - mine);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                if (!(kept >> q & 1u)) continue;
+                const int r = r0 + 8 * (q / 2), col = col_block + v0 + (q & 1);
+                if (at < (unsigned long long)capacity) {
+                    out[2 * at] = ((unsigned long long)(first_a + r) << 32)
+                                  | (unsigned)(first_b + col);
+                    out[2 * at + 1] = metric == 3 ? ranks[q] : 0xFFFFFFFFu - ranks[q];
+                }
+                ++at;
+            }
         }
+        barrier_arrive(COLUMNS_EMPTY(base) + 8 * b);
+        ++i;
     }
 }
 """
@@ -381,10 +506,17 @@ _KERNELS = {"top_k_candidates_wgmma": _TOP_K, "pairs_at_least_wgmma": _PAIRS}
 
 def shared_bytes(tile: WgmmaTile = TILE) -> int:
     """Dynamic shared memory of a selection kernel: the Gram kernel's stages and barriers,
-    then for each column of the tile its bound (8 bytes), popcount, line (three floats) and
-    floor (4 bytes each), the tile's least popcounts and a queue of 128 counts (8 bytes each)
-    per consumer warp."""
+    then the top-k's: for each column of the tile its bound (8 bytes), popcount, line (three
+    floats) and floor (4 bytes each), the tile's least popcounts and a queue of 128 counts (8
+    bytes each) per consumer warp. The threshold kernel's two column buffers and their
+    barriers (:func:`_threshold_bytes`) take less."""
     return tile.shared_bytes + 28 * tile.bn + 16 + tile.warpgroups * 4 * 128 * 8
+
+
+def _threshold_bytes(tile: WgmmaTile = TILE) -> int:
+    """What the persistent threshold kernel uses after the stages and their barriers: two
+    column buffers' barriers and the buffers (each column's popcount)."""
+    return tile.shared_bytes + 32 + 2 * 4 * tile.bn
 
 
 #: Row widths (bits) up to which counts are filtered by their lines (``lifted`` holds counts
@@ -414,6 +546,21 @@ def kernel(name: str, metric: str, tile: WgmmaTile = TILE) -> Any:
     return _compiled(cupy.cuda.runtime.getDevice(), name, tile, metric)
 
 
+def resident_blocks() -> int:
+    """Blocks the persistent threshold kernel launches on the current device: one per
+    multiprocessor (a block's shared memory leaves room for no second one)."""
+    import cupy
+
+    return _multiprocessors(cupy.cuda.runtime.getDevice())
+
+
+@functools.cache
+def _multiprocessors(device: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+
+
 def _filtered(words: Any) -> bool:
     return words.shape[1] * 64 < FILTERED_BITS
 
@@ -427,9 +574,11 @@ def _launch(name: str, a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, fir
     map_b, kept_b = (map_a, kept_a) if b is a else tensor_map(b, tile.kbits)
     na, nb = a.shape[0], b.shape[0]
     steps = -(-kept_a.shape[1] * 64 // tile.kbits)
-    grid = (-(-na // tile.bm) * -(-nb // tile.bn),)
+    grid = -(-na // tile.bm) * -(-nb // tile.bn)
+    if name == "pairs_at_least_wgmma":  # persistent: a block per multiprocessor at most
+        grid = min(grid, resident_blocks())
     kernel(name, metric, tile).kernel(
-        grid, (tile.threads,),
+        (grid,), (tile.threads,),
         (map_a, map_b, np.int32(na), np.int32(nb), np.int32(steps), pop_a, pop_b,
          np.int64(first_a), np.int64(first_b), *rest),
         shared_mem=shared_bytes(tile))
