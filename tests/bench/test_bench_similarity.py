@@ -51,6 +51,9 @@ def test_every_row_runs_and_passes_its_exact_check_on_this_machine():
     assert fpsim2["seconds"] or "not importable" in fpsim2["skipped"], fpsim2
     faiss = [e for name, e in entries.items() if name.startswith("peer FAISS")]
     assert len(faiss) == 1 and (faiss[0]["seconds"] or "not importable" in faiss[0]["skipped"])
+    # nvMolKit's dense cross Tanimoto runs on a GPU only: its row says why it did not run.
+    assert entries["peer nvMolKit cross Tanimoto, dense scores (device)"]["skipped"] == (
+        "no CUDA GPU visible")
     assert all(e["extra"]["pairs_per_s"] > 0 for e in entries.values() if e["seconds"])
     top = entries["ours all-pairs top-4 (host)"]["extra"]
     assert top["pairs"] == 2500 * 2499 / 2  # unique pairs
@@ -96,13 +99,14 @@ def test_on_the_gpu_ours_and_the_cupy_peer_run_and_agree(tmp_path):
                                        "--chunk-rows", "4096", "--peer-rows", "5000",
                                        "--repeat", "1", "--out-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    # RDKit's, FPSim2's and FAISS's rows are skipped where they are not installed (each says
-    # so); every other row runs, and every peer that runs agrees with the exact results.
-    optional = ("RDKit", "FPSim2", "FAISS")
+    # RDKit's, FPSim2's, FAISS's and nvMolKit's rows are skipped where they are not installed
+    # (each says so); every other row runs, and every peer that runs agrees with the exact
+    # results.
+    optional = ("RDKit", "FPSim2", "FAISS", "nvMolKit")
     ours_and_cupy = "\n".join(line for line in result.output.splitlines()
                               if not any(peer in line for peer in optional))
     assert "WRONG" not in result.output and "skipped" not in ours_and_cupy, result.output
-    for peer, module in [("FPSim2 CUDA", "FPSim2"), ("FAISS", "faiss")]:
+    for peer, module in [("FPSim2 CUDA", "FPSim2"), ("FAISS", "faiss"), ("nvMolKit", "nvmolkit")]:
         if importlib.util.find_spec(module) is not None:
             line = next(line for line in result.output.splitlines() if f"peer {peer}" in line)
             assert "not importable" not in line and "Error" not in line, line
