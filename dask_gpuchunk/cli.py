@@ -52,7 +52,7 @@ from .cluster import collector_paused, connect, local_cluster, parse_memory_limi
 from .config import check_settings
 from .devices import GPUNotAvailableError, _probe_gpus, gpu_available, gpu_count
 from .fingerprint_files import FINGERPRINT_KINDS
-from .gram import METHODS, _compute_capability, resolve_method
+from .gram_blocks import METHODS, compute_capability, resolve_method
 from .partials import partials_in, remove_partials
 from .joining import PlainTransportWarning, write_credentials
 from .progress import format_rate
@@ -125,7 +125,7 @@ def environment() -> dict[str, Any]:
     }
     if count:
         auto = resolve_method("auto", on_gpu=True)
-        cc = "%d.%d" % _compute_capability()
+        cc = "%d.%d" % compute_capability()
         why = {"wgmma": " (a Hopper: warpgroup 1-bit MMA; dg.gram measured 2.8 x bmma on a "
                         "long-row Gram, H200; top-k and threshold similarity run bmma's "
                         "fused kernel)",

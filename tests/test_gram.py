@@ -17,7 +17,7 @@ import dask_gpuchunk as dg
 from dask_gpuchunk import jobs
 from dask_gpuchunk._kernels.bitpack import BitValueError, reference_bitpack
 from dask_gpuchunk._kernels.gram import reference_gram
-from dask_gpuchunk import config
+from dask_gpuchunk import config, gram_blocks, gram_graphs
 
 SIZES = [1, 7, 63, 64, 65, 1041, 1043]
 # the module, which the package's function of the same name hides as an attribute
@@ -81,14 +81,14 @@ def graph_kind(request):
 
 def test_many_word_chunks_are_tree_summed(rng, monkeypatch, graph_kind):
     sums = []
-    summed = gram_module._sum_blocks if graph_kind else gram_module._sum_partials
+    summed = gram_graphs.sum_blocks if graph_kind else gram_graphs.sum_partials
 
     def counting(*args, **kwargs):
         parts = args if graph_kind else args[0]
         sums.append(len(parts))
         return summed(*args, **kwargs)
 
-    monkeypatch.setattr(gram_module, "_sum_blocks" if graph_kind else "_sum_partials", counting)
+    monkeypatch.setattr(gram_graphs, "sum_blocks" if graph_kind else "sum_partials", counting)
     a = random_bits(rng, (33, 64 * 11), 0.5)
     x = da.from_array(a, chunks=(10, 64))  # 11 word chunks: 4 + 4 + 3, then one more sum
     assert_eq(dg.gram(x), reference_gram(a))
@@ -100,7 +100,7 @@ def test_many_word_chunks_are_tree_summed(rng, monkeypatch, graph_kind):
 @pytest.mark.parametrize("chunks, word_chunks", [((10, 100), 1), ((10, 40), 2)])
 def test_only_upper_blocks_are_computed(rng, monkeypatch, chunks, word_chunks, graph_kind):
     computed = []
-    block_of = gram_module._gram_block
+    block_of = gram_graphs.block_task
     a = random_bits(rng, (50, 100), 0.5)
     packed = reference_bitpack(a)
 
@@ -113,7 +113,9 @@ def test_only_upper_blocks_are_computed(rng, monkeypatch, chunks, word_chunks, g
         computed.append((row_of(x[0]) // 10, row_of(y[0]) // 10))
         return block_of(x, y, *args, **kwargs)
 
-    monkeypatch.setattr(gram_module, "_gram_block", recording)
+    # The listed graph's tasks call it from gram_graphs, blockwise's partials from gram_blocks.
+    monkeypatch.setattr(gram_graphs, "block_task", recording)
+    monkeypatch.setattr(gram_blocks, "block_task", recording)
     assert len({tuple(r) for r in packed}) == 50
     g = dg.gram(da.from_array(a, chunks=chunks))  # 5 row chunks
     assert_eq(g, reference_gram(a))
@@ -294,7 +296,7 @@ def test_auto_method_follows_compute_capability(monkeypatch, cc, expected):
 
     gram_module = importlib.import_module("dask_gpuchunk.gram")
 
-    monkeypatch.setattr(gram_module, "_compute_capability", lambda: cc)
+    monkeypatch.setattr(gram_blocks, "compute_capability", lambda: cc)
     assert gram_module.resolve_method("auto", on_gpu=True) == expected
     assert gram_module.resolve_method("auto", on_gpu=False) == "popcount"
     assert gram_module.resolve_method("int8", on_gpu=True) == "int8"
@@ -441,7 +443,7 @@ def test_gram_of_a_npy_computes_the_blocks_below_too_when_asked(rng, tmp_path, d
     with config.internal_values({"gram-mirror": "recompute"}):
         g = dg.gram(x, packed=True, device=device)
     graph = dict(g.__dask_graph__())
-    assert not any(v[0] is gram_module._transposed for v in graph.values() if isinstance(v, tuple))
+    assert not any(v[0] is gram_graphs.transposed_block for v in graph.values() if isinstance(v, tuple))
     assert g.name != dg.gram(x, packed=True, device=device).name
     np.testing.assert_array_equal(g.compute(), reference_gram(a))
     with config.internal_values({"gram-mirror": "sideways"}), \
@@ -546,7 +548,7 @@ def _computed_blocks(g: da.Array) -> dict:
     """The tasks of a Gram over a ``.npy`` that compute a block, by key."""
     from dask._task_spec import Task
 
-    from dask_gpuchunk.gram import _resident_block
+    from dask_gpuchunk.gram_graphs import _resident_block
 
     layer = dict(g.__dask_graph__().layers[g.name])
     return {key: task for key, task in layer.items()

@@ -16,7 +16,7 @@ from helpers import bit_products, random_bits
 import dask_gpuchunk as dg
 from dask_gpuchunk.config import listed_graphs
 from dask_gpuchunk.similarity import METRICS, MISSING_SCORE
-from dask_gpuchunk import config
+from dask_gpuchunk import config, gram_blocks
 
 QUERY_PLANNING = type(da.ones(1)).__module__.startswith("dask.array._array_expr")
 
@@ -726,7 +726,7 @@ def test_selections_on_a_hopper_run_the_wgmma_kernel_s_fused_epilogue(monkeypatc
     selection = importlib.import_module("dask_gpuchunk.selection")
     gram_module = importlib.import_module("dask_gpuchunk.gram")
 
-    monkeypatch.setattr(gram_module, "_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(gram_blocks, "compute_capability", lambda: (9, 0))
     assert gram_module.resolve_method("auto", on_gpu=True) == "wgmma"
     assert selection._selecting_method("auto", "top_k") == "wgmma"
     assert selection._selecting_method("bmma", "threshold") == "bmma"
