@@ -19,7 +19,7 @@ from .fingerprint_files import (
     write_fps,
 )
 from .io import temporary_output
-from .jobs import InputError, Job, OutputError, Progress, _check_output
+from .jobs.common import InputError, Job, OutputError, Progress, _check_output
 
 __all__ = ["fingerprints_job"]
 

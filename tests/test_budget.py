@@ -51,8 +51,8 @@ def test_slab_bytes_count_words_slab_block_and_scratch():
     words, rows, n = 3125, 4096, 100_000
     words_bytes = n * words * 8
     expected = words_bytes + rows * n * 4 + rows * rows * 4 + 2 * rows * words * 64
-    assert jobs._slab_bytes(rows, n, words_bytes, words, 8, "int8") == expected
-    assert jobs._slab_bytes(rows, n, words_bytes, words, 8, "popcount") == expected - 2 * rows * words * 64
+    assert jobs.gram._slab_bytes(rows, n, words_bytes, words, 8, "int8") == expected
+    assert jobs.gram._slab_bytes(rows, n, words_bytes, words, 8, "popcount") == expected - 2 * rows * words * 64
 
 
 def _packed_bits(rng, tmp_path, shape=(600, 2000)):
@@ -63,7 +63,7 @@ def _packed_bits(rng, tmp_path, shape=(600, 2000)):
 
 def test_gram_job_refuses_blocks_larger_than_the_workers_budget(rng, tmp_path, monkeypatch):
     _packed_bits(rng, tmp_path)
-    monkeypatch.setattr(jobs, "_budgets_where_it_runs", lambda: [1 * MiB, 64 * MiB])
+    monkeypatch.setattr(jobs.gram, "_budgets_where_it_runs", lambda: [1 * MiB, 64 * MiB])
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(main, ["gram", "packed.npy", "--packed", "-o", "g.npy",
                                        "--method", "popcount", "--chunk-rows", "512"])
@@ -77,7 +77,7 @@ def test_gram_job_refuses_blocks_larger_than_the_workers_budget(rng, tmp_path, m
 def test_gram_job_takes_fewer_rows_per_chunk_where_blocks_would_not_fit(rng, tmp_path,
                                                                         monkeypatch):
     bits = _packed_bits(rng, tmp_path)  # 600 x 2000 bits: 32 words a row
-    monkeypatch.setattr(jobs, "_budgets_where_it_runs", lambda: [1 * MiB])
+    monkeypatch.setattr(jobs.gram, "_budgets_where_it_runs", lambda: [1 * MiB])
     summary = jobs.gram_job(tmp_path / "packed.npy", tmp_path / "g.npy", packed=True,
                             method="popcount", device="auto")(None)
     # 4096 rows: 69 MB a block; halved down to 256 rows (0.39 MB), the first that fits.
@@ -86,8 +86,8 @@ def test_gram_job_takes_fewer_rows_per_chunk_where_blocks_would_not_fit(rng, tmp
                                   bit_products(bits, bits))
     summary = jobs.gram_job(tmp_path / "packed.npy", tmp_path / "g.npy", packed=True,
                             method="popcount", device="auto", overwrite=True)
-    monkeypatch.setattr(jobs, "_budgets_where_it_runs", lambda: [2**40])
-    assert summary(None)["chunk_rows"] == jobs.CHUNK_ROWS
+    monkeypatch.setattr(jobs.gram, "_budgets_where_it_runs", lambda: [2**40])
+    assert summary(None)["chunk_rows"] == jobs.gram.CHUNK_ROWS
 
 
 def _layout_of(rng, tmp_path, monkeypatch, budget_bytes):
@@ -96,15 +96,15 @@ def _layout_of(rng, tmp_path, monkeypatch, budget_bytes):
     gram_module = importlib.import_module("dask_gpuchunk.gram")  # the package exports gram()
 
     _packed_bits(rng, tmp_path, (1000, 2048))
-    monkeypatch.setattr(jobs, "_budgets_where_it_runs", lambda: [budget_bytes])
+    monkeypatch.setattr(jobs.gram, "_budgets_where_it_runs", lambda: [budget_bytes])
     int8_on_gpus = lambda method, on_gpu: "int8" if on_gpu else "popcount"  # noqa: E731
     monkeypatch.setattr(gram_module, "resolve_method", int8_on_gpus)
-    monkeypatch.setattr(jobs, "resolve_method", int8_on_gpus)  # jobs' own name for it
+    monkeypatch.setattr(jobs.gram, "resolve_method", int8_on_gpus)  # jobs' own name for it
     captured = {}
-    monkeypatch.setattr(jobs, "_gram_slabs_to_file",
+    monkeypatch.setattr(jobs.gram, "_gram_slabs_to_file",
                         lambda *a, upper, **k: captured.setdefault("upper" if upper else "rows", 1))
-    monkeypatch.setattr(jobs, "to_npy", lambda *a, **k: captured.setdefault("blocks", 1))
-    monkeypatch.setattr(jobs, "_start_warmup", lambda *a: [])
+    monkeypatch.setattr(jobs.common, "to_npy", lambda *a, **k: captured.setdefault("blocks", 1))
+    monkeypatch.setattr(jobs.gram, "_start_warmup", lambda *a: [])
     jobs.gram_job(tmp_path / "packed.npy", tmp_path / "g.npy", packed=True, method="auto",
                   device="auto", chunk_rows=250)(None)
     return next(iter(captured))
@@ -112,7 +112,7 @@ def _layout_of(rng, tmp_path, monkeypatch, budget_bytes):
 
 def test_rows_layout_only_where_a_whole_slab_fits_the_budget(rng, tmp_path, monkeypatch):
     # A slab task: 256 KB of words, a 250 x 1000 slab, a 250 x 250 block, int8 scratch.
-    slab = jobs._slab_bytes(250, 1000, 1000 * 32 * 8, 32, 8, "int8")
+    slab = jobs.gram._slab_bytes(250, 1000, 1000 * 32 * 8, 32, 8, "int8")
     assert _layout_of(rng, tmp_path, monkeypatch, slab) == "rows"
     assert _layout_of(rng, tmp_path, monkeypatch, slab - 1) == "blocks"
 

@@ -660,7 +660,7 @@ def test_workers_dying_under_a_chunk_is_one_line_naming_the_options(inputs, monk
     def killed(*args, **kwargs):
         raise KilledWorker("multiply-abc", "tcp://127.0.0.1:1", 3)
 
-    monkeypatch.setattr(jobs, "to_npy", killed)
+    monkeypatch.setattr(jobs.common, "to_npy", killed)
     monkeypatch.chdir(d)
     result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy"])
     assert result.exit_code == 1, result.output
@@ -681,7 +681,7 @@ def test_a_cluster_left_without_workers_ends_the_job_with_exit_5(inputs, monkeyp
         raise NoWorkersError("the cluster has had no workers for 2 s (the last one left or "
                              "died) with 3 of 5 chunks to go; nothing was written")
 
-    monkeypatch.setattr(jobs, "to_npy", deserted)
+    monkeypatch.setattr(jobs.common, "to_npy", deserted)
     monkeypatch.chdir(d)
     result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy",
                                        "--worker-timeout", "2"])
@@ -707,7 +707,7 @@ def test_a_job_error_on_a_joined_cluster_is_the_job_s_not_the_cluster_s(inputs, 
     def failing(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(jobs, "to_npy", failing)
+    monkeypatch.setattr(jobs.common, "to_npy", failing)
     monkeypatch.chdir(d)
     with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster:
         monkeypatch.setattr(cli, "connect", lambda **kwargs: Client(cluster))

@@ -190,7 +190,7 @@ def test_gram_slab_is_a_whole_row_block(rng, n, k, rows):
         assert slab.dtype == np.int32 and slab.shape == (len(chunk), n)
         np.testing.assert_array_equal(slab, expected[start:start + len(chunk)])
         start += len(chunk)
-    np.testing.assert_array_equal(jobs._slab_after(None, chunks[0], chunks, "auto", "auto"),
+    np.testing.assert_array_equal(jobs.gram._slab_after(None, chunks[0], chunks, "auto", "auto"),
                                   expected[:rows[0]])
     with pytest.raises(ValueError, match="GPU only"):
         gram_module.gram_slab(chunks[0], chunks, method="bmma", device="cpu")

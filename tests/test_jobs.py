@@ -207,7 +207,7 @@ def test_a_similarity_job_warms_up_first_and_a_failed_warm_up_loses_nothing(rng,
         calls.append((args, options["top_k"]))
         raise RuntimeError("no warm-up here")
 
-    monkeypatch.setattr(jobs, "_warm_similarity", failing_warm_up)
+    monkeypatch.setattr(jobs.similarity, "_warm_similarity", failing_warm_up)
     jobs.similarity_job(tmp_path / "fps.npy", tmp_path / "top.npz", packed=True, top_k=3,
                         chunk_rows=40, device="cpu")(None)
     assert calls == [(("|u1", 25, True, False, False, True), 3)]
@@ -222,10 +222,10 @@ def test_the_similarity_warm_up_runs_the_job_kind_on_a_few_rows(monkeypatch):
     from dask_gpuchunk import jobs
 
     for packed, dtype, width in [(True, ">u8", 4), (False, "bool", 200)]:
-        jobs._warm_similarity(dtype, width, packed, True, False, metric="dice", top_k=40,
+        jobs.similarity._warm_similarity(dtype, width, packed, True, False, metric="dice", top_k=40,
                               threshold=None, exclude_self=None, method="auto", device="cpu")
     if not type(da.ones(1)).__module__.startswith("dask.array._array_expr"):  # no pairs there
-        jobs._warm_similarity("uint8", 8, True, False, False, metric="hamming", top_k=None,
+        jobs.similarity._warm_similarity("uint8", 8, True, False, False, metric="hamming", top_k=None,
                               threshold=10, exclude_self=None, method="auto", device="cpu")
 
 
@@ -233,21 +233,21 @@ def test_the_similarity_warm_up_reads_its_rows_from_a_npy_as_the_job_does(monkey
     from dask_gpuchunk import jobs
 
     read = []
-    real_read = jobs._read
+    real_read = jobs.similarity._read
 
     def recorded_read(path, chunks, pinned=None):
         read.append((path, chunks))
         return real_read(path, chunks, pinned)
 
-    monkeypatch.setattr(jobs, "_read", recorded_read)
-    jobs._warm_similarity("<u8", 4, True, True, False, True, metric="tanimoto", top_k=40,
+    monkeypatch.setattr(jobs.similarity, "_read", recorded_read)
+    jobs.similarity._warm_similarity("<u8", 4, True, True, False, True, metric="tanimoto", top_k=40,
                           threshold=None, exclude_self=None, method="auto", device="cpu")
-    rows = jobs.WARM_UP_ROWS
+    rows = jobs.similarity.WARM_UP_ROWS
     assert [(os.path.basename(p), chunks) for p, chunks in read] == [
         ("x.npy", (rows, -1)), ("y.npy", (rows, -1))]
     assert not any(os.path.exists(os.path.dirname(p)) for p, _ in read)  # gone with it
     read.clear()
-    jobs._warm_similarity("<u8", 4, True, False, False, False, metric="tanimoto", top_k=3,
+    jobs.similarity._warm_similarity("<u8", 4, True, False, False, False, metric="tanimoto", top_k=3,
                           threshold=None, exclude_self=None, method="auto", device="cpu")
     assert read == []  # a Zarr job's warm-up makes its rows in memory
 
@@ -257,9 +257,9 @@ def test_the_similarity_warm_up_meets_the_redo_of_overflowing_targets_on_the_gpu
     from dask_gpuchunk import jobs
     from dask_gpuchunk._kernels import bmma_select
 
-    assert jobs.WARM_UP_ROWS > bmma_select.SLOTS
+    assert jobs.similarity.WARM_UP_ROWS > bmma_select.SLOTS
     before = bmma_select.redone["targets"]
-    jobs._warm_similarity("|u1", 256, True, False, True, True, metric="tanimoto", top_k=10,
+    jobs.similarity._warm_similarity("|u1", 256, True, False, True, True, metric="tanimoto", top_k=10,
                           threshold=None, exclude_self=None, method="bmma", device="gpu")
     assert bmma_select.redone["targets"] > before
 
@@ -349,7 +349,7 @@ def test_similarity_job_leaves_a_npy_to_the_selection_s_blocks(rng, tmp_path, li
 
     from dask_gpuchunk.config import listed_graphs
     from dask_gpuchunk.io import npy_reader_of
-    from dask_gpuchunk.jobs import _read, _similarity_words
+    from dask_gpuchunk.jobs.similarity import _read, _similarity_words
 
     np.save(tmp_path / "fps.npy", np.packbits(random_bits(rng, (300, 2048), 0.075), axis=1))
     with config.internal_values({"listed-graphs": listed}):
@@ -378,8 +378,8 @@ def test_similarity_job_chunks_by_what_a_block_holds(rng, tmp_path, monkeypatch,
 
     np.save(tmp_path / "fps.npy", np.packbits(random_bits(rng, (300, 2048), 0.075), axis=1))
     # GPU workers of 2 GiB each, as the job sees them; the chunks stay on the host here.
-    monkeypatch.setattr(jobs, "_budgets_where_it_runs", lambda: [2 << 30])
-    monkeypatch.setattr(jobs, "_on_device", lambda block: block)
+    monkeypatch.setattr(jobs.similarity, "_budgets_where_it_runs", lambda: [2 << 30])
+    monkeypatch.setattr(jobs.similarity, "_on_device", lambda block: block)
     out = tmp_path / ("out.npz" if options else "out.npy")
     summary = similarity_job(tmp_path / "fps.npy", out, packed=True, **options)(None)
     assert summary["chunk_rows"] == rows

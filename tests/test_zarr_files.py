@@ -154,7 +154,7 @@ def test_the_gram_job_cuts_equal_slabs_for_a_store(rng, tmp_path, monkeypatch):
     # 128, 45) where 128 would be the slab's rows for a .npy.
     import dask_gpuchunk.jobs as jobs
 
-    monkeypatch.setattr(jobs, "CHUNK_ROWS", 128)
+    monkeypatch.setattr(jobs.gram, "CHUNK_ROWS", 128)
     bits = random_bits(rng, (301, 200), 0.5)
     np.save(tmp_path / "bits.npy", bits)
     to_npy = gram_files(tmp_path / "bits.npy", tmp_path / "G.npy", device="cpu")
