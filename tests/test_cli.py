@@ -81,8 +81,8 @@ def test_the_progress_bar_gives_rate_and_time_left(capsys, monkeypatch):
     from dask_gpuchunk import cli
 
     clock = iter([0.0, 2.0, 2.05, 4.0, 10.0, 11.0])  # a draw within 0.1 s of the last is skipped
-    monkeypatch.setattr(cli.time, "perf_counter", lambda: next(clock))
-    draw = cli._progress(True)
+    monkeypatch.setattr(cli.running.time, "perf_counter", lambda: next(clock))
+    draw = cli.running._progress(True)
     draw(0, 40, "blocks")
     draw(10, 40, "blocks")
     draw(11, 40, "blocks")

@@ -710,7 +710,7 @@ def test_a_job_error_on_a_joined_cluster_is_the_job_s_not_the_cluster_s(inputs, 
     monkeypatch.setattr(jobs.common, "to_npy", failing)
     monkeypatch.chdir(d)
     with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster:
-        monkeypatch.setattr(cli, "connect", lambda **kwargs: Client(cluster))
+        monkeypatch.setattr(cli.running, "connect", lambda **kwargs: Client(cluster))
         result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy",
                                            "--scheduler-file", "scheduler.json"])
     message = result.stderr.strip()
@@ -816,12 +816,12 @@ def test_a_job_in_process_needs_no_cluster_and_refuses_cluster_options(rng, tmp_
 def test_which_similarity_jobs_run_in_process_by_default(monkeypatch):
     from dask_gpuchunk import cli
 
-    defaults = dict(cli._CLUSTER_DEFAULTS, in_process=False)
-    monkeypatch.setattr(cli, "gpu_count", lambda: 1)
-    assert cli._in_process_by_default(defaults)
+    defaults = dict(cli.running._CLUSTER_DEFAULTS, in_process=False)
+    monkeypatch.setattr(cli.commands, "gpu_count", lambda: 1)
+    assert cli.commands._in_process_by_default(defaults)
     for name, value in (("gpus", "1"), ("scheduler_file", "s.json"), ("memory_limit", "8GB"),
                         ("device_memory_limit", "4GB"), ("threads_per_gpu", 4),
                         ("no_tls", True), ("spill_dir", "/tmp")):
-        assert not cli._in_process_by_default({**defaults, name: value}), name
-    monkeypatch.setattr(cli, "gpu_count", lambda: 2)  # several GPUs: a worker each
-    assert not cli._in_process_by_default(defaults)
+        assert not cli.commands._in_process_by_default({**defaults, name: value}), name
+    monkeypatch.setattr(cli.commands, "gpu_count", lambda: 2)  # several GPUs: a worker each
+    assert not cli.commands._in_process_by_default(defaults)
