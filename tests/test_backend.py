@@ -9,7 +9,8 @@ import pytest
 from helpers import assert_same
 
 from dask_gpuchunk._kernels.elementwise import ElementwiseKernels
-from dask_gpuchunk.backend import _collapsed_layout, is_cupy, run_cpu, run_elementwise
+from dask_gpuchunk.backend import is_cupy, run_cpu, run_elementwise
+from dask_gpuchunk.chunk_layout import _collapsed_layout
 from dask_gpuchunk.devices import GPUNotAvailableError, gpu_available
 
 
@@ -88,7 +89,7 @@ def test_cpu_threads_share_the_cores():
     import dask
     import numba
 
-    from dask_gpuchunk.backend import CPU_OVERSUBSCRIPTION, cpu_threads
+    from dask_gpuchunk.cpu_runner import CPU_OVERSUBSCRIPTION, cpu_threads
 
     cores = numba.config.NUMBA_NUM_THREADS
     with dask.config.set(num_workers=1):
