@@ -6,6 +6,11 @@ function (the function is translated per dtype signature:
 :mod:`dask_gpuchunk._kernels.translate`). Each chunk runs through
 :func:`dask_gpuchunk.backend.run_elementwise`: numba CUDA kernel on the GPU, numba parallel twin
 on the CPU, compiled lazily per dtype signature.
+
+This module is the operator (:class:`ElementwiseOp`, :func:`elementwise`, ``multiply``); its
+operands are :mod:`dask_gpuchunk.elementwise_operands`', its plans and graphs
+:mod:`dask_gpuchunk.elementwise_graphs`', what its tasks run
+:mod:`dask_gpuchunk.elementwise_blocks`'.
 """
 
 from __future__ import annotations
@@ -13,20 +18,14 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import uuid
 from collections.abc import Callable
-from itertools import product
 from typing import Any
 
 import dask.array as da
 import numpy as np
 from dask.base import tokenize
-from dask.highlevelgraph import HighLevelGraph
-from dask.task_spec import Task, TaskRef
 
-from . import _compat
 from ._kernels.elementwise import (
-    REDUCTIONS,
     RULES,
     ElementwisePlan,
     arg_type,
@@ -36,151 +35,50 @@ from ._kernels.elementwise import (
     kernels_for,
     reduced_dtype,
 )
-from ._kernels.numpy_rules import VType, weak_type
+from ._kernels.numpy_rules import VType
 from ._kernels.translate import check_call
 from ._kernels.user_functions import Loop, pick_loop, scalar_function
-from .arrays import asarray, is_array_like, refuse_masked
-from .backend import device_call, input_kind, is_cupy, run_elementwise
-from .budget import check_fits
+from .arrays import is_array_like
+from .backend import is_cupy, run_elementwise
 from .config import listed_graphs, map_blocks_prefix
-from .devices import (
-    Device,
-    check_device,
-    check_device_for_graph,
-    check_device_name,
-    gpu_available,
+from .devices import Device, check_device, check_device_for_graph, check_device_name, gpu_available
+from .elementwise_blocks import (
+    _Target,
+    _block,
+    _block_into,
+    _combine_reduced,
+    _finish,
+    _reductions_of,
 )
-from .io import npy_reader_of
-from .resident import row_bounds
+from .elementwise_operands import (
+    _argtype_of,
+    _broadcast_shape,
+    _cast,
+    _index_pairs,
+    _is_cupy_backed,
+    _is_xarray,
+    _loop_type,
+    _operands,
+    _positional_arity,
+    _to_dask,
+    _xarray_dtype,
+)
+from .elementwise_graphs import (
+    EAGER_CALLS_KEPT,
+    EAGER_ONE_CHUNK_BYTES,
+    LISTED_GRAPH_MAX_BLOCKS,
+    _EagerDeviceCall,
+    _blockwise_plan,
+    _check_chunk_fits,
+    _eager_key,
+    _listed_graph,
+    _listed_plan,
+    _meta,
+    _plan_text,
+    _token_of,
+)
 
 __all__ = ["ElementwiseOp", "elementwise", "multiply"]
-
-
-def _positional_arity(func: Callable) -> int:
-    try:
-        sig = inspect.signature(func)
-    except (TypeError, ValueError):
-        raise TypeError(f"cannot inspect the signature of {func!r}") from None
-    count = 0
-    for p in sig.parameters.values():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            raise TypeError(
-                f"{getattr(func, '__name__', func)!r} takes *args or **kwargs; an elementwise "
-                "function takes a fixed number of positional arguments"
-            )
-        if p.kind == p.KEYWORD_ONLY:
-            if p.default is p.empty:
-                raise TypeError(
-                    f"{getattr(func, '__name__', func)!r} has a required keyword-only argument "
-                    f"{p.name!r}; an elementwise function takes positional arguments only"
-                )
-            continue
-        count += 1
-    if count == 0:
-        raise TypeError(f"{getattr(func, '__name__', func)!r} takes no arguments")
-    return count
-
-
-def _block(*blocks: Any, kernels: Any, out_dtype: Any, device: str) -> Any:
-    return run_elementwise(kernels, out_dtype, blocks, device)
-
-
-def _block_into(*blocks: Any, block_id: tuple[int, ...], kernels: Any, out_dtype: Any,
-                device: str, target: _Target, result_chunks: tuple[tuple[int, ...], ...]) -> np.ndarray:
-    region = tuple(slice(sum(c[:i]), sum(c[:i + 1])) for c, i in zip(result_chunks, block_id))
-    ndim = len(result_chunks)
-    if not isinstance(out_dtype, ElementwisePlan):
-        run_elementwise(kernels, out_dtype, blocks, device, dest=target.array[region])
-        return np.ones((1,) * ndim, dtype=bool)  # a marker: the data went into out
-    _, reduced = run_elementwise(kernels, out_dtype, blocks, device,
-                                 dest=tuple(o[region] for o in target.array))
-    mark = np.empty((1,) * ndim, dtype=object)  # the block's reductions, for the caller
-    mark[(0,) * ndim] = reduced
-    return mark
-
-
-def _pick_output(result: tuple[Any, Any], k: int) -> Any:
-    """Output ``k`` of a block computed by a plan (``(outputs, reductions)``)."""
-    return result[0][k]
-
-
-def _pick_reduction(result: tuple[Any, Any], r: int, ndim: int) -> Any:
-    """Reduction ``r`` of a block, as a one-element block of an array of the blocks' values."""
-    return result[1][r].reshape((1,) * ndim)
-
-
-#: Up to this many blocks' values, a reduction combines them pairwise, one small operation
-#: each; beyond, stacked and reduced. On the device a stack and its reduction cost ~0.2 ms a
-#: step of a loop over four blocks, three additions of 0-d arrays ~0.05 ms.
-PAIRWISE_COMBINE_MAX = 8
-
-
-def _combine_reduced(op: str, *values: Any) -> Any:
-    """The blocks' values of one reduction (0-d arrays of its partial dtype) combined."""
-    if len(values) == 1:
-        return values[0]
-    xp = __import__("cupy") if is_cupy(values[0]) else np
-    if len(values) <= PAIRWISE_COMBINE_MAX:
-        pair = (xp.add if op in ("sum", "mean") else xp.minimum if op == "min" else xp.maximum)
-        return functools.reduce(pair, values)
-    stacked = xp.stack(values)
-    if op in ("sum", "mean"):
-        return stacked.sum()
-    return stacked.min() if op == "min" else stacked.max()
-
-
-def _finish(value: Any, op: str, count: int, dtype: np.dtype) -> Any:
-    """A reduction's combined value as NumPy gives it: its dtype; a mean divided by the count.
-    A 0-d array (NumPy or CuPy, as ``value``)."""
-    if op == "mean":
-        with np.errstate(invalid="ignore", divide="ignore"):
-            value = value / count
-    return value.astype(dtype, copy=False)
-
-
-def _finish_blocks(r: int, op: str, count: int, dtype: np.dtype, *blocks: Any) -> Any:
-    """Reduction ``r`` of every block's ``(outputs, reductions)``, combined and finished."""
-    return _finish(_combine_reduced(op, *(b[1][r] for b in blocks)), op, count, dtype)
-
-
-class _Target:
-    """``out=`` as a task argument: tokenized by a fresh name, not by hashing every byte."""
-
-    __slots__ = ("array", "token")
-
-    def __init__(self, array: Any) -> None:
-        self.array, self.token = array, uuid.uuid4().hex
-
-    def __dask_tokenize__(self) -> str:
-        return self.token
-
-
-def _reductions_of(reduce: Any, nout: int, name: str) -> tuple[tuple[int, str], ...]:
-    """``reduce=`` as ``(output, op)`` pairs: a name for every output, or one entry per output
-    (``None``, a name, or a sequence of names)."""
-    if reduce is None:
-        return ()
-    if isinstance(reduce, str):
-        per_output: list[Any] = [reduce] * nout
-    else:
-        try:
-            per_output = list(reduce)
-        except TypeError:
-            raise TypeError(f"{name}: reduce= takes a reduction's name, or one entry per output; "
-                            f"got {type(reduce).__name__}") from None
-        if len(per_output) != nout:
-            raise ValueError(f"{name}: reduce= has {len(per_output)} entries for {nout} "
-                             f"output{'s' if nout != 1 else ''}")
-    pairs = []
-    for k, entry in enumerate(per_output):
-        ops = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        for op in ops:
-            if op not in REDUCTIONS:
-                raise ValueError(f"{name}: unknown reduction {op!r}; one of "
-                                 f"{', '.join(REDUCTIONS)}")
-            pairs.append((k, op))
-    return tuple(pairs)
-
 
 class ElementwiseOp:
     """An elementwise operation built from a scalar function; see :func:`elementwise`."""
@@ -506,395 +404,6 @@ class ElementwiseOp:
         return (*target, *finished)
 
 
-#: NumPy inputs with no Dask operand whose inputs and outputs take more than this are
-#: computed in chunks on local threads (a GPU takes one chunk at a time); less, as one chunk.
-EAGER_ONE_CHUNK_BYTES = 512 * 2**20
-
-
-@functools.lru_cache(maxsize=256)
-def _plan_text(plan: ElementwisePlan) -> str:
-    """A plan as text, for result names (dask's tokenizing of it walks every dtype)."""
-    return repr(plan)
-
-
-def _token_of(operand: Any) -> Any:
-    """What names an operand in a result's name: a Dask array's name; a number's type and
-    bytes (dask's own tokenizing of a NumPy scalar took 180 us, on every step of a loop)."""
-    if isinstance(operand, da.Array):
-        return operand.name
-    if is_python_number(operand):
-        return (type(operand).__name__, repr(operand))
-    if isinstance(operand, (np.generic, np.ndarray)) and operand.ndim == 0:
-        return (operand.dtype.str, operand.tobytes())
-    return operand
-
-
-#: Kinds of eager call on CuPy data each operation keeps prepared; beyond, the oldest go.
-EAGER_CALLS_KEPT = 64
-
-
-def _eager_key(args: tuple[Any, ...], device: str, out: Any, reduce: Any) -> tuple | None:
-    """What an eager call on CuPy data is, for :attr:`ElementwiseOp._eager_calls`: the
-    arguments' kinds (:func:`~dask_gpuchunk.backend.input_kind`), ``out=``'s, ``reduce=``,
-    ``device=`` and the current CUDA device. ``None`` where the call is not of that form
-    (no CuPy array, Dask or NumPy arrays, a list for ``reduce=``): it goes the full way."""
-    if device != "auto" and device != "gpu":
-        return None
-    kinds = tuple(map(input_kind, args))
-    if None in kinds or not any(type(k) is tuple and len(k) == 3 for k in kinds):  # no CuPy
-        return None
-    outs = out if isinstance(out, tuple) else (out,)
-    out_kinds = None if out is None else tuple(map(input_kind, outs))
-    if out_kinds is not None and (None in out_kinds or not all(map(is_cupy, outs))):
-        return None
-    try:
-        hash(reduce)
-    except TypeError:
-        return None
-    import cupy
-
-    return (device, reduce, kinds, out_kinds, cupy.cuda.runtime.getDevice())
-
-
-class _EagerDeviceCall:
-    """One kind of eager call on CuPy data, checked once: the operation's pass prepared
-    (:func:`~dask_gpuchunk.backend.device_call`), what each call still checks (Python
-    numbers' values) and finishes (a mean's division)."""
-
-    def __init__(self, op: ElementwiseOp, plan: ElementwisePlan, argtypes: tuple[VType, ...],
-                 operands: list[Any], outs: tuple[Any, ...] | None) -> None:
-        self.op = op
-        self.plan = plan
-        self.argtypes = argtypes
-        self.check_numbers = op.rules == "numpy" and any(vt.weak for vt in argtypes)
-        self.call = device_call(op.kernels, plan, operands, outs, finished=True)
-        self.count = self.call.n
-        self.means = [(r, dt) for r, ((_, how), dt) in enumerate(
-            zip(plan.reductions, plan.reduced_dtypes())) if how == "mean"]
-
-    def __call__(self, args: Any, out: Any) -> Any:
-        if self.check_numbers:
-            self.op._check_python_numbers(list(args), self.argtypes)
-        outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
-        # Allocated as any CuPy operation allocates (an eager call runs alone, in the
-        # caller's thread: no Dask chunks of it to share the budget with).
-        result = self.call.run(args, outs)
-        if self.plan.plain:
-            return result
-        results, totals = result
-        if self.means:
-            totals = list(totals)
-            for r, dt in self.means:
-                totals[r] = _finish(totals[r], "mean", self.count, dt)
-        return (*results, *totals)
-
-
-def _listed_plan(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],
-                 task_kwargs: dict[str, Any], plan: ElementwisePlan, shape: tuple[int, ...],
-                 xp: Any) -> tuple[da.Array, ...]:
-    """The outputs and reductions of a plan over few blocks, listed: one task per block computes
-    every output, one task per output block picks it, one task per reduction combines the
-    blocks' values (:func:`_listed_graph`)."""
-    base = _listed_graph(name, arrays, chunks, task_kwargs)
-    block_keys = [(name, *idx) for idx in product(*(range(len(c)) for c in chunks))]
-    results: list[da.Array] = []
-    for k, dt in enumerate(plan.out_dtypes):
-        out_name = f"{name}-out{k}"
-        layer = {(out_name, *key[1:]): Task((out_name, *key[1:]), _pick_output, TaskRef(key), k)
-                 for key in block_keys}
-        graph = HighLevelGraph({**base.layers, out_name: layer},
-                               {**base.dependencies, out_name: {name}})
-        results.append(da.Array(graph, out_name, chunks, dtype=dt,
-                                meta=_meta(xp, len(shape), dt)))
-    count = math.prod(shape)
-    for r, ((_, op), dt) in enumerate(zip(plan.reductions, plan.reduced_dtypes())):
-        red_name = f"{name}-{op}{r}"
-        layer = {(red_name,): Task((red_name,), _finish_blocks, r, op, count, dt,
-                                   *(TaskRef(key) for key in block_keys))}
-        graph = HighLevelGraph({**base.layers, red_name: layer},
-                               {**base.dependencies, red_name: {name}})
-        results.append(da.Array(graph, red_name, (), dtype=dt, meta=_meta(xp, None, dt)))
-    return tuple(results)
-
-
-_device_metas: dict[tuple, Any] = {}
-
-
-def _meta(xp: Any, ndim: int | None, dtype: np.dtype) -> Any:
-    """A result's meta: an empty array of ``ndim`` dimensions (``None``: a 0-d one) and
-    ``dtype``, of ``xp``'s kind. CuPy's are made once per device and shared: each is an
-    allocation (~20 us; a loop step on the device made three)."""
-    shape = () if ndim is None else (0,) * ndim
-    if xp is np:
-        return np.empty(shape, dtype=dtype)
-    key = (xp.cuda.runtime.getDevice(), ndim, np.dtype(dtype))
-    meta = _device_metas.get(key)
-    if meta is None:
-        meta = _device_metas[key] = xp.empty(shape, dtype)
-    return meta
-
-
-def _blockwise_plan(blocks: da.Array, plan: ElementwisePlan, shape: tuple[int, ...],
-                    chunks: tuple[tuple[int, ...], ...], xp: Any,
-                    prefix: str) -> tuple[da.Array, ...]:
-    """The outputs and reductions of a plan from a blockwise array whose blocks are
-    ``(outputs, reductions)``: outputs picked block by block, reductions by Dask's own tree
-    reductions over the blocks' values."""
-    ndim = len(shape)
-    results: list[da.Array] = [
-        blocks.map_blocks(_pick_output, k, dtype=dt, meta=xp.empty((0,) * ndim, dtype=dt),
-                          **map_blocks_prefix(f"{prefix}-out{k}"))
-        for k, dt in enumerate(plan.out_dtypes)]
-    count = math.prod(shape)
-    for r, ((_, op), pdt, dt) in enumerate(zip(plan.reductions, plan.partial_dtypes(),
-                                                plan.reduced_dtypes())):
-        values = blocks.map_blocks(_pick_reduction, r, ndim, dtype=pdt,
-                                   meta=xp.empty((0,) * ndim, dtype=pdt),
-                                   chunks=tuple((1,) * len(c) for c in chunks),
-                                   **map_blocks_prefix(f"{prefix}-{op}{r}"))
-        combined = (values.sum(dtype=pdt) if op in ("sum", "mean")
-                    else values.min() if op == "min" else values.max())
-        results.append(combined.map_blocks(_finish, op, count, dt, dtype=dt,
-                                           meta=xp.empty((), dtype=dt)))
-    return tuple(results)
-
-
-def _argtype_of(d: Any, index: int) -> VType:
-    """A :class:`VType` for :meth:`ElementwiseOp.result_dtype`'s arguments."""
-    if isinstance(d, VType):
-        return d
-    # A type, not a dtype equal to one (np.dtype("int64") == int holds).
-    if isinstance(d, type) and d in (bool, int, float, complex):
-        return weak_type(d(0), index)
-    return VType(check_dtype(d, f"argument {index + 1}"))
-
-
-def _is_xarray(a: Any) -> bool:
-    """Whether ``a`` is an xarray object (a DataArray, Dataset or Variable)."""
-    return type(a).__module__.split(".")[0] == "xarray"
-
-
-def _xarray_dtype(a: Any) -> Any:
-    """What :meth:`ElementwiseOp.result_dtype` takes for an argument of an xarray call: a
-    DataArray's dtype, a Dataset's first data variable's, a Python number's type."""
-    if _is_xarray(a):
-        if hasattr(a, "dtype"):
-            return a.dtype
-        variables = list(a.data_vars.values())
-        if not variables:
-            raise TypeError("an xarray Dataset without data variables")
-        return variables[0].dtype
-    if is_python_number(a):
-        return type(a)
-    return a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
-
-
-def _loop_type(a: Any) -> VType:
-    """An argument's type for picking a ufunc loop (a Python number weak; a list as NumPy
-    reads it)."""
-    return arg_type(a if is_python_number(a) or hasattr(a, "dtype") else np.asarray(a))
-
-
-def _cast(a: Any, dtype: np.dtype) -> Any:
-    if is_python_number(a):
-        return dtype.type(a)
-    if hasattr(a, "astype") and not is_array_like(a):
-        return a.astype(dtype)
-    return np.asarray(a, dtype=dtype)
-
-
-def _is_cupy_backed(x: Any) -> bool:
-    if isinstance(x, da.Array):
-        return is_cupy(x._meta)
-    return is_cupy(x)
-
-
-def _operands(args: tuple[Any, ...], name: str) -> list[Any]:
-    """The arguments, checked: Dask, NumPy and CuPy arrays, NumPy scalars and array-likes (h5py,
-    Zarr: read per chunk later) as they are; Python numbers as they are (weak, NEP 50: they
-    take the type of what they meet); other sequences as NumPy arrays."""
-    operands: list[Any] = []
-    for i, a in enumerate(args):
-        what = f"{name}: argument {i + 1}"
-        if is_python_number(a):
-            try:
-                weak_type(a)
-            except Exception:
-                raise OverflowError(f"{what}: Python integer {a} does not fit in 64 bits") from None
-            operands.append(a)
-            continue
-        refuse_masked(a, what)
-        if not (isinstance(a, (da.Array, np.ndarray, np.generic)) or is_cupy(a)
-                or is_array_like(a)):
-            try:
-                a = np.asarray(a)
-            except Exception:
-                raise TypeError(
-                    f"{what} is a {type(a).__name__}; pass Dask, NumPy or CuPy arrays, or numbers"
-                ) from None
-            if a.dtype == object:
-                raise TypeError(f"{what} is not numeric ({type(args[i]).__name__})")
-        check_dtype(a.dtype, what)
-        operands.append(a)
-    return operands
-
-
-def _broadcast_shape(operands: list[Any], name: str) -> tuple[int, ...]:
-    shapes = [tuple(np.shape(op)) if is_python_number(op) else tuple(op.shape) for op in operands]
-    if any(np.isnan(n) for s in shapes for n in s):
-        raise ValueError(f"{name}: an input has unknown chunk sizes; call "
-                         "x.compute_chunk_sizes() first")
-    try:
-        return tuple(int(n) for n in np.broadcast_shapes(*shapes))
-    except ValueError:
-        raise ValueError(
-            f"{name}: operands could not be broadcast together with shapes "
-            + " ".join(str(s) for s in shapes)
-        ) from None
-
-
-def _to_dask(operands: list[Any]) -> tuple[list[Any], tuple[tuple[int, ...], ...]]:
-    """Dask arrays as they are; other arrays chunked like the largest Dask operand; and the
-    result's chunks.
-
-    0-d operands (NumPy scalars, Python numbers) stay constants passed to every chunk; where
-    every operand is one, there is no Dask operand and the result is one 0-d chunk.
-    """
-    ref = max((op for op in operands if isinstance(op, da.Array)), key=lambda a: a.ndim,
-              default=None)
-    result: list[Any] = []
-    for op in operands:
-        if isinstance(op, da.Array) or is_python_number(op) or op.ndim == 0:
-            result.append(op)
-            continue
-        if ref is None:
-            ref = asarray(op)
-            result.append(ref)
-            continue
-        chunks = []
-        offset = ref.ndim - op.ndim
-        for d, n in enumerate(op.shape):
-            rd = d + offset
-            if rd >= 0 and ref.shape[rd] == n:
-                chunks.append(ref.chunks[rd])
-            else:
-                chunks.append((n,))
-        result.append(asarray(op, chunks=tuple(chunks)))
-    if not any(isinstance(r, da.Array) for r in result):
-        return result, ()
-    # Blockwise needs aligned blocks: rechunk where the Dask operands' chunks disagree,
-    # aligning trailing dimensions as broadcasting does (length-1 dimensions broadcast).
-    ndim = max(np.ndim(r) if not isinstance(r, da.Array) else r.ndim for r in result)
-    dask_ops = [r for r in result if isinstance(r, da.Array)]
-    chunks_by_dim = []
-    for d in range(ndim):
-        # The chunks of the operands that span this dimension (not broadcast along it).
-        spans = {r.chunks[k] for r in dask_ops
-                 if (k := d - (ndim - r.ndim)) >= 0 and r.shape[k] != 1}
-        chunks_by_dim.append(_compat.common_blockdim(spans) if len(spans) > 1
-                             else spans.pop() if spans else (1,))
-    unified = []
-    for r in result:
-        if isinstance(r, da.Array):
-            want = tuple(c if n == 1 else chunks_by_dim[ndim - r.ndim + k]
-                         for k, (n, c) in enumerate(zip(r.shape, r.chunks)))
-            r = r if want == r.chunks else r.rechunk(want)
-        unified.append(r)
-    return unified, tuple(chunks_by_dim)
-
-
-def _index_pairs(arrays: list[Any], ndim: int) -> list[Any]:
-    """``array, indices, ...`` for blockwise: trailing dimensions aligned; constants ``None``."""
-    pairs: list[Any] = []
-    for r in arrays:
-        pairs += [r, tuple(range(ndim - r.ndim, ndim))] if isinstance(r, da.Array) else [r, None]
-    return pairs
-
-
-#: Up to this many result blocks the graph is a plain dict of tasks (:func:`_listed_graph`);
-#: above, a ``Blockwise`` layer, which Dask builds in constant time and lists only when it is
-#: computed. On the CPU box, listing costs ~4 µs per block (1024 blocks: 4 ms) and then makes
-#: a persist of the whole result 4-10 % faster; 100,000 blocks would take over a second to list
-#: (before any slice of the result could compute), where a ``Blockwise`` layer takes 0.6 ms.
-LISTED_GRAPH_MAX_BLOCKS = 1024
-
-
-def _largest_block_bytes(chunks: tuple[tuple[int, ...], ...], dtype: np.dtype) -> int:
-    return math.prod(max(c, default=0) for c in chunks) * np.dtype(dtype).itemsize
-
-
-def _check_chunk_fits(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],
-                      out_dtypes: tuple[np.dtype, ...], on_device: bool) -> None:
-    """Refuse, before any work, a result chunk that cannot fit this process's device budget
-    (:mod:`dask_gpuchunk.budget`) with its inputs: its outputs, and host inputs copied to the
-    device (device inputs are already there)."""
-    nbytes = sum(_largest_block_bytes(chunks, dt) for dt in out_dtypes)
-    if not on_device:
-        nbytes += sum(_largest_block_bytes(a.chunks, a.dtype) for a in arrays
-                      if isinstance(a, da.Array))
-    check_fits(nbytes, f"{name}: one chunk", "chunks= of the inputs, or dask's rechunk")
-
-
-def _listed_graph(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],
-                  task_kwargs: dict[str, Any]) -> HighLevelGraph:
-    """One ``_block`` task per result block, in a plain dict.
-
-    Block ``idx`` of the result reads block ``idx`` of each Dask operand, trailing dimensions
-    aligned, block 0 along dimensions an operand broadcasts; constants go to every task. A
-    :func:`~dask_gpuchunk.io.from_npy` operand as it was made is read by the block's task
-    itself, its region of the file (:func:`_read_region`), and where every Dask operand is, the
-    tasks are marked data producers, which distributed hands out as root tasks: read by tasks
-    of their own, the two operands of a block were read on different workers of two GPUs and
-    one of them sent to the other (0.8 GB a worker for two 4 GB files).
-
-    This is what ``da.blockwise`` gives for an elementwise function, listed now. A
-    ``Blockwise`` layer costs each persist of a small graph 0.1-0.4 ms more, to build it and
-    then for Dask to optimise and list it, against a 2.75 ms product of two 4 GB arrays on the
-    H200 (the perf notes (git show 85dc246:docs/perf-notes.md), step 11); a loop of device-resident steps pays it every step.
-    """
-    ndim = len(chunks)
-    graph: dict[Any, Any] = {}
-    # Per operand: a constant (None), or (where its dimensions start, which dimensions follow
-    # the result's block index rather than staying at block 0, and what names its block: the
-    # operand's own name, or (the reader's key, each dimension's bounds) to read it).
-    plans: list[Any] = []
-    dask_ops: list[da.Array] = []
-    for r in arrays:
-        if not isinstance(r, da.Array):
-            plans.append(None)
-            continue
-        reader = npy_reader_of(r, whole_rows=False)
-        if reader is None:
-            source: Any = r.name
-            dask_ops.append(r)
-        else:
-            source = (f"npy-reader-{tokenize(reader)}", [row_bounds(c) for c in r.chunks])
-            graph[source[0]] = reader  # where to_npy finds the inputs it checks at the end
-        plans.append((ndim - r.ndim, tuple(n != 1 for n in r.numblocks), source))
-    producer = any(plan is not None for plan in plans) and not dask_ops
-    for idx in product(*(range(len(c)) for c in chunks)):
-        args = []
-        for r, plan in zip(arrays, plans):
-            if plan is None:
-                args.append(r)
-                continue
-            start, follows, source = plan
-            block = tuple(idx[start + k] if f else 0 for k, f in enumerate(follows))
-            if isinstance(source, str):
-                args.append(TaskRef((source, *block)))
-            else:
-                region = tuple(slice(*bounds[b]) for bounds, b in zip(source[1], block))
-                args.append(Task(None, _read_region, TaskRef(source[0]), region))
-        key = (name, *idx)
-        graph[key] = Task(key, _block, *args, _data_producer=producer, **task_kwargs)
-    return HighLevelGraph.from_collections(name, graph, dependencies=dask_ops)
-
-
-def _read_region(reader: Any, region: tuple[slice, ...]) -> Any:
-    """Region ``region`` of a ``.npy`` (:class:`~dask_gpuchunk.io.NpyReader`), read now."""
-    return reader[region]
-
-
 def elementwise(func: Callable | None = None, *, dtype: Any = None,
                 name: str | None = None, cache: bool = False, rules: str | None = None,
                 fma: bool = False) -> Any:
@@ -1047,6 +556,8 @@ def _multiply(a: Any, b: Any) -> Any:
 #: broadcasting, type promotion and values, for every real and complex dtype; see
 #: :func:`elementwise`.
 multiply = ElementwiseOp(_multiply, name="multiply", cache=True)
+
+
 multiply.__doc__ = """Elementwise product ``x * y`` of Dask, NumPy or CuPy arrays or numbers.
 
 NumPy's broadcasting, type promotion and values (``int8 * uint64`` is ``float64``, Python numbers
