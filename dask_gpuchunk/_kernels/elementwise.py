@@ -12,26 +12,52 @@ allow (:func:`collapse_dims`), so the common cases run as one flat loop.
 Kernels are compiled lazily, once per (dimensionality, layout, input dtypes, output dtype), with
 an explicit signature: a C-contiguous variant where every array is contiguous (the fast path) and
 an any-stride variant otherwise. No dask here.
+
+This module is the kernels (:class:`ElementwiseKernels`, compiled and launched) and gives the
+names of :mod:`~dask_gpuchunk._kernels.elementwise_rules` (dtypes, plans, the NumPy reference)
+and :mod:`~dask_gpuchunk._kernels.elementwise_sources` (the generated sources).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 import threading
 import types
-import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from .launch import DirectLaunch, StridedArg, current_device, load_lock
-from .numpy_rules import VType, weak_type
-from .source_cache import cached_njit, function_stamp, load_kernel, numba_cache_here
+from .numpy_rules import VType
+from .source_cache import function_stamp, numba_cache_here
 from .translate import Sources, Translation, capture_sources, translate
 from .user_functions import for_target
+from .elementwise_rules import (
+    REDUCTIONS,
+    RULES,
+    SUPPORTED_DTYPES,
+    ElementwisePlan,
+    arg_type,
+    check_dtype,
+    collapse_dims,
+    is_python_number,
+    is_scalar,
+    numba_result_dtype,
+    partial_dtype,
+    reduced_dtype,
+    reference,
+)
+from .elementwise_sources import (
+    _cpu_source,
+    _cuda_source,
+    _generate,
+    _in_a_file,
+    _numba_signature,
+    _pass_namespace,
+    _signature_key,
+    reduction_start,
+)
 
 __all__ = [
     "REDUCTIONS",
@@ -52,563 +78,6 @@ __all__ = [
     "reduction_start",
     "reference",
 ]
-
-#: How an elementwise function's arithmetic is compiled: "numpy" (NumPy's types and values,
-#: through :func:`~dask_gpuchunk._kernels.translate.translate`) or "numba" (numba's own).
-RULES = ("numpy", "numba")
-
-#: The dtypes elementwise operations accept and produce.
-SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
-    np.dtype(name)
-    for name in (
-        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-        "float32", "float64", "complex64", "complex128",
-    )
-)
-
-
-def check_dtype(dtype: Any, what: str) -> np.dtype:
-    """Return ``np.dtype(dtype)`` if elementwise kernels support it, else raise ``TypeError``.
-
-    Examples
-    --------
-    >>> check_dtype("f8", "x")
-    dtype('float64')
-    >>> check_dtype("float16", "x")
-    Traceback (most recent call last):
-    ...
-    TypeError: x has dtype float16, which elementwise kernels do not support (numba's CPU target has no float16 type); cast first, e.g. x.astype('float32')
-    """
-    dt = np.dtype(dtype)
-    if dt.isnative and dt in SUPPORTED_DTYPES:
-        return dt
-    if dt.newbyteorder("=") in SUPPORTED_DTYPES and not dt.isnative:
-        raise TypeError(
-            f"{what} has non-native byte order ({dt.str}); convert it first, "
-            f"e.g. x.astype({dt.newbyteorder('=').name!r})"
-        )
-    if dt == np.float16:
-        raise TypeError(
-            f"{what} has dtype float16, which elementwise kernels do not support (numba's CPU "
-            "target has no float16 type); cast first, e.g. x.astype('float32')")
-    names = ", ".join(d.name for d in SUPPORTED_DTYPES)
-    raise TypeError(
-        f"{what} has dtype {dt}, which elementwise kernels do not support; supported: {names} "
-        "(cast first, e.g. x.astype('float32'))"
-    )
-
-
-def is_python_number(x: Any) -> bool:
-    """A Python ``bool``, ``int``, ``float`` or ``complex`` (a "weak" scalar, NEP 50)."""
-    return type(x) in (bool, int, float, complex)
-
-
-def is_scalar(x: Any) -> bool:
-    """A value passed to kernels by value: a NumPy scalar or a Python number."""
-    return isinstance(x, np.generic) or is_python_number(x)
-
-
-def arg_type(x: Any, index: int | None = None) -> VType:
-    """The translation type of a kernel argument: a Python number is weak (``index`` marks it
-    as that argument, whose value the call checks), anything else its dtype.
-
-    Examples
-    --------
-    >>> t = arg_type(0.5, 1)
-    >>> t.dtype, t.weak, t.call
-    (dtype('float64'), True, 'args[1]')
-    >>> arg_type(np.ones(3, np.float32)).weak
-    False
-    """
-    if is_python_number(x):
-        return weak_type(x, index)
-    return VType(np.dtype(x.dtype))
-
-
-#: Reductions an elementwise operation fuses into its kernel pass, over all elements.
-REDUCTIONS = ("sum", "mean", "min", "max")
-
-
-@functools.lru_cache(maxsize=None)
-def _reduced(op: str, dtype: np.dtype) -> np.dtype:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return np.dtype(getattr(np.zeros(1, dtype), op)().dtype)
-
-
-def reduced_dtype(op: str, dtype: Any) -> np.dtype:
-    """NumPy's dtype for ``op`` of an array of ``dtype`` (``x.sum()``, ``x.mean()``, ...).
-
-    Examples
-    --------
-    >>> reduced_dtype("sum", "int8"), reduced_dtype("mean", "int8"), reduced_dtype("max", "u2")
-    (dtype('int64'), dtype('float64'), dtype('uint16'))
-    """
-    dtype = np.dtype(dtype)
-    if op not in REDUCTIONS:
-        raise ValueError(f"unknown reduction {op!r}; one of {REDUCTIONS}")
-    if op in ("min", "max"):
-        if dtype.kind == "c":
-            raise TypeError(f"{op} of complex values is not fused (NumPy orders them "
-                            "lexicographically); reduce .real or abs() of them instead")
-        return dtype
-    return _reduced(op, dtype)  # cached: it runs on every call of a loop
-
-
-def partial_dtype(op: str, dtype: Any) -> np.dtype:
-    """What a kernel accumulates ``op`` of ``dtype`` values in: sums of integers in 64 bits (as
-    NumPy, wrapping alike), of floats in ``float64`` / ``complex128`` (closer to the exact sum
-    than NumPy's pairwise float32 sum; the result is rounded to NumPy's dtype at the end);
-    ``min`` / ``max`` in the dtype itself. ``mean`` is a sum, divided at the end.
-
-    Examples
-    --------
-    >>> partial_dtype("mean", "complex64"), partial_dtype("sum", "bool"), partial_dtype("min", "f4")
-    (dtype('complex128'), dtype('int64'), dtype('float32'))
-    """
-    dtype = np.dtype(dtype)
-    result = reduced_dtype(op, dtype)
-    if op in ("min", "max"):
-        return result
-    if dtype.kind in "biu":
-        return np.dtype(np.uint64 if dtype.kind == "u" else np.int64)
-    return np.dtype(np.complex128 if dtype.kind == "c" else np.float64)
-
-
-class ElementwisePlan(NamedTuple):
-    """What one kernel pass of an elementwise function produces.
-
-    ``out_dtypes``: one dtype per output; ``tupled``: the function returns a tuple (NumPy's
-    ``nout``; else one number); ``reductions``: ``(output index, op)`` pairs, each reduced over
-    all elements of that output in the same pass (``op`` in :data:`REDUCTIONS`).
-
-    Examples
-    --------
-    >>> ElementwisePlan.single("f4")
-    ElementwisePlan(out_dtypes=(dtype('float32'),), tupled=False, reductions=())
-    """
-
-    out_dtypes: tuple[np.dtype, ...]
-    tupled: bool = False
-    reductions: tuple[tuple[int, str], ...] = ()
-
-    @classmethod
-    def single(cls, dtype: Any) -> ElementwisePlan:
-        """One output, no reduction: what ``f`` returning one number makes."""
-        return cls((np.dtype(dtype),))
-
-    @property
-    def plain(self) -> bool:
-        """Whether this is :meth:`single`'s plan: one output, returned as one array."""
-        return not self.tupled and not self.reductions and len(self.out_dtypes) == 1
-
-    def partial_dtypes(self) -> tuple[np.dtype, ...]:
-        """Each reduction's accumulator dtype (:func:`partial_dtype`)."""
-        return _plan_dtypes(self)[0]
-
-    def reduced_dtypes(self) -> tuple[np.dtype, ...]:
-        """Each reduction's result dtype, NumPy's (:func:`reduced_dtype`)."""
-        return _plan_dtypes(self)[1]
-
-
-@functools.lru_cache(maxsize=1024)
-def _plan_dtypes(plan: ElementwisePlan) -> tuple[tuple[np.dtype, ...], tuple[np.dtype, ...]]:
-    """A plan's partial and reduced dtypes, once per plan (a loop asks every call)."""
-    return (tuple(partial_dtype(op, plan.out_dtypes[k]) for k, op in plan.reductions),
-            tuple(reduced_dtype(op, plan.out_dtypes[k]) for k, op in plan.reductions))
-
-
-def numba_result_dtype(func: Callable, dtypes: Sequence[np.dtype],
-                       cache: bool = False) -> np.dtype | tuple[np.dtype, ...]:
-    """Compile ``func`` for the CPU at these argument dtypes and return numba's result dtype
-    (``rules="numba"``), a tuple of them where ``func`` returns a tuple.
-
-    Examples
-    --------
-    >>> numba_result_dtype(lambda a, b: a * b, [np.dtype("int8"), np.dtype("int8")])
-    dtype('int64')
-    """
-    import numba
-    from numba.np.numpy_support import as_dtype
-
-    dispatcher = cached_njit(func) if cache else numba.njit(func)  # cached_njit: in the cache dir
-    args = tuple(numba.from_dtype(dt) for dt in dtypes)
-    try:
-        dispatcher.compile(args)
-    except Exception as exc:
-        first = str(exc).strip().splitlines()
-        detail = "\n".join(first[:12])
-        sig = ", ".join(dt.name for dt in dtypes)
-        raise TypeError(
-            f"numba cannot compile {getattr(func, '__name__', func)!r} for arguments ({sig}); "
-            f"elementwise functions must be scalar functions numba can compile in nopython mode. "
-            f"numba said:\n{detail}"
-        ) from None
-    ret = dispatcher.nopython_signatures[-1].return_type
-    name = getattr(func, "__name__", func)
-    several = isinstance(ret, numba.types.BaseTuple)
-    try:
-        found = [np.dtype(as_dtype(t)) for t in (ret.types if several else (ret,))]
-    except Exception:
-        raise TypeError(f"{name!r} returns {ret}, not a number or a tuple of numbers") from None
-    found = [check_dtype(d, f"the result of {name!r}") for d in found]
-    return tuple(found) if several else found[0]
-
-
-def collapse_dims(
-    shape: Sequence[int], strides: Sequence[Sequence[int]]
-) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
-    """Drop length-1 dimensions and merge neighbours that every array walks contiguously.
-
-    ``strides`` holds one stride tuple (in bytes or elements, consistently) per array, all
-    arrays having ``shape``. Dimension ``d`` merges into ``d + 1`` when, for every array,
-    ``strides[d] == strides[d + 1] * shape[d + 1]`` (broadcast dimensions, stride 0, merge
-    with each other). The result has at least one dimension.
-
-    Examples
-    --------
-    >>> collapse_dims((100, 4000, 5), [(160000, 40, 8), (0, 40, 8)])
-    ((100, 20000), [(160000, 8), (0, 8)])
-    >>> collapse_dims((1, 7), [(56, 8)])
-    ((7,), [(8,)])
-    """
-    keep = [d for d, n in enumerate(shape) if n != 1]
-    if not keep:
-        return (1,), [(0,) for _ in strides]
-    new_shape = [shape[keep[0]]]
-    new_strides = [[s[keep[0]]] for s in strides]
-    for d in keep[1:]:
-        n = shape[d]
-        if all(st[-1] == s[d] * n for st, s in zip(new_strides, strides)):
-            new_shape[-1] *= n
-            for st, s in zip(new_strides, strides):
-                st[-1] = s[d]
-        else:
-            new_shape.append(n)
-            for st, s in zip(new_strides, strides):
-                st.append(s[d])
-    return tuple(new_shape), [tuple(st) for st in new_strides]
-
-
-def reference(func: Callable, dtype: Any, *args: Any) -> np.ndarray:
-    """Plain NumPy/Python evaluation of ``func`` element by element: the tests' reference.
-
-    Each element is passed as a NumPy scalar (integer arithmetic wraps as NumPy's does), each
-    Python number as it is (weak, as NumPy treats it).
-
-    Examples
-    --------
-    >>> reference(lambda a, b: a * b, "int8", np.array([100, 2], "int8"), np.int8(3))
-    array([44,  6], dtype=int8)
-    >>> reference(lambda x, k: x * k, "float32", np.array([0.5], "float32"), 0.1)
-    array([0.05], dtype=float32)
-    """
-    arrays = np.broadcast_arrays(*[np.asarray(a) for a in args])
-    out = np.empty(arrays[0].shape if arrays else (), dtype=dtype)
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for idx in np.ndindex(out.shape):
-            out[idx] = func(*(a if is_python_number(a) else b[idx] for a, b in zip(args, arrays)))
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Code generation. The kernels are generated as source text because numba compiles neither
-# *args nor loops over a variable number of dimensions; one source per (nargs, ndim).
-
-
-def _args(scalars: Sequence[bool], idx: str) -> tuple[str, str]:
-    """Parameter list and call arguments: arrays are indexed, scalars passed as they are."""
-    params = ", ".join(f"a{k}" for k in range(len(scalars)))
-    call = ", ".join(f"a{k}" if scalar else f"a{k}[{idx}]" for k, scalar in enumerate(scalars))
-    return params, call
-
-
-class _Pass(NamedTuple):
-    """What a generated kernel's signature and body depend on beyond its inputs: the number of
-    outputs, whether ``f`` returns a tuple, each reduction as ``(output, op, partial dtype)``
-    (``op``: sum, min or max; a mean is a sum) and, for CUDA, the dtype each reduction's total
-    is written in (the pass's last block combines the blocks' partials into it)."""
-
-    nout: int = 1
-    tupled: bool = False
-    reductions: tuple[tuple[int, str, np.dtype], ...] = ()
-    totals: tuple[np.dtype, ...] = ()
-
-    def params(self) -> str:
-        outs = [f"o{k}" for k in range(self.nout)]
-        partials = [f"p{r}" for r in range(len(self.reductions))]
-        totals = [f"t{r}" for r in range(len(self.totals))] + (["cnt"] if self.totals else [])
-        return ", ".join([*outs, *partials, *totals])
-
-    def element(self, call: str, idx: str) -> list[str]:
-        """One element: ``f`` called, each output stored, each reduction accumulated."""
-        if not self.tupled:
-            if not self.reductions:
-                return [f"o0[{idx}] = f({call})"]
-            lines = [f"r0 = f({call})", f"o0[{idx}] = r0"]
-            values = ["r0"]
-        else:
-            lines = [f"r = f({call})"]
-            lines += [f"o{k}[{idx}] = r[{k}]" for k in range(self.nout)]
-            values = [f"r[{k}]" for k in range(self.nout)]
-        for r, (k, op, dtype) in enumerate(self.reductions):
-            value = values[k] if op != "sum" else f"np.{dtype.name}({values[k]})"
-            lines.append(f"acc{r} = {_combine(op, f'acc{r}', value, dtype)}")
-        return lines
-
-    def start(self) -> list[str]:
-        return [f"acc{r} = {_identity_name(op, dtype)}"
-                for r, (_, op, dtype) in enumerate(self.reductions)]
-
-
-def _identity_name(op: str, dtype: np.dtype) -> str:
-    return f"_identity_{op}_{dtype.str[1:]}"
-
-
-def reduction_start(op: str, dtype: np.dtype) -> Any:
-    """What a reduction of no elements is, as a value of its partial dtype: 0 for a sum (or
-    mean); for a min / max, the value every element replaces (NaN-propagating float ones start
-    from infinities, integer ones from the dtype's bounds).
-
-    Examples
-    --------
-    >>> reduction_start("min", np.dtype("int8")), reduction_start("max", np.dtype("f4"))
-    (np.int8(127), np.float32(-inf))
-    """
-    if op in ("sum", "mean"):
-        return dtype.type(0)
-    if dtype.kind == "b":
-        return np.bool_(op == "min")
-    if dtype.kind == "f":
-        return dtype.type(np.inf if op == "min" else -np.inf)
-    info = np.iinfo(dtype)
-    return dtype.type(info.max if op == "min" else info.min)
-
-
-def _identities(reductions: Sequence[tuple[int, str, np.dtype]]) -> dict[str, Any]:
-    """The start value of each reduction (:func:`reduction_start`), by :func:`_identity_name`."""
-    return {_identity_name(op, dtype): reduction_start(op, dtype) for _, op, dtype in reductions}
-
-
-def _combine(op: str, acc: str, value: str, dtype: np.dtype) -> str:
-    """``acc`` combined with ``value``: a sum, or a min / max that propagates NaN as NumPy's."""
-    if op == "sum":
-        return f"{acc} + {value}"
-    cmp = "<" if op == "min" else ">"
-    if dtype.kind == "f":
-        return f"({value} if ({value} {cmp} {acc} or {value} != {value}) else {acc})"
-    return f"({value} if {value} {cmp} {acc} else {acc})"
-
-
-def _cpu_source(scalars: Sequence[bool], ndim: int, spec: _Pass = _Pass()) -> str:
-    outs = spec.params()
-    if ndim == 1 and not spec.reductions:
-        params, call = _args(scalars, "i")
-        return "\n".join([
-            f"def kernel({outs}, {params}):",
-            "    for i in prange(o0.shape[0]):",
-            *("        " + line for line in spec.element(call, "i")),
-        ]) + "\n"
-    # Blocks of the flat range, one per parallel iteration; each block unravels its start once,
-    # then walks runs along the last axis (no division per element) and carries into the outer
-    # axes at the end of each run. Reductions: one partial per block (their arrays' length).
-    last = ndim - 1
-    idx = ", ".join([f"i{d}" for d in range(last)] + ["j"])
-    params, call = _args(scalars, idx)
-    blocks = "p0.shape[0]" if spec.reductions else "min(n, 1024)"
-    lines = [
-        f"def kernel({outs}, {params}):",
-        "    n = o0.size",
-        f"    nblocks = {blocks}",
-        "    for b in prange(nblocks):",
-        "        start = b * n // nblocks",
-        "        stop = (b + 1) * n // nblocks",
-        *("        " + line for line in spec.start()),
-        "        r = start",
-    ]
-    for d in range(last, 0, -1):
-        lines.append(f"        i{d} = r % o0.shape[{d}]")
-        lines.append(f"        r = r // o0.shape[{d}]")
-    lines += [
-        "        i0 = r",
-        "        pos = start",
-        "        while pos < stop:",
-        f"            run = min(stop - pos, o0.shape[{last}] - i{last})",
-        f"            for j in range(i{last}, i{last} + run):",
-        *("                " + line for line in spec.element(call, idx)),
-        "            pos += run",
-        f"            i{last} += run",
-    ]
-    indent = "            "
-    for d in range(last, 0, -1):
-        lines.append(f"{indent}if i{d} == o0.shape[{d}]:")
-        lines.append(f"{indent}    i{d} = 0")
-        lines.append(f"{indent}    i{d - 1} += 1")
-        indent += "    "
-    lines += [f"        p{r}[b] = acc{r}" for r in range(len(spec.reductions))]
-    return "\n".join(lines) + "\n"
-
-
-def _block_combine(spec: _Pass, threads: int) -> list[str]:
-    """Each thread's ``acc{r}`` combined over the block in shared memory (a tree), the block's
-    value left in ``s{r}[0]``: at the kernel's indentation, every thread of the block taking
-    part."""
-    lines = []
-    for r, (_, _, dtype) in enumerate(spec.reductions):
-        lines.append(f"s{r}[t] = acc{r}")
-    lines += ["cuda.syncthreads()", f"w = {threads // 2}", "while w > 0:", "    if t < w:"]
-    for r, (_, op, dtype) in enumerate(spec.reductions):
-        lines.append(f"        s{r}[t] = {_combine(op, f's{r}[t]', f's{r}[t + w]', dtype)}")
-    lines += ["    cuda.syncthreads()", "    w //= 2"]
-    return lines
-
-
-def _cuda_source(scalars: Sequence[bool], ndim: int, spec: _Pass = _Pass(),
-                 threads: int = 128) -> str:
-    """One element per thread (:func:`_launch_config` covers the outputs with the grid), then a
-    grid-stride loop for what a smaller grid leaves (numba's simulator runs tiny grids).
-
-    Measured on an H200 (4 GB float64 product, the perf notes (git show 85dc246:docs/perf-notes.md)): one element per thread in
-    blocks of 128 ran in 2.73 ms, as CuPy's own multiply (2.75) and the same kernel in CUDA C
-    (2.71); every grid-stride launch shape took 2.86-3.06 ms in numba, 2.79-2.98 in CUDA C.
-
-    Reductions (:func:`_grid`: a few times as many blocks as the GPU holds at once, each
-    thread looping over its share): each thread accumulates its elements, each block combines its
-    ``threads`` values in shared memory and writes one partial per reduction
-    (``p[blockIdx.x]``); the last block to finish (a ticket from ``cnt[0]``, taken after a
-    memory fence) combines the partials into ``t[0]`` in the total's dtype and sets ``cnt[0]``
-    back to 0 for the next launch on the stream. Measured on an H200 (perf note 23): one
-    element per thread with one partial per 128 elements, summed by CuPy after the kernel,
-    made seed 002's pass 1.5 x slower than without its sum.
-    """
-    idx = ", ".join(f"i{d}" for d in range(ndim)) if ndim > 1 else "i"
-    params, call = _args(scalars, idx)
-    unravel = []
-    if ndim > 1:
-        unravel.append("r = i")
-        for d in range(ndim - 1, 0, -1):
-            unravel.append(f"q = r // o0.shape[{d}]")
-            unravel.append(f"i{d} = r - q * o0.shape[{d}]")
-            unravel.append("r = q")
-        unravel.append("i0 = r")
-    body = [*unravel, *spec.element(call, idx)]
-    lines = [
-        f"def kernel({spec.params()}, {params}):",
-        "    n = o0.size",
-        *("    " + line for line in spec.start()),
-        "    i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x",
-        "    step = int64(cuda.gridDim.x) * cuda.blockDim.x",
-    ]
-    if not spec.reductions:
-        lines += [
-            "    if i < n:",
-            *("        " + line for line in body),
-            "    i += step",
-        ]
-    lines += [
-        "    while i < n:",
-        *("        " + line for line in body),
-        "        i += step",
-    ]
-    if not spec.reductions:
-        return "\n".join(lines) + "\n"
-    lines.append("    t = cuda.threadIdx.x")
-    for r, (_, _, dtype) in enumerate(spec.reductions):
-        lines.append(f"    s{r} = cuda.shared.array({threads}, _numba_{dtype.str[1:]})")
-    lines.append("    last = cuda.shared.array(1, int32)")
-    lines += ["    " + line for line in _block_combine(spec, threads)]
-    lines.append("    if t == 0:")
-    lines += [f"        p{r}[cuda.blockIdx.x] = s{r}[0]" for r in range(len(spec.reductions))]
-    lines += [
-        "        cuda.threadfence()",  # the partials are seen before the ticket is
-        "        last[0] = cuda.atomic.add(cnt, 0, 1) == cuda.gridDim.x - 1",
-        "    cuda.syncthreads()",
-        "    if last[0]:",  # one value for the whole block: syncthreads inside is safe
-        *("        " + line for line in spec.start()),
-        "        j = t",
-        "        while j < cuda.gridDim.x:",
-    ]
-    for r, (_, op, dtype) in enumerate(spec.reductions):
-        lines.append(f"            acc{r} = {_combine(op, f'acc{r}', f'p{r}[j]', dtype)}")
-    lines.append("            j += cuda.blockDim.x")
-    lines += ["        " + line for line in _block_combine(spec, threads)]
-    lines.append("        if t == 0:")
-    lines += [f"            t{r}[0] = np.{dt.name}(s{r}[0])" for r, dt in enumerate(spec.totals)]
-    lines.append("            cnt[0] = 0")
-    return "\n".join(lines) + "\n"
-
-
-def _generate(source: str, namespace: dict[str, Any], file_key: str | None = None) -> Callable:
-    """The function ``kernel`` defined by ``source``, with ``namespace`` as its globals.
-
-    With ``file_key``, the source lives in a file of the kernel cache
-    (:func:`dask_gpuchunk._kernels.source_cache.load_kernel`), where numba can keep what it
-    compiles from it; where that directory cannot be written, as without.
-    """
-    kernel = load_kernel(source, namespace, file_key) if file_key is not None else None
-    if kernel is None:
-        code = compile(source, "<dask_gpuchunk elementwise kernel>", "exec")
-        exec(code, namespace)  # noqa: S102 - source generated above from integers only
-        kernel = namespace["kernel"]
-    return kernel
-
-
-def _in_a_file(kernel: Callable) -> bool:
-    """Whether a generated kernel came from a file of the kernel cache (:func:`_generate` with
-    a ``file_key`` and a writable cache), where numba can cache what it compiles."""
-    return os.path.isfile(kernel.__code__.co_filename)
-
-
-def _signature_key(outs: Sequence[Any], inputs: Sequence[Any],
-                   plan: ElementwisePlan | None = None, totals: Sequence[Any] = ()) -> tuple:
-    """(ndim, layout, ((dtype, is_scalar, is_python_number), ...), out dtypes, the pass's
-    :class:`_Pass`): one compiled kernel per key. A Python number's dtype is the one holding it
-    (float64 for a float). ``totals``: the arrays a CUDA pass writes each reduction's total
-    into (their dtypes are part of the key)."""
-    arrays = [*outs, *(a for a in inputs if not is_scalar(a))]
-    contiguous = all(a.flags["C_CONTIGUOUS"] for a in arrays)
-    args = tuple((weak_type(a).dtype, True, True) if is_python_number(a)
-                 else (np.dtype(a.dtype), is_scalar(a), False) for a in inputs)
-    out_dtypes = tuple(np.dtype(o.dtype) for o in outs)
-    if plan is None:
-        spec = _Pass()
-    else:
-        spec = _Pass(len(outs), plan.tupled,
-                     tuple((k, "sum" if op == "mean" else op, dt)
-                           for (k, op), dt in zip(plan.reductions, plan.partial_dtypes())),
-                     tuple(np.dtype(t.dtype) for t in totals))
-    return (outs[0].ndim, "C" if contiguous else "A", args, out_dtypes, spec)
-
-
-def _numba_signature(key: tuple, readonly_inputs: bool) -> Any:
-    import numba
-    from numba import types
-
-    ndim, layout, args, out_dtypes, spec = key
-    params = [types.Array(numba.from_dtype(dt), ndim, layout) for dt in out_dtypes]
-    params += [types.Array(numba.from_dtype(dt), 1, "C") for _, _, dt in spec.reductions]
-    params += [types.Array(numba.from_dtype(dt), 1, "C") for dt in spec.totals]
-    if spec.totals:
-        params.append(types.Array(types.uint32, 1, "C"))  # the blocks' ticket counter
-    for dtype, scalar, _ in args:
-        if scalar:
-            params.append(numba.from_dtype(dtype))
-        else:
-            params.append(types.Array(numba.from_dtype(dtype), ndim, layout, readonly=readonly_inputs))
-    return types.void(*params)
-
-
-def _pass_namespace(spec: _Pass) -> dict[str, Any]:
-    """What a kernel of this pass needs beside ``f``: NumPy (sums convert with ``np.int64(x)``
-    ...), its reductions' start values and the numba types of their shared arrays."""
-    import numba
-
-    found: dict[str, Any] = {"np": np, "int32": numba.int32, **_identities(spec.reductions)}
-    for _, _, dtype in spec.reductions:
-        found[f"_numba_{dtype.str[1:]}"] = numba.from_dtype(dtype)
-    return found
-
 
 class ElementwiseKernels:
     """The compiled kernels of one scalar function, built on first use and cached.
@@ -911,6 +380,8 @@ def _grid(key: tuple, n: int, resident: Callable[[int], int]) -> tuple[int, int]
 
 
 _registry: dict[tuple[str, bool, str], ElementwiseKernels] = {}
+
+
 _registry_lock = threading.Lock()
 
 
@@ -953,11 +424,13 @@ def partial_count(n: int, target: str) -> int:
 
 #: Threads per block of a CUDA pass with reductions.
 REDUCTION_THREADS = 256
+
 #: Blocks of a CUDA pass with reductions, in GPU-fulls (the blocks the GPU holds at once).
 #: Measured on an H200, seed 002's pass and sum over 16384² complex64 (perf note 23): 1, 2 and
 #: 4 GPU-fulls of 256-thread blocks took 2930, 2769 and 2714 µs (CuPy's kernel and sum 2735);
 #: 128, 512 and 1024 threads per block 2957, 2884 and 2875 µs at one GPU-full.
 REDUCTION_WAVES = 4
+
 
 _sm_counts: dict[int, int] = {}
 

@@ -9,7 +9,8 @@ import pytest
 from helpers import assert_same, random_array
 
 from dask_gpuchunk._kernels import launch
-from dask_gpuchunk._kernels.elementwise import ElementwiseKernels, _signature_key
+from dask_gpuchunk._kernels.elementwise import ElementwiseKernels
+from dask_gpuchunk._kernels.elementwise_sources import _signature_key
 from dask_gpuchunk._kernels.launch import StridedArg, direct_launch_available
 
 
