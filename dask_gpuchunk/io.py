@@ -1,23 +1,10 @@
 """.npy files larger than memory, in and out, chunk by chunk: ``from_npy`` and ``to_npy``.
 
-``from_npy`` reads the header once, on the client, and checks the file (magic string, header,
-dtype, size); each task then reads only its own region, on whichever worker runs it (workers
-must see the same path), with large sequential ``preadv`` calls straight into a new array. Where
-the worker sees a GPU, that array is page-locked (CuPy's pinned pool): the file is read straight
-into the buffer that goes to the device, and the GPU path sends it with no staging copy.
-
-``to_npy`` first checks that the target's file system has room for it, then writes the header
-of the whole array into a temporary file next to the target (``.<name>.dgc-<writer>.partial``,
-:mod:`dask_gpuchunk.partials`), then every chunk into its region of that file from the worker
-that computed it (``pwrite`` of its contiguous runs; CuPy chunks land in a pinned buffer and are
-written from there), and renames the file onto the target only when every chunk is written.
-Writes go through the page cache like ``np.save``'s; the file is not synced to disk. A failure
-removes the temporary file; a killed job leaves at most that hidden temporary file, never a
-half-written target, and the next job writing the same target removes it once its writer is
-gone.
-
-The reading side is :mod:`dask_gpuchunk.npy_reading`, the writing side
-:mod:`dask_gpuchunk.npy_writing`; this module gives both their names.
+Each task reads only its own region of a ``.npy``, where it runs
+(:mod:`dask_gpuchunk.npy_reading`, whose docstring says how); a write goes to a temporary
+file beside the target, each chunk into its region from the worker that computed it, renamed
+onto the target once whole (:mod:`dask_gpuchunk.npy_writing`). This module gives both their
+names.
 """
 
 from .npy_reading import (
