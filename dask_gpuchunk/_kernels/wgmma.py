@@ -217,6 +217,38 @@ __device__ __forceinline__ unsigned stages_base(const unsigned char* smem)
     return (shared_address(smem) + 1023) & ~1023u;
 }
 
+__device__ __forceinline__ void copy_stage(const void* map_a, const void* map_b, unsigned at,
+                                           unsigned bar, int step, int row_block, int col_block)
+{
+    // The producer's copies of one stage at `at`: a copy per 128 rows of the tile's rows of A
+    // and of B, KBITS bits of each (a copy past the data fills zeros, and counts its whole box
+    // all the same), their bytes expected on the stage's full barrier `bar`.
+    barrier_arrive_expecting(bar, (BM + BN) * CHUNKS * 16);
+    for (int p = 0; p < BM / BLOCK; ++p)
+        tensor_copy(at + p * BLOCK_BYTES, map_a, step * (KBITS / 8), row_block + p * BLOCK, bar);
+    for (int p = 0; p < NSUB; ++p)
+        tensor_copy(at + (BM / BLOCK + p) * BLOCK_BYTES, map_b, step * (KBITS / 8),
+                    col_block + p * BLOCK, bar);
+}
+
+__device__ __forceinline__ void mma_stage(int (&acc)[ACC], unsigned at, int warpgroup)
+{
+    // A consumer warpgroup's instructions on the stage at `at`, committed as one group.
+    // This warpgroup's 64 rows of its copy of A (8 KiB in); B's copies after A's.
+    const unsigned a_at = at + (warpgroup / 2) * BLOCK_BYTES + (warpgroup % 2) * 64 * 128;
+    const unsigned b_at = at + (BM / BLOCK) * BLOCK_BYTES;
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int s = 0; s < STEPS_K; ++s) {
+        const unsigned long long a_desc = descriptor(a_at + 32 * s);
+#pragma unroll
+        for (int h = 0; h < NSUB; ++h)  // columns 128 h to 128 h + 127: accumulators 64 h on
+            mma_b1(*reinterpret_cast<int(*)[64]>(acc + 64 * h), a_desc,
+                   descriptor(b_at + h * BLOCK_BYTES + 32 * s), 1);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
 __device__ __forceinline__ bool tile_counts(int (&acc)[ACC], const void* map_a,
                                             const void* map_b, int steps, int row_block,
                                             int col_block, unsigned base)
@@ -245,19 +277,11 @@ __device__ __forceinline__ bool tile_counts(int (&acc)[ACC], const void* map_a,
                      :: "l"(map_a) : "memory");
         asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n"
                      :: "l"(map_b) : "memory");
-        // A stage is a copy per 128 rows of the tile's rows of A and of B, KBITS bits of each;
-        // a copy past the data fills zeros, and counts its whole box all the same.
         for (int step = 0; step < steps; ++step) {
             const int slot = step % STAGES;
             const unsigned at = base + slot * stage_bytes, bar = full + 8 * slot;
             barrier_wait(empty + 8 * slot, ((step / STAGES) & 1) ^ 1);
-            barrier_arrive_expecting(bar, stage_bytes);
-            for (int p = 0; p < BM / BLOCK; ++p)
-                tensor_copy(at + p * BLOCK_BYTES, map_a, step * (KBITS / 8),
-                            row_block + p * BLOCK, bar);
-            for (int p = 0; p < NSUB; ++p)
-                tensor_copy(at + (BM / BLOCK + p) * BLOCK_BYTES, map_b, step * (KBITS / 8),
-                            col_block + p * BLOCK, bar);
+            copy_stage(map_a, map_b, at, bar, step, row_block, col_block);
         }
         return false;
     }
@@ -268,20 +292,7 @@ __device__ __forceinline__ bool tile_counts(int (&acc)[ACC], const void* map_a,
     for (int step = 0; step < steps; ++step) {
         const int slot = step % STAGES;
         barrier_wait(full + 8 * slot, (step / STAGES) & 1);
-        const unsigned at = base + slot * stage_bytes;
-        // This warpgroup's 64 rows of its copy of A (8 KiB in); B's copies after A's.
-        const unsigned a_at = at + (warpgroup / 2) * BLOCK_BYTES + (warpgroup % 2) * 64 * 128;
-        const unsigned b_at = at + (BM / BLOCK) * BLOCK_BYTES;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int s = 0; s < STEPS_K; ++s) {
-            const unsigned long long a_desc = descriptor(a_at + 32 * s);
-#pragma unroll
-            for (int h = 0; h < NSUB; ++h)  // columns 128 h to 128 h + 127: accumulators 64 h on
-                mma_b1(*reinterpret_cast<int(*)[64]>(acc + 64 * h), a_desc,
-                       descriptor(b_at + h * BLOCK_BYTES + 32 * s), 1);
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        mma_stage(acc, base + slot * stage_bytes, warpgroup);
         // The previous step's instructions are done: its stage may take new copies.
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         if (step > 0 && lane == 0) barrier_arrive(empty + 8 * ((step - 1) % STAGES));

@@ -178,13 +178,7 @@ __device__ void copy_tiles(const void* map_a, const void* map_b, int na, int nb,
         for (int step = 0; step < steps; ++step, ++g) {
             const unsigned slot = g % STAGES, at = base + slot * STAGE_BYTES, bar = full + 8 * slot;
             barrier_wait(empty + 8 * slot, ((g / STAGES) & 1) ^ 1);
-            barrier_arrive_expecting(bar, STAGE_BYTES);
-            for (int p = 0; p < BM / BLOCK; ++p)
-                tensor_copy(at + p * BLOCK_BYTES, map_a, step * (KBITS / 8),
-                            row_block + p * BLOCK, bar);
-            for (int p = 0; p < NSUB; ++p)
-                tensor_copy(at + (BM / BLOCK + p) * BLOCK_BYTES, map_b, step * (KBITS / 8),
-                            col_block + p * BLOCK, bar);
+            copy_stage(map_a, map_b, at, bar, step, row_block, col_block);
         }
     }
 }
@@ -201,18 +195,7 @@ __device__ __forceinline__ void counts_of_tile(int (&acc)[ACC], int steps, unsig
     for (int step = 0; step < steps; ++step, ++g) {
         const unsigned slot = g % STAGES, at = base + slot * STAGE_BYTES;
         barrier_wait(full + 8 * slot, (g / STAGES) & 1);
-        const unsigned a_at = at + (warpgroup / 2) * BLOCK_BYTES + (warpgroup % 2) * 64 * 128;
-        const unsigned b_at = at + (BM / BLOCK) * BLOCK_BYTES;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int s = 0; s < STEPS_K; ++s) {
-            const unsigned long long a_desc = descriptor(a_at + 32 * s);
-#pragma unroll
-            for (int h = 0; h < NSUB; ++h)
-                mma_b1(*reinterpret_cast<int(*)[64]>(acc + 64 * h), a_desc,
-                       descriptor(b_at + h * BLOCK_BYTES + 32 * s), 1);
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        mma_stage(acc, at, warpgroup);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         if (step > 0 && lane == 0) barrier_arrive(empty + 8 * ((g - 1) % STAGES));
     }
