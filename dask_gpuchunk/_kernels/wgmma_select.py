@@ -382,8 +382,10 @@ pairs_at_least_wgmma(const void* __restrict__ map_a, const void* __restrict__ ma
                      long long capacity)
 {
     // As bmma_select's pairs_at_least: every pair whose rank is at most limit, appended to
-    // out as (row id << 32 | column id, the score's bits); found counts them all. Persistent
-    // as top_k_candidates_wgmma; a column buffer holds the tile's columns' popcounts.
+    // out as (row id << 32 | column id, the score's bits); found counts them all.
+    // Persistent: each block takes tiles blockIdx.x, + gridDim.x, ...; the producer thread
+    // copies ahead, the helper warps fill the next tile's column popcounts (two buffers, in
+    // turn) while the consumers select from this one.
 #ifdef SELECT_METRIC
     metric = SELECT_METRIC;
 #endif
@@ -549,16 +551,17 @@ def _filtered(words: Any) -> bool:
 
 
 def _launch(name: str, a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
-            metric: str, tile: WgmmaTile, *rest: Any) -> None:
+            metric: str, tile: WgmmaTile, *rest: Any, persistent: bool = False) -> None:
     """Queue the selection kernel ``name`` on CuPy's current stream over the tiles of ``a``
     against ``b``: its arguments the words' tensor maps, sizes, stages, popcounts and first
-    ids, then ``rest``."""
+    ids, then ``rest``; a block a tile, or for a ``persistent`` kernel (its blocks take tiles
+    in turn) at most a block a multiprocessor."""
     map_a, kept_a = tensor_map(a, tile.kbits)
     map_b, kept_b = (map_a, kept_a) if b is a else tensor_map(b, tile.kbits)
     na, nb = a.shape[0], b.shape[0]
     steps = -(-kept_a.shape[1] * 64 // tile.kbits)
     grid = -(-na // tile.bm) * -(-nb // tile.bn)
-    if name == "pairs_at_least_wgmma":  # persistent: a block per multiprocessor at most
+    if persistent:
         grid = min(grid, resident_blocks())
     kernel(name, metric, tile).kernel(
         (grid,), (tile.threads,),
@@ -589,4 +592,4 @@ def launch_pairs_at_least(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, 
     :func:`~dask_gpuchunk._kernels.bmma_select.pairs_at_least_bmma` makes its arguments."""
     _launch("pairs_at_least_wgmma", a, b, pop_a, pop_b, first_a, first_b, metric, tile,
             np.uint32(limit), np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)),
-            np.int32(bool(upper)), out, found, np.int64(capacity))
+            np.int32(bool(upper)), out, found, np.int64(capacity), persistent=True)
