@@ -46,6 +46,7 @@ from .similarity import (
     CUDA_TOP_K_MAX,
     FLOAT_METRICS,
     cuda_metric_code,
+    popcount_order,
     RANK_SOURCE,
     rank_keys,
     rank_limit,
@@ -387,7 +388,9 @@ def top_k_scratch_bytes(na: int, nb: int, k: int, both: bool, words64: int,
     targets = na + (nb if both else 0)
     padded = -(-words64 * 64 // tile.kbits) * tile.kbits // 8
     redo = min(REDONE_TARGETS, targets) * max(na, nb) * 40
-    return targets * (SLOTS * 8 + 4 + k * 8) + (na + nb) * padded + redo
+    # Hopper's rows in popcount order: the words' copies, orders, popcounts and states.
+    ordered = (na + nb) * (words64 * 8 + 16) + targets * k * 16
+    return targets * (SLOTS * 8 + 4 + k * 8) + (na + nb) * padded + redo + ordered
 
 
 def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
@@ -401,7 +404,9 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
     key from smaller ids, as an empty row has with every row) are redone exactly against the
     whole block (:func:`_redone`). Waits for the device (one count read). ``method="wgmma"``:
     the candidates from Hopper's kernel (:mod:`~dask_gpuchunk._kernels.wgmma_select`), the
-    same ones."""
+    same ones, its rows and columns taken in popcount order
+    (:func:`~dask_gpuchunk._kernels.similarity.popcount_order`, the states and words gathered
+    so, the new states put back)."""
     import cupy
 
     _check_fused(method)
@@ -423,22 +428,39 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
         count_b = cupy.zeros(nb, dtype=np.int32)
     else:  # never read: both = 0
         state_b, slots_b, count_b = state_a, slots_a, count_a
-    launch_candidates(a, b, pop_a, pop_b, first_a, first_b, state_a, state_b, both, metric,
-                      exclude, slots_a, count_a, slots_b, count_b, tile, method)
-    merge = _kernel("merge_candidates", tile)
     sides = [(a, b, pop_a, pop_b, first_a, first_b, state_a, slots_a, count_a)]
     if both:
         sides.append((b, a, pop_b, pop_a, first_b, first_a, state_b, slots_b, count_b))
+    orders = [None, None]
+    if method == "wgmma":
+        # Hopper's kernel takes the rows in popcount order: a tile's rows and columns then
+        # span a few popcounts, and the integer floors its epilogue tests every count against
+        # (each row's line at the tile's least column popcount, and each column's) lie close
+        # to the pairs' own lines, so that far fewer counts take the slow path.
+        bits = 64 * a.shape[1]
+        orders[0] = popcount_order(pop_a, bits)
+        orders[1] = orders[0] if b is a else popcount_order(pop_b, bits)
+    ordered = [state if order is None else state[order]
+               for (*_, state, _, _), order in zip(sides, orders)]
+    launch_candidates(*(x if order is None else x[order]
+                        for x, order in zip((a, b, pop_a, pop_b), orders * 2)),
+                      first_a, first_b, ordered[0], ordered[-1] if both else state_b, both,
+                      metric, exclude, slots_a, count_a, slots_b, count_b, tile, method,
+                      *orders)
+    merge = _kernel("merge_candidates", tile)
     new_states = []
-    for _, _, _, _, _, _, state, slots, count in sides:
-        out = cupy.empty_like(state)
+    for (*_, slots, count), state, order in zip(sides, ordered, orders):
         n = state.shape[0]
+        out = cupy.empty_like(state)
         merge((-(-n // 128),), (128,), (state, slots, count, np.int32(n), np.int32(k),
                                         np.int32(SLOTS), out))
+        if order is not None:  # back in the caller's row order
+            out[order] = out.copy()
         new_states.append(out)
     # The targets whose slots overflowed, by index (a scan: cupy.count_nonzero compiles a CUB
     # reduction, ~12 s of a first job's 40 s on an H100).
     full = [cupy.flatnonzero(count > SLOTS) for *_, count in sides]
+    full = [which if order is None else order[which] for which, order in zip(full, orders)]
     over = sum(int(which.size) for which in full)
     if over:
         redone["targets"] += over
@@ -453,16 +475,25 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
 def launch_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
                       state_a: Any, state_b: Any, both: bool, metric: str, exclude: bool,
                       slots_a: Any, count_a: Any, slots_b: Any, count_b: Any,
-                      tile: BmmaTile = TILE, method: str = "bmma") -> None:
+                      tile: BmmaTile = TILE, method: str = "bmma", order_a: Any = None,
+                      order_b: Any = None) -> None:
     """Queue :func:`top_k_candidates`' kernel alone (``method``'s) on CuPy's current stream:
     ``a``, ``b`` CuPy ``uint64`` words, popcounts ``int32``, states ``(n, k)`` C-contiguous,
     candidates into ``slots_*`` ``(n, SLOTS)`` counted in ``count_*`` (zeros before); with
-    ``both`` false nothing is kept for the columns (pass ``state_a``'s buffers for theirs)."""
+    ``both`` false nothing is kept for the columns (pass ``state_a``'s buffers for theirs).
+    ``"wgmma"`` only: row ``r`` of ``a`` has id ``first_a + order_a[r]`` (``int32``; default
+    ``r``), and so for ``b``."""
+    import cupy
+
     k = state_a.shape[1]
     if method == "wgmma":
+        if order_a is None:
+            order_a = cupy.arange(a.shape[0], dtype=np.int32)
+        if order_b is None:
+            order_b = cupy.arange(b.shape[0], dtype=np.int32)
         wgmma_select.launch_top_k_candidates(
             a, b, pop_a, pop_b, first_a, first_b, state_a, state_b, k, metric, exclude, both,
-            slots_a, count_a, slots_b, count_b, SLOTS)
+            slots_a, count_a, slots_b, count_b, SLOTS, order_a, order_b)
         return
     na, nb = a.shape[0], b.shape[0]
     a32, b32 = _operands(a, b, tile)

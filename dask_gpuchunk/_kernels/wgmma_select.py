@@ -27,13 +27,17 @@ multiprocessor takes tiles in turn: :func:`resident_blocks`): its producer threa
 next tile's stages while the consumers select from this one, and a helper warp fills the next
 tile's column popcounts (two buffers, in turn, each with a full and an empty barrier).
 
+The top-k kernel takes its rows in popcount order (the caller sorts each block's rows and
+passes the orders: a key's id is ``first + order[r]``), so that a tile spans a few popcounts
+and its floors lie near the pairs' own lines: of a mid-chain block's 0.56 G counts, 1.7 M
+reached the floors of unsorted rows (and 68 k their lines); queueing them, not testing them,
+was most of the kernel's time (1.41 ms, 0.79 ms with none queued).
+
 Measured (H200, 8 GiB cap, 10**6 x 2048 bits at 7.5 % density, device-resident): all-pairs
-top-10 1.9 s against bmma's epilogue's 2.3 s; threshold 0.7 0.55 s (0.64 s one block a tile,
-1.20 s bmma's); a 32,768-row block's fused threshold 0.9-1.2 ms, fused top-k 3.9-4.3 ms
-(bmma's 3.8 ms; its counts alone, written to memory, 1.9 ms). The top-k kernel made
-persistent the same way was no faster (2.0-2.4 s), so its time is not the tile's latency
-(the exact tests of the pairs its floors let through, by estimate: docs/performance.md). No
-dask here.
+top-10 1.6 s (its candidates kernels 0.95 s, 1.25 s with unsorted rows); threshold 0.7 0.55 s
+(0.64 s one block a tile, 1.20 s bmma's); a 32,768-row block's fused threshold 0.9-1.2 ms
+(its counts alone, written to memory, 1.9 ms). The top-k kernel made persistent the same way
+was no faster before the rows were sorted (2.0-2.4 s against 1.9 s). No dask here.
 """
 
 from __future__ import annotations
@@ -231,18 +235,21 @@ __device__ __forceinline__ void tested(const unsigned long long* queue, int queu
                                        unsigned long long* __restrict__ slots_a,
                                        int* __restrict__ count_a,
                                        unsigned long long* __restrict__ slots_b,
-                                       int* __restrict__ count_b, int nslots)
+                                       int* __restrict__ count_b, int nslots,
+                                       const int* __restrict__ order_a,
+                                       const int* __restrict__ order_b)
 {
     // A warp's queued counts (count << 32 | tile row << 16 | tile column), a lane each: the
     // pair's exact rank, then its key for the row's state and (both) the column's. The rank
-    // is symmetric in the two rows: one serves both keys.
+    // is symmetric in the two rows: one serves both keys. Row r of a is row order_a[r] of the
+    // caller's (ids first_a + order_a[r]), and so for b.
     __syncwarp();
     for (int e = threadIdx.x & 31; e < queued; e += 32) {
         const unsigned long long entry = queue[e];
         const int r = row_block + (int)(entry >> 16 & 0xFFFF), v = (int)(entry & 0xFFFF);
         const int col = col_block + v;
         if (r >= na || col >= nb) continue;
-        const long long id_r = first_a + r, id_c = first_b + col;
+        const long long id_r = first_a + order_a[r], id_c = first_b + order_b[col];
         if (exclude && id_r == id_c) continue;
         const unsigned long long rank = rank_of((int)(entry >> 32), pop_a[r], pops_c[v], metric);
         const unsigned long long key_r = rank << 32 | (unsigned)id_c;
@@ -270,10 +277,12 @@ top_k_candidates_wgmma(const void* __restrict__ map_a, const void* __restrict__ 
                        int exclude, int both, int filter,
                        unsigned long long* __restrict__ slots_a, int* __restrict__ count_a,
                        unsigned long long* __restrict__ slots_b, int* __restrict__ count_b,
-                       int nslots)
+                       int nslots, const int* __restrict__ order_a,
+                       const int* __restrict__ order_b)
 {
     // As bmma_select's top_k_candidates: the pairs of a's rows with b's rows whose key beats
-    // the row's state into its slots, with both also for the columns against state_b.
+    // the row's state into its slots, with both also for the columns against state_b. Row r
+    // of a has id first_a + order_a[r] (the caller's rows in popcount order), and so for b.
 #ifdef SELECT_METRIC
     metric = SELECT_METRIC;
 #endif
@@ -355,7 +364,7 @@ top_k_candidates_wgmma(const void* __restrict__ map_a, const void* __restrict__ 
         if (queued + total > QUEUE) {
             tested(queue, queued, row_block, col_block, na, nb, pop_a, pops_c, first_a, first_b,
                    state_a, bound_c, k, metric, exclude, both, slots_a, count_a, slots_b,
-                   count_b, nslots);
+                   count_b, nslots, order_a, order_b);
             queued = 0;
         }
         int at = queued + before - mine;
@@ -368,7 +377,8 @@ top_k_candidates_wgmma(const void* __restrict__ map_a, const void* __restrict__ 
         __syncwarp();
     }
     tested(queue, queued, row_block, col_block, na, nb, pop_a, pops_c, first_a, first_b, state_a,
-           bound_c, k, metric, exclude, both, slots_a, count_a, slots_b, count_b, nslots);
+           bound_c, k, metric, exclude, both, slots_a, count_a, slots_b, count_b, nslots,
+           order_a, order_b);
 }
 """
 
@@ -574,15 +584,17 @@ def _launch(name: str, a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, fir
 def launch_top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int,
                             first_b: int, state_a: Any, state_b: Any, k: int, metric: str,
                             exclude: bool, both: bool, slots_a: Any, count_a: Any,
-                            slots_b: Any, count_b: Any, nslots: int,
-                            tile: WgmmaTile = TILE) -> None:
+                            slots_b: Any, count_b: Any, nslots: int, order_a: Any,
+                            order_b: Any, tile: WgmmaTile = TILE) -> None:
     """Queue the candidates kernel on CuPy's current stream: ``a``, ``b`` CuPy ``uint64``
     words of one width, the rest as
-    :func:`~dask_gpuchunk._kernels.bmma_select.top_k_candidates` makes them."""
+    :func:`~dask_gpuchunk._kernels.bmma_select.top_k_candidates` makes them; row ``r`` of
+    ``a`` is the caller's row ``order_a[r]`` (``int32``; its id ``first_a + order_a[r]``),
+    and so for ``b``."""
     _launch("top_k_candidates_wgmma", a, b, pop_a, pop_b, first_a, first_b, metric, tile,
             state_a, state_b, np.int32(k), np.int32(cuda_metric_code(metric)),
             np.int32(bool(exclude)), np.int32(both), np.int32(_filtered(a)), slots_a, count_a,
-            slots_b, count_b, np.int32(nslots))
+            slots_b, count_b, np.int32(nslots), order_a, order_b)
 
 
 def launch_pairs_at_least(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
