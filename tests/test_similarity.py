@@ -403,7 +403,9 @@ def test_top_k_chain_tasks_take_several_blocks_of_a_round(rng, monkeypatch, per_
     monkeypatch.setattr(similarity_module, "CPU_BLOCKS_PER_TASK", per_task)
     x = fingerprints(rng, 230, 90)  # 23 chunks (odd: a chunk rests each round)
     y = random_bits(rng, (61, 90), 0.2)
-    indices, scores = dg.similarity(da.from_array(x, chunks=(10, -1)), metric="cosine", top_k=4)
+    # On the CPU: with a GPU visible the chunks would be regrouped into larger blocks.
+    indices, scores = dg.similarity(da.from_array(x, chunks=(10, -1)), metric="cosine", top_k=4,
+                                    device="cpu")
     steps = {key[1:] for key in dict(indices.__dask_graph__()) if isinstance(key, tuple)
              and key[0].startswith("similarity-step")}
     rounds, per_round = 23, 11  # 253 blocks above the diagonal
@@ -472,6 +474,33 @@ def test_plain_path_takes_a_blocks_counts_in_slices(rng, monkeypatch, method):
     rows, cols, got = dask.compute(*dg.similarity(w, packed=True, metric="cosine",
                                                   threshold=0.2, method=method))
     assert assert_pairs(rows, cols, got, s, 0.2) > 50
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric", ["tanimoto", "dice", "cosine", "hamming"])
+@pytest.mark.parametrize("exclude_self", [True, False])
+def test_first_states_seeded_from_a_quarter_are_exact(rng, monkeypatch, metric, exclude_self):
+    # Each chunk's block against itself: its first quarter's best keys, then the fused
+    # kernel's candidates from the rest (SEEDED_FIRST_ROWS lowered so that small chunks take
+    # that path); ties (repeated and empty rows) and uneven chunks.
+    import cupy
+
+    selection = importlib.import_module("dask_gpuchunk.selection")
+    monkeypatch.setattr(selection, "SEEDED_FIRST_ROWS", 32)
+    seeded = []
+    real = selection._seeded_first_state
+    monkeypatch.setattr(selection, "_seeded_first_state",
+                        lambda *args: seeded.append(len(args[0])) or real(*args))
+    x = fingerprints(rng, 333, 520)
+    w = dg.asarray(cupy.asarray(np.packbits(x, axis=1)), chunks=((200, 133), -1))
+    lower = metric == "hamming"
+    for k in (1, 7):
+        indices, scores = dask.compute(*dg.similarity(w, packed=True, metric=metric, top_k=k,
+                                                      exclude_self=exclude_self))
+        want_i, want_s = brute_top_k(reference(x, x, metric), k, lower, exclude_self)
+        np.testing.assert_array_equal(indices.get(), want_i)
+        np.testing.assert_array_equal(scores.get(), want_s.astype(scores.dtype))
+    assert seeded
 
 
 @pytest.mark.gpu
