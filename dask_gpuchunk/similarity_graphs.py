@@ -36,10 +36,12 @@ __all__ = ["BLOCKS_PER_TASK", "CPU_BLOCKS_PER_TASK", "chains_for", "merged_keys"
            "merged_pairs", "round_robin", "threshold_pairs", "top_k_chain"]
 
 #: Blocks of one round that one task of the top-k chain computes, one after the other, at
-#: most, on GPUs. The distributed scheduler costs about a millisecond or two a task, as much as
-#: the fused kernel takes for a block of 16,384 x 16,384 rows; a round of 62 chunks' 31 blocks
-#: still makes four tasks, which one worker's threads run at once.
-BLOCKS_PER_TASK = 8
+#: most, on GPUs: a round in one task. The distributed scheduler costs about a millisecond or
+#: two a task, as much as the fused kernel takes for a block; and a GPU's blocks run no faster
+#: side by side from several threads: the top-10 of 10**6 rows in 32,768-row chunks took
+#: 1.73-1.87 s with 8 blocks a task (a round in two tasks, run at once), 1.56-1.66 s with the
+#: round in one (H200, 8 GiB cap, threaded scheduler).
+BLOCKS_PER_TASK = 64
 #: The same on the CPU, where a block takes a tenth of a second or more: one a task, so that
 #: progress bars counting tasks move with the work.
 CPU_BLOCKS_PER_TASK = 1
