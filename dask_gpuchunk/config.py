@@ -65,7 +65,7 @@ does and why its value:
     :class:`dask_gpuchunk.staging.RegisteredMemory`), or ``cudaHostAlloc`` (``"host-alloc"``).
     On 2 x H200, a 128 MiB buffer took 28-40 ms registered, during which the process's copies
     to its GPU waited at most 6 ms, against 55-134 ms allocated, during which they all waited
-    (``tools/pinned_alloc_probe.py``). Where CUDA refuses a registration, the pool allocates.
+    (``tools/pinned_alloc_probe.py`` at 93972b0). Where CUDA refuses a registration, the pool allocates.
 ``gram-mirror`` (default ``"transpose"``)
     How ``dg.gram`` of words read straight from a ``.npy`` (outside dask's array query
     planning) makes its blocks below the diagonal: the transpose of the block above, a view on

@@ -339,7 +339,7 @@ def _rows_on_device(path: str, header: NpyHeader, row_bytes: int, start: int, st
 
     No CPU copy into a pinned buffer: on an H200, 2.1 GB of words in 128 MiB chunks moved in
     0.10 s this way against 0.23 s read; four processes at once on 4 x H200, 0.26 s against
-    0.33 s (``tools/staging_path_probe.py``). Opt-in (``register-reads`` of ``config.INTERNAL``): the
+    0.33 s (``tools/staging_path_probe.py`` at 93972b0). Opt-in (``register-reads`` of ``config.INTERNAL``): the
     4-GPU Gram was no faster end to end, and a cold file is not measured.
     """
     import cupy

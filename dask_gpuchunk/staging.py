@@ -97,7 +97,7 @@ class RegisteredMemory:
     2 x H200, 55-134 ms for 128 MiB (up to 616 ms with two processes at it), during which no
     copy of the process reached its GPU. Here the kernel fills the pages first, in huge pages
     where it gives them (24-36 ms), with no CUDA call waiting, and the registration then holds
-    CUDA for 3.3-6.2 ms (``tools/pinned_alloc_probe.py``, ``register-huge``).
+    CUDA for 3.3-6.2 ms (``tools/pinned_alloc_probe.py`` at 93972b0, ``register-huge``).
     """
 
     __slots__ = ("address", "size")
