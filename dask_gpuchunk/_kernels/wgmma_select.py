@@ -14,10 +14,8 @@ cosine, Hamming and counts alike: :c:func:`bound_line`). Each row's line at the 
 column popcount, and each column's at its least row popcount, is an integer floor below every
 pair's own line: two integer compares a count. Counts at or above a floor are queued (a warp's
 queue in shared memory) and tested exactly a queue at a time, a lane each, as bmma's are, so
-the candidates, and the new states, are exactly bmma's. Tested where found, the rare pair of
-one lane held the other 31 idle through its test (10.7 ms a 32,768-row block on an H200);
-floors of ``c`` alone (``c >= s * a``, from ``b >= c``) let half the pairs of random
-fingerprints through at a top-10's bounds (11 ms).
+the candidates, and the new states, are exactly bmma's (tested where found: 10.7 ms a
+32,768-row block on an H200; floors of ``c`` alone let half the pairs through: 11 ms).
 
 Threshold: far above most pairs, each row's least count (``c >= s * a`` and its kin:
 :c:func:`least_count`) leaves out nearly every pair with no tile-wide setup; the pairs that
@@ -28,10 +26,9 @@ next tile's stages while the consumers select from this one, and a helper warp f
 tile's column popcounts (two buffers, in turn, each with a full and an empty barrier).
 
 The top-k kernel takes its rows in popcount order (the caller sorts each block's rows and
-passes the orders: a key's id is ``first + order[r]``), so that a tile spans a few popcounts
-and its floors lie near the pairs' own lines: of a mid-chain block's 0.56 G counts, 1.7 M
-reached the floors of unsorted rows (and 68 k their lines); queueing them, not testing them,
-was most of the kernel's time (1.41 ms, 0.79 ms with none queued).
+passes the orders: a key's id is ``first + order[r]``): a tile spans a few popcounts, its
+floors lie near the pairs' lines. Of a mid-chain block's 0.56 G counts 1.7 M reached unsorted
+rows' floors (68 k their lines); queueing them was most of its time (1.41 ms; none: 0.79 ms).
 
 Measured (H200, 8 GiB cap, 10**6 x 2048 bits at 7.5 % density, device-resident): all-pairs
 top-10 1.6 s (its candidates kernels 0.95 s, 1.25 s with unsorted rows); threshold 0.7 0.55 s
