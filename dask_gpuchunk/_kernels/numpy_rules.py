@@ -15,260 +15,34 @@ NumPy's own ``ufunc.resolve_dtypes`` decides each strong operation's loop; opera
 two Python numbers follow Python's rules (64-bit integers). What cannot follow NumPy raises
 :class:`RuleError` (the translator adds where it was).
 
-Emitted code calls the helpers of :mod:`dask_gpuchunk._kernels.numpy_ops` (``_nr_...``). No
-dask here.
+Emitted code calls the helpers of :mod:`dask_gpuchunk._kernels.numpy_ops` (``_nr_...``). The
+values and their types are in :mod:`~dask_gpuchunk._kernels.numpy_values` (its public names
+stay importable from here); the calls (number types, ``math``, ``cmath``, ufuncs) in
+:mod:`~dask_gpuchunk._kernels.numpy_calls`, a base class of :class:`Emitter`. No dask here.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from .numpy_calls import Calls
 from .numpy_ops import cast_name
+from .numpy_values import (
+    BINARY_UFUNCS, BOOL, COMPARE_UFUNCS, COMPLEX128, FLOAT64, INT64, PY_BINARY, PY_COMPARE,
+    PY_RANK, PY_STORAGE, RuleError, SWAPPED, UINT64, UNKNOWN, VType, Value, binary_bounds,
+    check_supported, exactly, int_bounds, integer_helper, known_call, literal, power_bounds,
+    resolve, suffix, unary_bounds, weak_type, wrapping
+)
 
 __all__ = ["UNKNOWN", "Emitter", "RuleError", "VType", "Value", "int_bounds", "weak_type"]
 
 
-class _Unknown:
-    def __repr__(self) -> str:
-        return "UNKNOWN"
-
-
-#: The ``const`` of a value whose value is not known when translating.
-UNKNOWN: Any = _Unknown()
-
-
-class RuleError(Exception):
-    """An operation that cannot be compiled to give NumPy's result, or that NumPy refuses.
-
-    ``exc_type`` is what the user sees: ``TypeError`` where numba cannot follow NumPy (or
-    NumPy has no such operation), ``OverflowError``/``ValueError`` where NumPy itself raises
-    them for these values.
-    """
-
-    def __init__(self, message: str, exc_type: type[Exception] = TypeError) -> None:
-        super().__init__(message)
-        self.exc_type = exc_type
-
-
-@dataclass(frozen=True)
-class VType:
-    """The type of a value in the translated function.
-
-    ``dtype``: its NumPy dtype (strong) or the dtype holding a Python number (``weak``).
-    ``const``: the value where known (Python numbers only). ``call``: for a Python number that
-    depends only on the Python numbers given as arguments (and constants), a Python expression
-    of them (``args[1] + 1``): its one value per call is known when the operation is called, and
-    checked there. ``bounds``: the least and greatest value a Python integer can have, where
-    known (a loop index over ``range(10)``: 0 and 9). ``alt``: where a branch or loop merged a
-    Python number into this NumPy type, the Python number's type (each operation then checks
-    that both compute alike; ``origin`` names the variable and line, for messages).
-    """
-
-    dtype: np.dtype
-    weak: bool = False
-    const: Any = field(default=UNKNOWN, compare=False)
-    call: str | None = field(default=None, compare=False)
-    alt: VType | None = field(default=None, compare=False)
-    origin: str = field(default="", compare=False)
-    bounds: tuple[int, int] | None = field(default=None, compare=False)
-
-    @property
-    def kind(self) -> str:
-        """NumPy's kind letter: b, i, u, f, c."""
-        return self.dtype.kind
-
-    def describe(self) -> str:
-        if self.weak:
-            return f"a Python {_PY_NAMES[self.kind]}"
-        return str(self.dtype)
-
-
-@dataclass(frozen=True)
-class Value:
-    """Emitted code (an expression) and the type of its value."""
-
-    expr: str
-    vt: VType
-
-
-_PY_NAMES = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}
-_PY_RANK = {"b": 0, "i": 1, "u": 1, "f": 2, "c": 3}
-_PY_STORAGE = {0: np.dtype(bool), 1: np.dtype(np.int64), 2: np.dtype(np.float64),
-               3: np.dtype(np.complex128)}
-_INT64 = np.dtype(np.int64)
-_UINT64 = np.dtype(np.uint64)
-_FLOAT64 = np.dtype(np.float64)
-_COMPLEX128 = np.dtype(np.complex128)
-_BOOL = np.dtype(bool)
-
-
-def weak_type(value: Any, arg: int | None = None) -> VType:
-    """The type of the Python number ``value``: a constant, or argument ``arg`` of the call.
-
-    Examples
-    --------
-    >>> weak_type(0.5).dtype, weak_type(2**64 - 1).dtype
-    (dtype('float64'), dtype('uint64'))
-    """
-    if isinstance(value, bool):
-        dtype = _BOOL
-    elif isinstance(value, int):
-        if -(2**63) <= value < 2**63:
-            dtype = _INT64
-        elif 0 <= value < 2**64:
-            dtype = _UINT64
-        else:
-            raise RuleError(f"Python integer {value} does not fit in 64 bits", OverflowError)
-    elif isinstance(value, float):
-        dtype = _FLOAT64
-    elif isinstance(value, complex):
-        dtype = _COMPLEX128
-    else:
-        raise RuleError(f"{type(value).__name__} {value!r} is not a number")
-    if arg is not None:
-        return VType(dtype, weak=True, call=f"args[{arg}]")
-    return VType(dtype, weak=True, const=value)
-
-
-def int_bounds(vt: VType) -> tuple[int, int] | None:
-    """The least and greatest value of a Python integer or bool of this type, where known."""
-    if vt.kind == "b":
-        return (0, 1)
-    if vt.const is not UNKNOWN and isinstance(vt.const, int):
-        return (vt.const, vt.const)
-    return vt.bounds
-
-
-def _within_64_bits(bounds: tuple[int, int] | None) -> tuple[int, int] | None:
-    if bounds is None or bounds[0] < -(2**63) or bounds[1] >= 2**63:
-        return None
-    return bounds
-
-
-def _binary_bounds(op: str, a: VType, b: VType) -> tuple[int, int] | None:
-    """Bounds of ``a op b`` for two Python integers of known bounds (interval arithmetic)."""
-    ba, bb = int_bounds(a), int_bounds(b)
-    if ba is None or bb is None:
-        return None
-    (la, ha), (lb, hb) = ba, bb
-    if op == "+":
-        return _within_64_bits((la + lb, ha + hb))
-    if op == "-":
-        return _within_64_bits((la - hb, ha - lb))
-    if op == "*":
-        corners = [la * lb, la * hb, ha * lb, ha * hb]
-        return _within_64_bits((min(corners), max(corners)))
-    if op == "//" and lb > 0:
-        corners = [la // lb, la // hb, ha // lb, ha // hb]
-        return (min(corners), max(corners))
-    if op == "%" and lb > 0:
-        return (0, hb - 1)
-    if op == "&" and la >= 0 and lb >= 0:
-        return (0, min(ha, hb))
-    return None
-
-
-def _unary_bounds(op: str, a: VType) -> tuple[int, int] | None:
-    bounds = int_bounds(a)
-    if bounds is None:
-        return None
-    low, high = bounds
-    if op == "-":
-        return _within_64_bits((-high, -low))
-    if op == "abs":
-        return (0 if low <= 0 <= high else min(abs(low), abs(high)), max(abs(low), abs(high)))
-    return None
-
-
-def _power_bounds(a: VType, n: int) -> tuple[int, int] | None:
-    bounds = int_bounds(a)
-    if bounds is None:
-        return None
-    low, high = bounds
-    values = [low ** n, high ** n]
-    if low < 0 < high and n % 2 == 0:
-        values.append(0)
-    return _within_64_bits((min(values), max(values)))
-
-
-def _py_operand(vt: VType) -> Any:
-    """What ``ufunc.resolve_dtypes`` takes for this type (Python types mark weak numbers;
-    a Python bool promotes as NumPy's bool)."""
-    if not vt.weak or vt.kind == "b":
-        return vt.dtype
-    return {"i": int, "u": int, "f": float, "c": complex}[vt.kind]
-
-
-_BINARY_UFUNCS = {
-    "+": np.add, "-": np.subtract, "*": np.multiply, "/": np.true_divide,
-    "//": np.floor_divide, "%": np.remainder, "**": np.power, "&": np.bitwise_and,
-    "|": np.bitwise_or, "^": np.bitwise_xor, "<<": np.left_shift, ">>": np.right_shift,
-}
-_COMPARE_UFUNCS = {"<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal,
-                   "==": np.equal, "!=": np.not_equal}
-_PY_BINARY = {
-    "+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
-    "//": operator.floordiv, "%": operator.mod, "**": operator.pow, "&": operator.and_,
-    "|": operator.or_, "^": operator.xor, "<<": operator.lshift, ">>": operator.rshift,
-}
-_PY_COMPARE = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
-               "==": operator.eq, "!=": operator.ne}
-_SWAPPED = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
-
-
-def _suffix(dtype: np.dtype) -> str:
-    return f"{dtype.kind}{dtype.itemsize}"
-
-
-def literal(value: Any) -> str:
-    """Source text for a Python number, exact (``repr`` round-trips floats).
-
-    Examples
-    --------
-    >>> literal(0.1), literal(-0.0), literal(float("inf")), literal(1j)
-    ('0.1', '(-0.0)', '_nr_inf', 'complex(0.0, 1.0)')
-    """
-    if isinstance(value, bool):
-        return repr(value)
-    if isinstance(value, int):
-        return f"({value})" if value < 0 else repr(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "_nr_nan"
-        if math.isinf(value):
-            return "_nr_inf" if value > 0 else "(-_nr_inf)"
-        text = repr(value)
-        return f"({text})" if text.startswith("-") else text
-    if isinstance(value, complex):
-        return f"complex({literal(value.real)}, {literal(value.imag)})"
-    raise TypeError(value)
-
-
-def _resolve(ufunc: np.ufunc, *vts: VType) -> tuple[np.dtype, ...]:
-    """NumPy's loop for ``ufunc`` on these types: input dtypes then the output dtype."""
-    try:
-        return tuple(ufunc.resolve_dtypes((*(_py_operand(v) for v in vts), None)))
-    except TypeError as exc:
-        names = " and ".join(v.describe() for v in vts)
-        raise RuleError(f"NumPy's {ufunc.__name__} does not take {names} ({exc})") from None
-
-
-def _exactly(value: Any, dtype: np.dtype) -> bool:
-    """Whether the Python number ``value`` converts to ``dtype`` without change."""
-    try:
-        with np.errstate(all="ignore"):
-            converted = np.asarray(value, dtype=dtype)[()].item()  # a Python number again
-        return converted == value or (value != value and converted != converted)
-    except (OverflowError, TypeError, ValueError):
-        return False
-
-
-class Emitter:
+class Emitter(Calls):
     """Typed code for each operation of a translated function, by NumPy's rules.
 
     ``call_checks`` collects what the call must check of values computed from the Python numbers
@@ -288,7 +62,7 @@ class Emitter:
     def numpy_constant(self, value: np.generic) -> Value:
         """A NumPy scalar the function reads from its globals: a constant of its dtype."""
         dtype = np.dtype(value.dtype)
-        _check_supported(dtype, f"the constant {value!r}")
+        check_supported(dtype, f"the constant {value!r}")
         return Value(f"{cast_name(dtype)}({literal(value.item())})", VType(dtype))
 
     def convert(self, v: Value, dtype: np.dtype, *, astype: bool = False, what: str = "") -> str:
@@ -368,15 +142,15 @@ class Emitter:
         if a.weak and b.weak and a.kind in "iu" and b.kind in "iu" and self._fits(a, b):
             ba, bb = int_bounds(a), int_bounds(b)
             bounds = None if ba is None or bb is None else (min(ba[0], bb[0]), max(ba[1], bb[1]))
-            return VType(_INT64, weak=True, bounds=bounds)
+            return VType(INT64, weak=True, bounds=bounds)
         if a.weak != b.weak:
             weak, strong = (a, b) if a.weak else (b, a)
             if strong.alt is not None and strong.alt.kind == weak.kind:
                 return replace(strong, const=UNKNOWN, call=None)
             same_storage = weak.dtype == strong.dtype
             exact_const = (weak.const is not UNKNOWN
-                           and _resolve(np.add, strong, weak)[2] == strong.dtype
-                           and _exactly(weak.const, strong.dtype))
+                           and resolve(np.add, strong, weak)[2] == strong.dtype
+                           and exactly(weak.const, strong.dtype))
             if same_storage or exact_const:
                 return VType(strong.dtype, alt=replace(weak, call=None), origin=what)
             hint = f"np.{strong.dtype.name}(...)"
@@ -394,7 +168,7 @@ class Emitter:
     @staticmethod
     def _fits(a: VType, b: VType) -> bool:
         """Whether two Python integers both fit int64 (one held as uint64 must be a constant)."""
-        return all(v.dtype == _INT64 or (v.const is not UNKNOWN and v.const < 2**63)
+        return all(v.dtype == INT64 or (v.const is not UNKNOWN and v.const < 2**63)
                    for v in (a, b))
 
     # ---- alternatives (see VType.alt) --------------------------------------------------------
@@ -437,12 +211,12 @@ class Emitter:
             origin = next(v.vt.origin for v in (a, b) if v.vt.alt is not None)
             return Value(result.expr, replace(result.vt, alt=VType(result.vt.dtype, weak=True),
                                               origin=origin))
-        self._check_alt(f"'{op}'", (a, b), loop, _resolve(_BINARY_UFUNCS[op], *alts)[0])
+        self._check_alt(f"'{op}'", (a, b), loop, resolve(BINARY_UFUNCS[op], *alts)[0])
         return result
 
     def _fold(self, op: str, x: Any, y: Any) -> Value:
         try:
-            value = _PY_BINARY[op](x, y)
+            value = PY_BINARY[op](x, y)
         except ZeroDivisionError as exc:
             raise RuleError(f"{x!r} {op} {y!r}: {exc}", ZeroDivisionError) from None
         except (TypeError, ValueError, OverflowError) as exc:
@@ -451,39 +225,39 @@ class Emitter:
 
     def _python_kind(self, op: str, a: VType, b: VType) -> tuple[int, np.dtype]:
         """Python's result rank (0 bool ... 3 complex) and the dtype computing it."""
-        ra, rb = _PY_RANK[a.kind], _PY_RANK[b.kind]
+        ra, rb = PY_RANK[a.kind], PY_RANK[b.kind]
         rank = max(ra, rb)
         if op in ("&", "|", "^"):
             if rank > 1:
                 raise RuleError(f"Python's '{op}' does not take {a.describe()} and "
                                 f"{b.describe()}")
-            return rank, _PY_STORAGE[rank]
+            return rank, PY_STORAGE[rank]
         if op in ("<<", ">>"):
             if rank > 1:
                 raise RuleError(f"Python's '{op}' does not take {a.describe()} and "
                                 f"{b.describe()}")
-            return 1, _INT64
+            return 1, INT64
         if op in ("//", "%") and rank == 3:
             raise RuleError(f"Python's '{op}' does not take complex numbers")
         if op == "/":
             rank = max(rank, 2)
         rank = max(rank, 1)
-        return rank, _PY_STORAGE[rank]
+        return rank, PY_STORAGE[rank]
 
     def _python_binary(self, op: str, a: Value, b: Value) -> Value:
         """Two Python numbers, at least one not a constant: Python's rules, in 64 bits."""
-        if _UINT64 in (a.vt.dtype, b.vt.dtype):
+        if UINT64 in (a.vt.dtype, b.vt.dtype):
             raise RuleError("a Python integer above 2**63 - 1 in arithmetic with another "
                             "Python number: numba computes Python integers in 64 bits")
         if op == "**":
             return self._python_power(a, b)
         rank, dtype = self._python_kind(op, a.vt, b.vt)
         if op in ("&", "|", "^") and rank == 0:
-            return Value(f"({a.expr} {op} {b.expr})", VType(_BOOL, weak=True,
-                                                           call=_call(op, a.vt, b.vt)))
+            return Value(f"({a.expr} {op} {b.expr})", VType(BOOL, weak=True,
+                                                           call=known_call(op, a.vt, b.vt)))
         x = self.convert(a, dtype)
         y = self.convert(b, dtype)
-        s = _suffix(dtype)
+        s = suffix(dtype)
         if op in ("<<", ">>"):
             name = "left_shift_signed" if op == "<<" else "right_shift_signed"
             expr = f"_nr_{name}({x}, {y}, 64)"
@@ -491,7 +265,7 @@ class Emitter:
             expr = {"//": f"_nr_floor_divide_signed({x}, {y})",
                     "%": f"_nr_remainder_signed({x}, {y})"}.get(op, f"_nr_i8({x} {op} {y})")
             if op in ("+", "-", "*"):
-                expr = f"_nr_i8({_wrapping(x, op, y)})"
+                expr = f"_nr_i8({wrapping(x, op, y)})"
         elif op == "*":
             expr = f"_nr_multiply_{s}({x}, {y})"
         elif op in ("//", "%"):
@@ -500,8 +274,8 @@ class Emitter:
             expr = f"_nr_divide_python_c16({x}, {y})"
         else:
             expr = f"({x} {op} {y})"
-        bounds = _binary_bounds(op, a.vt, b.vt) if dtype.kind == "i" else None
-        return Value(expr, VType(dtype, weak=True, bounds=bounds, call=_call(op, a.vt, b.vt)))
+        bounds = binary_bounds(op, a.vt, b.vt) if dtype.kind == "i" else None
+        return Value(expr, VType(dtype, weak=True, bounds=bounds, call=known_call(op, a.vt, b.vt)))
 
     def _python_power(self, a: Value, b: Value) -> Value:
         exp = b.vt.const
@@ -510,26 +284,26 @@ class Emitter:
                 "'**' of two Python numbers with an exponent that is not a constant integer: "
                 "Python's result type depends on the values (2 ** -1 is a float, "
                 "(-8.0) ** 0.5 a complex); use math.pow(x, y) or make one side a NumPy value")
-        rank = max(_PY_RANK[a.vt.kind], 1)
+        rank = max(PY_RANK[a.vt.kind], 1)
         if rank == 3:
             if abs(exp) > 100:
                 raise RuleError("'**' of a Python complex number to a power above 100 is not "
                                 "supported")
-            x = self.convert(a, _COMPLEX128)
+            x = self.convert(a, COMPLEX128)
             return Value(f"_nr_power_python_c16({x}, {int(exp)})",
-                         VType(_COMPLEX128, weak=True, call=_call("**", a.vt, b.vt)))
+                         VType(COMPLEX128, weak=True, call=known_call("**", a.vt, b.vt)))
         if rank == 1 and exp >= 0:
             return Value(f"_nr_i8(_nr_power_integer(_nr_u8({a.expr}), {int(exp)}))",
-                         VType(_INT64, weak=True, bounds=_power_bounds(a.vt, int(exp)),
-                               call=_call("**", a.vt, b.vt)))
-        x = self.convert(a, _FLOAT64)
+                         VType(INT64, weak=True, bounds=power_bounds(a.vt, int(exp)),
+                               call=known_call("**", a.vt, b.vt)))
+        x = self.convert(a, FLOAT64)
         if exp == 2:
-            return Value(f"_nr_multiply_f8({x}, {x})", VType(_FLOAT64, weak=True))
-        return Value(f"({x} ** {literal(float(exp))})", VType(_FLOAT64, weak=True))
+            return Value(f"_nr_multiply_f8({x}, {x})", VType(FLOAT64, weak=True))
+        return Value(f"({x} ** {literal(float(exp))})", VType(FLOAT64, weak=True))
 
     def _numpy_binary(self, op: str, a: Value, b: Value) -> tuple[Value, np.dtype]:
-        ufunc = _BINARY_UFUNCS[op]
-        la, lb, out = _resolve(ufunc, a.vt, b.vt)
+        ufunc = BINARY_UFUNCS[op]
+        la, lb, out = resolve(ufunc, a.vt, b.vt)
         if (la.kind == "f" and la.itemsize == 2) or (out.kind == "f" and out.itemsize == 2):
             raise RuleError(f"NumPy computes '{op}' of {a.vt.describe()} and {b.vt.describe()} "
                             "in float16, which numba's CPU target does not have; convert to "
@@ -538,7 +312,7 @@ class Emitter:
         x = self.convert(a, la, what=what)
         y = self.convert(b, lb, what=what)
         t = la
-        s = _suffix(t)
+        s = suffix(t)
         cast = cast_name(out)
         k = t.kind
         if op in ("+", "-", "*", "&", "|", "^"):
@@ -550,7 +324,7 @@ class Emitter:
             elif k in "fc":
                 expr = f"({x} {op} {y})"
             elif k in "iu" and op in ("+", "-", "*"):
-                expr = f"{cast}({_wrapping(x, op, y)})"
+                expr = f"{cast}({wrapping(x, op, y)})"
             else:
                 expr = f"{cast}({x} {op} {y})"
         elif op == "/":
@@ -560,13 +334,13 @@ class Emitter:
             if k == "f":
                 expr = f"_nr_{name}_{s}({x}, {y})"
             else:
-                sign, wide = _integer_helper(k)
+                sign, wide = integer_helper(k)
                 expr = f"{cast}(_nr_{name}_{sign}({wide}({x}), {wide}({y})))"
         elif op == "**":
             expr = self._numpy_power(a, b, t, x, y)
         else:  # shifts
             name = "left_shift" if op == "<<" else "right_shift"
-            sign, wide = _integer_helper(k)
+            sign, wide = integer_helper(k)
             expr = f"{cast}(_nr_{name}_{sign}({wide}({x}), {wide}({y}), {8 * t.itemsize}))"
         return Value(expr, VType(out)), t
 
@@ -588,9 +362,9 @@ class Emitter:
                     "(np.uint8(...)) or a float")
             return f"{cast}(_nr_power_integer(_nr_u8({x}), _nr_u8({y})))"
         if t.kind == "f" and b.vt.const is not UNKNOWN and b.vt.const == 2:
-            return f"_nr_multiply_{_suffix(t)}({x}, {x})"
+            return f"_nr_multiply_{suffix(t)}({x}, {x})"
         if t.kind == "c":
-            return f"_nr_power_{_suffix(t)}({x}, {y})"
+            return f"_nr_power_{suffix(t)}({x}, {y})"
         return f"{cast}({x} ** {y})"
 
     # ---- comparisons -----------------------------------------------------------------------
@@ -599,29 +373,29 @@ class Emitter:
         if a.vt.weak and b.vt.weak:
             if a.vt.const is not UNKNOWN and b.vt.const is not UNKNOWN:
                 try:
-                    return self.constant(bool(_PY_COMPARE[op](a.vt.const, b.vt.const)))
+                    return self.constant(bool(PY_COMPARE[op](a.vt.const, b.vt.const)))
                 except TypeError as exc:
                     raise RuleError(str(exc)) from None
-            rank = max(_PY_RANK[a.vt.kind], _PY_RANK[b.vt.kind])
+            rank = max(PY_RANK[a.vt.kind], PY_RANK[b.vt.kind])
             if rank == 3 and op not in ("==", "!="):
                 raise RuleError("Python does not order complex numbers")
-            call = _call(op, a.vt, b.vt)
+            call = known_call(op, a.vt, b.vt)
             if rank <= 1:
-                return Value(self._int_compare(op, a, b), VType(_BOOL, weak=True, call=call))
-            dtype = _PY_STORAGE[rank]
+                return Value(self._int_compare(op, a, b), VType(BOOL, weak=True, call=call))
+            dtype = PY_STORAGE[rank]
             return Value(f"({self.convert(a, dtype)} {op} {self.convert(b, dtype)})",
-                         VType(_BOOL, weak=True, call=call))
+                         VType(BOOL, weak=True, call=call))
         if self._integral(a.vt) and self._integral(b.vt) and (a.vt.weak or b.vt.weak):
             # NumPy compares a Python integer with any integer exactly, in range or not.
             expr = self._int_compare(op, a, b)
         else:
-            la, lb, _ = _resolve(_COMPARE_UFUNCS[op], a.vt, b.vt)
+            la, lb, _ = resolve(COMPARE_UFUNCS[op], a.vt, b.vt)
             x = self.convert(a, la)
             y = self.convert(b, lb)
             if la != lb:  # NumPy's exact int64/uint64 loops
                 expr = self._int_compare(op, Value(x, VType(la)), Value(y, VType(lb)))
             elif la.kind == "c" and op not in ("==", "!="):
-                s = _suffix(la)
+                s = suffix(la)
                 if op in ("<", "<="):
                     expr = f"_nr_{'less' if op == '<' else 'less_equal'}_{s}({x}, {y})"
                 else:
@@ -632,16 +406,16 @@ class Emitter:
         if alts is not None:
             self._check_alt(f"'{op}'", (a, b), self._compare_domain(op, a.vt, b.vt),
                             self._compare_domain(op, *alts))
-        return Value(expr, VType(_BOOL))
+        return Value(expr, VType(BOOL))
 
     def _compare_domain(self, op: str, a: VType, b: VType) -> str:
         """What a comparison computes in: "exact" for integers, else the loop's dtype."""
         if self._integral(a) and self._integral(b) and (a.weak or b.weak):
             return "exact"
         if a.weak and b.weak:
-            rank = max(_PY_RANK[a.kind], _PY_RANK[b.kind])
-            return "exact" if rank <= 1 else str(_PY_STORAGE[rank])
-        la, lb, _ = _resolve(_COMPARE_UFUNCS[op], a, b)
+            rank = max(PY_RANK[a.kind], PY_RANK[b.kind])
+            return "exact" if rank <= 1 else str(PY_STORAGE[rank])
+        la, lb, _ = resolve(COMPARE_UFUNCS[op], a, b)
         return "exact" if la.kind in "iub" and lb.kind in "iub" else str(la)
 
     @staticmethod
@@ -650,15 +424,15 @@ class Emitter:
 
     def _int_compare(self, op: str, a: Value, b: Value) -> str:
         """Exact comparison of two integers of any signedness and width."""
-        big_a = a.vt.dtype == _UINT64
-        big_b = b.vt.dtype == _UINT64
+        big_a = a.vt.dtype == UINT64
+        big_b = b.vt.dtype == UINT64
         if big_a and big_b:
             return f"(_nr_u8({a.expr}) {op} _nr_u8({b.expr}))"
         if not big_a and not big_b:
             return f"(_nr_i8({a.expr}) {op} _nr_i8({b.expr}))"
         if big_b:
             return f"(_nr_compare_signed_unsigned({a.expr}, {b.expr}) {op} 0)"
-        return f"(_nr_compare_signed_unsigned({b.expr}, {a.expr}) {_SWAPPED[op]} 0)"
+        return f"(_nr_compare_signed_unsigned({b.expr}, {a.expr}) {SWAPPED[op]} 0)"
 
     # ---- unary ---------------------------------------------------------------------------
     def unary(self, op: str, a: Value) -> Value:
@@ -671,18 +445,18 @@ class Emitter:
                                           "~": operator.invert}[op](vt.const))
                 except TypeError as exc:
                     raise RuleError(str(exc)) from None
-            if vt.dtype == _UINT64:
+            if vt.dtype == UINT64:
                 raise RuleError("a Python integer above 2**63 - 1 in arithmetic: numba "
                                 "computes Python integers in 64 bits")
             if op == "~":
                 if vt.kind not in "iu":
                     raise RuleError(f"Python's '~' does not take {vt.describe()}")
-                return Value(f"(~{a.expr})", VType(_INT64, weak=True))
-            bounds = _unary_bounds(op, vt) if op == "-" else int_bounds(vt)
+                return Value(f"(~{a.expr})", VType(INT64, weak=True))
+            bounds = unary_bounds(op, vt) if op == "-" else int_bounds(vt)
             if vt.kind == "b":
-                return Value(f"({op}_nr_i8({a.expr}))", VType(_INT64, weak=True, bounds=bounds,
-                                                             call=_call(op, vt)))
-            return Value(f"({op}{a.expr})", replace(vt, const=UNKNOWN, call=_call(op, vt),
+                return Value(f"({op}_nr_i8({a.expr}))", VType(INT64, weak=True, bounds=bounds,
+                                                             call=known_call(op, vt)))
+            return Value(f"({op}{a.expr})", replace(vt, const=UNKNOWN, call=known_call(op, vt),
                                                     bounds=bounds if vt.kind in "iu" else None))
         ufunc = {"-": np.negative, "+": np.positive, "~": np.invert}[op]
         try:
@@ -709,11 +483,11 @@ class Emitter:
         if vt.kind == "b":
             return a.expr
         if vt.kind == "c":
-            return f"_nr_truth_{_suffix(vt.dtype)}({a.expr})"
+            return f"_nr_truth_{suffix(vt.dtype)}({a.expr})"
         return f"({a.expr} != 0)"
 
     def logical_not(self, a: Value) -> Value:
-        return Value(f"(not {self.truth(a)})", VType(_BOOL, weak=True))
+        return Value(f"(not {self.truth(a)})", VType(BOOL, weak=True))
 
     # ---- attributes and calls --------------------------------------------------------------
     def attribute(self, a: Value, name: str) -> Value:
@@ -745,232 +519,16 @@ class Emitter:
             return self.constant(abs(vt.const))
         if vt.kind == "c":
             real = np.dtype(f"f{vt.dtype.itemsize // 2}")
-            return Value(f"_nr_absolute_{_suffix(vt.dtype)}({a.expr})", VType(real, weak=vt.weak))
+            return Value(f"_nr_absolute_{suffix(vt.dtype)}({a.expr})", VType(real, weak=vt.weak))
         if vt.weak:
-            dtype = _INT64 if vt.kind == "b" else vt.dtype
-            if dtype == _UINT64:
+            dtype = INT64 if vt.kind == "b" else vt.dtype
+            if dtype == UINT64:
                 return a
-            bounds = _unary_bounds("abs", vt) if dtype.kind == "i" else None
+            bounds = unary_bounds("abs", vt) if dtype.kind == "i" else None
             return Value(f"abs({self.convert(a, dtype)})", VType(dtype, weak=True, bounds=bounds,
-                                                                call=_call("abs", vt)))
+                                                                call=known_call("abs", vt)))
         if vt.kind in "ub":
             return a
         if vt.kind == "i":  # in 64 bits, then wrapped: abs of int8 -128 is -128
             return Value(f"{cast_name(vt.dtype)}(abs(_nr_i8({a.expr})))", VType(vt.dtype))
         return Value(f"{cast_name(vt.dtype)}(abs({a.expr}))", VType(vt.dtype))
-
-    def python_number(self, kind: str, args: list[Value]) -> Value:
-        """``float(x)``, ``int(x)``, ``complex(x[, y])``, ``bool(x)``: Python numbers."""
-        if kind == "bool":
-            (a,) = args
-            return Value(self.truth(a), VType(_BOOL, weak=True))
-        if all(v.vt.const is not UNKNOWN for v in args):
-            builtin = {"float": float, "int": int, "complex": complex}[kind]
-            try:
-                return self.constant(builtin(*(v.vt.const for v in args)))
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise RuleError(f"{kind}(...): {exc}", type(exc)) from None
-        if kind == "complex":
-            if len(args) == 2:
-                if any(v.vt.kind == "c" for v in args):
-                    raise RuleError("complex(re, im) with a complex argument is not supported")
-                re, im = (self.convert(v, _FLOAT64, astype=True) for v in args)
-                return Value(f"complex({re}, {im})", VType(_COMPLEX128, weak=True))
-            (a,) = args
-            return Value(self.convert(a, _COMPLEX128, astype=True), VType(_COMPLEX128, weak=True))
-        (a,) = args
-        if a.vt.kind == "c":
-            raise RuleError(f"{kind}() of a complex number: Python raises TypeError")
-        if kind == "float":
-            return Value(self.convert(a, _FLOAT64, astype=True), VType(_FLOAT64, weak=True))
-        # int(): truncates a float toward zero; an integer keeps its value (uint64 as uint64).
-        call = _call("int", a.vt) if a.vt.weak else None
-        if a.vt.dtype == _UINT64:
-            return Value(a.expr, VType(_UINT64, weak=True, call=call))
-        return Value(f"_nr_i8({a.expr})", VType(_INT64, weak=True, call=call))
-
-    def numpy_cast(self, dtype: np.dtype, a: Value) -> Value:
-        """``np.float32(x)`` and the like: NumPy's conversion of a scalar."""
-        _check_supported(dtype, f"np.{dtype.name}(...)")
-        if dtype.kind == "b":
-            return Value(self.truth(a), VType(_BOOL))
-        if a.vt.kind == "c" and dtype.kind != "c":
-            raise RuleError(f"np.{dtype.name}() of a complex number (take .real first)")
-        if a.vt.weak and a.vt.kind in "iu" and dtype.kind in "iu":
-            self._check_python_int(a, dtype, f"np.{dtype.name}(...) of a Python integer")
-        return Value(self.convert(a, dtype, astype=True), VType(dtype))
-
-    def math_call(self, name: str, args: list[Value]) -> Value:
-        """``math.<name>(...)``: arguments as Python floats, a Python number back."""
-        spec = _MATH.get(name)
-        if spec is None:
-            raise RuleError(f"math.{name} is not supported in elementwise functions "
-                            f"(supported: {', '.join(sorted(_MATH))})")
-        nargs, result = spec
-        if len(args) != nargs:
-            raise RuleError(f"math.{name} takes {nargs} argument(s), got {len(args)}")
-        converted = []
-        for i, v in enumerate(args):
-            if v.vt.kind == "c":
-                raise RuleError(f"math.{name} of a complex number (Python raises TypeError; "
-                                "use cmath)")
-            if name == "ldexp" and i == 1:
-                if v.vt.kind not in "iub":
-                    raise RuleError("math.ldexp takes an integer exponent")
-                converted.append(f"_nr_i8({v.expr})")
-            else:
-                converted.append(self.convert(v, _FLOAT64, astype=True))
-        dtype = {"float": _FLOAT64, "int": _INT64, "bool": _BOOL}[result]
-        call = _call(f"math.{name}", *(v.vt for v in args))
-        return Value(f"math.{name}({', '.join(converted)})", VType(dtype, weak=True, call=call))
-
-    def cmath_call(self, name: str, args: list[Value]) -> Value:
-        """``cmath.<name>(x)``: the argument as a Python complex, a Python number back."""
-        result = _CMATH.get(name)
-        if result is None:
-            raise RuleError(f"cmath.{name} is not supported in elementwise functions "
-                            f"(supported: {', '.join(sorted(_CMATH))})")
-        if len(args) != 1:
-            raise RuleError(f"cmath.{name} takes one argument, got {len(args)}")
-        x = self.convert(args[0], _COMPLEX128, astype=True)
-        dtype = _COMPLEX128 if result == "complex" else _BOOL
-        return Value(f"cmath.{name}({x})", VType(dtype, weak=True))
-
-    def ufunc_call(self, ufunc: np.ufunc, args: list[Value]) -> Value:
-        """``np.<ufunc>(...)`` on scalars: NumPy's loop; a NumPy scalar back."""
-        name = ufunc.__name__
-        if len(args) != ufunc.nin:
-            raise RuleError(f"np.{name} takes {ufunc.nin} argument(s) here, got {len(args)}")
-        if name in _UFUNC_OPERATORS:
-            op = _UFUNC_OPERATORS[name]
-            if ufunc.nin == 2:
-                if op in _COMPARE_UFUNCS:
-                    result = self.compare(op, *args)
-                else:
-                    result = self.binary(op, *args)
-                return self._strong(result)
-            if op == "abs":
-                return self._strong(self.absolute(args[0]))
-            return self._strong(self.unary(op, args[0]))
-        if name not in _UFUNC_MATH and name not in _UFUNC_HELPERS:
-            supported = sorted({*_UFUNC_MATH, *_UFUNC_HELPERS, *_UFUNC_OPERATORS})
-            raise RuleError(f"np.{name} is not supported in elementwise functions "
-                            f"(supported: {', '.join(supported)})")
-        loop = _resolve(ufunc, *(v.vt for v in args))
-        ins, out = loop[:-1], loop[-1]
-        if any(d.kind == "f" and d.itemsize == 2 for d in loop):
-            raise RuleError(f"NumPy computes np.{name} of "
-                            f"{' and '.join(v.vt.describe() for v in args)} in float16, which "
-                            "numba's CPU target does not have; convert to float32 first "
-                            f"(np.{name}(np.float32(x)))")
-        if any(d.kind == "c" for d in loop) and name not in ("isnan", "isinf", "isfinite"):
-            raise RuleError(f"np.{name} of complex numbers is not supported (use cmath)")
-        xs = [self.convert(v, d, what=f"the argument of np.{name}") for v, d in zip(args, ins)]
-        if name in _UFUNC_HELPERS:
-            if ins[0].kind in "iub":
-                if name in ("isnan", "isinf"):
-                    return Value("False", VType(_BOOL))
-                if name == "isfinite":
-                    return Value("True", VType(_BOOL))
-                op = {"maximum": ">=", "fmax": ">=", "minimum": "<=", "fmin": "<="}[name]
-                return Value(f"({xs[0]} if {xs[0]} {op} {xs[1]} else {xs[1]})", VType(out))
-            if name in ("isnan", "isinf", "isfinite"):
-                if ins[0].kind == "c":
-                    parts = [f"math.{name}(({xs[0]}).{p})" for p in ("real", "imag")]
-                    joiner = " and " if name == "isfinite" else " or "
-                    return Value(f"({joiner.join(parts)})", VType(_BOOL))
-                return Value(f"math.{name}({xs[0]})", VType(_BOOL))
-            return Value(f"_nr_{name}_{_suffix(ins[0])}({', '.join(xs)})", VType(out))
-        if ins[0].kind in "iub":  # floor, ceil, trunc of integers keep them
-            return Value(xs[0], VType(out))
-        if name in ("floor", "ceil", "trunc"):  # math.floor would give an int
-            return Value(f"_nr_{name}_{_suffix(ins[0])}({xs[0]})", VType(out))
-        return Value(f"{cast_name(out)}(math.{_UFUNC_MATH[name]}({', '.join(xs)}))", VType(out))
-
-    @staticmethod
-    def _strong(v: Value) -> Value:
-        """NumPy's ufuncs give NumPy scalars, also from Python numbers."""
-        if not v.vt.weak:
-            return v
-        return Value(f"{cast_name(v.vt.dtype)}({v.expr})", VType(v.vt.dtype))
-
-
-def _wrapping(x: str, op: str, y: str) -> str:
-    """``x op y`` (+, - or *) of integers, modulo 2**64: in unsigned 64-bit arithmetic, whose
-    overflow is defined (numba marks signed integer arithmetic as not overflowing, so that
-    LLVM and NVVM may assume it does not), to be converted to the loop's type, which keeps the
-    low bits as NumPy's wrapping does."""
-    return f"_nr_u8({x}) {op} _nr_u8({y})"
-
-
-def _integer_helper(kind: str) -> tuple[str, str]:
-    """The integer helpers' variant for a loop of this kind, and the conversion of its operands:
-    64 bits wide, so that each helper is compiled once, not once per pair of integer types."""
-    return ("signed", "_nr_i8") if kind == "i" else ("unsigned", "_nr_u8")
-
-
-def _call(op: str, *vts: VType) -> str | None:
-    """The Python expression (of the call's ``args``) of ``op`` applied to values known at the
-    call (Python numbers given as arguments, constants, values computed from them); None where
-    any operand depends on array elements."""
-    parts = []
-    for vt in vts:
-        if not vt.weak:
-            return None
-        if vt.const is not UNKNOWN:
-            parts.append(repr(vt.const))
-        elif vt.call is not None:
-            parts.append(vt.call)
-        else:
-            return None
-    if len(parts) == 2 and (op in _PY_BINARY or op in _PY_COMPARE):
-        return f"({parts[0]} {op} {parts[1]})"
-    if len(parts) == 1 and op in ("-", "+", "~"):
-        return f"({op}{parts[0]})"
-    return f"{op}({', '.join(parts)})"
-
-
-def _check_supported(dtype: np.dtype, what: str) -> None:
-    if dtype.kind == "f" and dtype.itemsize == 2:
-        raise RuleError(f"{what}: float16 is not supported (numba's CPU target has no float16)")
-    if dtype.kind not in "biufc" or dtype.itemsize > 16 or (dtype.kind == "f"
-                                                             and dtype.itemsize > 8):
-        raise RuleError(f"{what}: dtype {dtype} is not supported")
-
-
-#: math functions: (number of arguments, result: "float", "int" or "bool"). Those that numba
-#: compiles both for the CPU and for CUDA.
-_MATH: dict[str, tuple[int, str]] = {
-    **{name: (1, "float") for name in (
-        "acos", "acosh", "asin", "asinh", "atan", "atanh", "cos", "cosh", "sin", "sinh", "tan",
-        "tanh", "exp", "expm1", "log", "log10", "log1p", "log2", "sqrt", "fabs", "erf", "erfc",
-        "gamma", "lgamma", "degrees", "radians")},
-    **{name: (2, "float") for name in ("atan2", "hypot", "copysign", "pow", "ldexp")},
-    **{name: (1, "int") for name in ("floor", "ceil", "trunc")},
-    **{name: (1, "bool") for name in ("isnan", "isinf", "isfinite")},
-}
-#: cmath functions numba compiles for the CPU and CUDA: result "complex" or "bool".
-_CMATH: dict[str, str] = {
-    **{name: "complex" for name in ("acos", "asin", "asinh", "atan", "atanh", "cos", "exp",
-                                     "log", "sin", "sqrt", "tan")},
-    **{name: "bool" for name in ("isnan", "isinf", "isfinite")},
-}
-#: NumPy ufuncs that are operators.
-_UFUNC_OPERATORS = {
-    "add": "+", "subtract": "-", "multiply": "*", "divide": "/", "true_divide": "/",
-    "floor_divide": "//", "remainder": "%", "power": "**", "bitwise_and": "&",
-    "bitwise_or": "|", "bitwise_xor": "^", "left_shift": "<<", "right_shift": ">>",
-    "less": "<", "less_equal": "<=", "greater": ">", "greater_equal": ">=", "equal": "==",
-    "not_equal": "!=", "negative": "-", "positive": "+", "invert": "~", "absolute": "abs",
-}
-#: NumPy ufuncs computed by the math function of their loop's precision.
-_UFUNC_MATH = {
-    "sqrt": "sqrt", "exp": "exp", "expm1": "expm1", "log": "log", "log2": "log2",
-    "log10": "log10", "log1p": "log1p", "sin": "sin", "cos": "cos", "tan": "tan",
-    "arcsin": "asin", "arccos": "acos", "arctan": "atan", "sinh": "sinh", "cosh": "cosh",
-    "tanh": "tanh", "arcsinh": "asinh", "arccosh": "acosh", "arctanh": "atanh",
-    "floor": "floor", "ceil": "ceil", "trunc": "trunc", "fabs": "fabs", "arctan2": "atan2",
-    "hypot": "hypot", "copysign": "copysign",
-}
-#: NumPy ufuncs with a helper of their own (nan handling).
-_UFUNC_HELPERS = ("maximum", "minimum", "fmax", "fmin", "isnan", "isinf", "isfinite")
