@@ -3,7 +3,7 @@
 A scalar Python function becomes an operation on Dask arrays (NumPy and CuPy arrays and numbers
 are accepted too) with NumPy's broadcasting, and NumPy's result dtype and values for that
 function (the function is translated per dtype signature:
-:mod:`dask_gpuchunk._kernels.translate`). Each chunk runs through
+:mod:`dask_gpuchunk.ufunc.translate`). Each chunk runs through
 :func:`dask_gpuchunk.backend.run_elementwise`: numba CUDA kernel on the GPU, numba parallel twin
 on the CPU, compiled lazily per dtype signature.
 
@@ -35,9 +35,9 @@ from ._kernels.elementwise import (
     kernels_for,
     reduced_dtype,
 )
-from ._kernels.numpy_rules import VType
-from ._kernels.translate import check_call
-from ._kernels.user_functions import Loop, pick_loop, scalar_function
+from .ufunc.numpy_rules import VType
+from .ufunc.translate import check_call
+from .ufunc.user_functions import Loop, pick_loop, scalar_function
 from .arrays import is_array_like
 from .backend import is_cupy, run_elementwise
 from .config import listed_graphs, map_blocks_prefix
@@ -420,7 +420,7 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
     stays ``float32``, ``int8 * 300`` raises ``OverflowError``), ``int64 * uint64`` is
     ``float64``, integer ``//`` and ``%`` by zero give 0. The function is translated per dtype
     signature so that numba computes exactly that, on the CPU and the GPU alike
-    (:mod:`dask_gpuchunk._kernels.translate` lists what it translates); what cannot be computed
+    (:mod:`dask_gpuchunk.ufunc.translate` lists what it translates); what cannot be computed
     as NumPy computes it is refused with a ``TypeError`` naming the line, never computed
     differently.
 

@@ -16,7 +16,7 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import Task, TaskRef
 
 from ._kernels.elementwise import ElementwisePlan, is_python_number
-from ._kernels.numpy_rules import VType
+from .ufunc.numpy_rules import VType
 from .backend import device_call, input_kind, is_cupy
 from .budget import check_fits
 from .config import map_blocks_prefix

@@ -22,7 +22,7 @@ from dask.base import tokenize
 
 from . import _compat
 from ._kernels.elementwise import check_dtype
-from ._kernels.user_functions import (
+from .ufunc.user_functions import (
     cuda_kernel_function,
     gufunc_parts,
     is_cuda_kernel,

@@ -58,7 +58,7 @@ def test_multiply_every_dtype_uneven_chunks(rng, dtype, device):
     assert_same(result.compute(), expected)
 
 
-# Every pair's values are checked at the kernel level (tests/_kernels/test_numpy_rules.py);
+# Every pair's values are checked at the kernel level (tests/ufunc/test_numpy_rules.py);
 # here every dtype meets an int8, a uint64 or a float32 in turn through dg.multiply's whole
 # path, and the pairs whose promotion widens or changes kind meet both ways (one compiled CPU
 # kernel per pair, 2.5 s each on CI's cores: all 39 pairs took a minute of the run).

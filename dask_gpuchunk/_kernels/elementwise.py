@@ -4,7 +4,7 @@ A user's scalar function ``f(a, b, ...)`` becomes, per number of arguments and d
 a generated kernel ``kernel(out, a0, a1, ...)`` that writes ``out[idx] = f(a0[idx], a1[idx], ...)``
 for every index of ``out``. With ``rules="numpy"`` (the default) ``f`` is the user's function
 translated for the chunk's dtypes so that it computes NumPy's values
-(:mod:`~dask_gpuchunk._kernels.translate`); with ``rules="numba"`` it is the user's function as
+(:mod:`~dask_gpuchunk.ufunc.translate`); with ``rules="numba"`` it is the user's function as
 numba types it. Inputs arrive already broadcast to ``out``'s shape (views with zero
 strides where an input is broadcast) and with their dimensions collapsed as far as their strides
 allow (:func:`collapse_dims`), so the common cases run as one flat loop.
@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 
 from .launch import DirectLaunch, StridedArg, current_device, load_lock
-from .numpy_rules import VType
+from ..ufunc.numpy_rules import VType
 from .source_cache import function_stamp, numba_cache_here
-from .translate import Sources, Translation, capture_sources, translate
-from .user_functions import for_target
+from ..ufunc.translate import Sources, Translation, capture_sources, translate
+from ..ufunc.user_functions import for_target
 from .elementwise_rules import (
     REDUCTIONS,
     RULES,
@@ -97,7 +97,7 @@ class ElementwiseKernels:
         ``"numba"``: compiled as numba types it.
     fma
         With ``rules="numpy"``, let the CUDA kernels fuse floating-point products with
-        additions (:data:`~dask_gpuchunk._kernels.numpy_ops.CUDA_TARGETS`); the CPU twin is
+        additions (:data:`~dask_gpuchunk.ufunc.numpy_ops.CUDA_TARGETS`); the CPU twin is
         unchanged.
 
     Examples
@@ -116,7 +116,7 @@ class ElementwiseKernels:
             raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
         self.func = func
         #: The source files the translation reads, taken where the function was defined and
-        #: carried with it to every worker (:func:`~dask_gpuchunk._kernels.translate.capture_sources`);
+        #: carried with it to every worker (:func:`~dask_gpuchunk.ufunc.translate.capture_sources`);
         #: taken when the kernels are first pickled (``None`` until then).
         self.sources = dict(sources) if sources is not None else None
         self.nargs = nargs
@@ -220,7 +220,7 @@ class ElementwiseKernels:
             if kernel is None:
                 import numba
 
-                from .numpy_ops import namespace
+                from ..ufunc.numpy_ops import namespace
 
                 ndim, _, args, _, spec = key
                 source = _cpu_source([scalar for _, scalar, _ in args], ndim, spec)
@@ -269,7 +269,7 @@ class ElementwiseKernels:
                 from numba import cuda
                 from numba.cuda import config as cuda_config
 
-                from .numpy_ops import namespace
+                from ..ufunc.numpy_ops import namespace
 
                 ndim, _, args, _, spec = key
                 threads = (_reduction_config(1) if spec.reductions else _launch_config(1))[0]
@@ -387,7 +387,7 @@ _registry_lock = threading.Lock()
 
 def _for_target(func: Callable, target: str) -> Callable:
     """``func`` with the numba functions it calls compiled for ``target``
-    (:func:`~dask_gpuchunk._kernels.user_functions.for_target`)."""
+    (:func:`~dask_gpuchunk.ufunc.user_functions.for_target`)."""
     return for_target(func, target) if isinstance(func, types.FunctionType) else func
 
 

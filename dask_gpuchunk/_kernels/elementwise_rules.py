@@ -11,13 +11,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .numpy_rules import VType, weak_type
+from ..ufunc.numpy_rules import VType, weak_type
 from .source_cache import cached_njit
 
 __all__ = ["ElementwisePlan", "arg_type", "check_dtype", "collapse_dims", "is_python_number", "is_scalar", "numba_result_dtype", "partial_dtype", "reduced_dtype", "reference"]
 
 #: How an elementwise function's arithmetic is compiled: "numpy" (NumPy's types and values,
-#: through :func:`~dask_gpuchunk._kernels.translate.translate`) or "numba" (numba's own).
+#: through :func:`~dask_gpuchunk.ufunc.translate.translate`) or "numba" (numba's own).
 RULES = ("numpy", "numba")
 
 #: The dtypes elementwise operations accept and produce.

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .numpy_rules import weak_type
+from ..ufunc.numpy_rules import weak_type
 from .source_cache import load_kernel
 from .elementwise_rules import ElementwisePlan, is_python_number, is_scalar
 

@@ -26,7 +26,7 @@ from dask_gpuchunk._kernels.elementwise import (
     reduced_dtype,
     reference,
 )
-from dask_gpuchunk._kernels.numpy_rules import VType
+from dask_gpuchunk.ufunc.numpy_rules import VType
 
 
 def mul(a, b):

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 
-from dask_gpuchunk._kernels.numpy_ops import CAST_DTYPES, cast_name, namespace
+from dask_gpuchunk.ufunc.numpy_ops import CAST_DTYPES, cast_name, namespace
 
 TARGETS = ["sim", "cpu"]
 

@@ -1,4 +1,4 @@
-"""A scalar function's source, found and carried: what :mod:`dask_gpuchunk._kernels.translate`
+"""A scalar function's source, found and carried: what :mod:`dask_gpuchunk.ufunc.translate`
 reads to translate it, on whichever process it runs.
 
 :func:`capture_sources` takes the text of a function's file (and of every plain Python function

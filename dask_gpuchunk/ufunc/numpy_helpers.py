@@ -1,5 +1,5 @@
 """NumPy's scalar operations as plain Python, written once, for
-:mod:`dask_gpuchunk._kernels.numpy_ops` to bind per target and precision.
+:mod:`dask_gpuchunk.ufunc.numpy_ops` to bind per target and precision.
 
 Each helper's globals (``ZERO``, ``ONE``, casts, ``FLOOR``, ``FMOD``, ``FMUL``, ``FMA``, the
 other helpers it calls) are not this module's: ``numpy_ops._instantiate`` copies each function

@@ -1,13 +1,13 @@
 """Translate a scalar Python function into source that computes by NumPy's rules.
 
 ``translate(func, argtypes)`` reads ``func``'s source, walks it once per dtype signature with
-the types of :mod:`~dask_gpuchunk._kernels.numpy_rules`, and writes a new function ``f`` in
+the types of :mod:`~dask_gpuchunk.ufunc.numpy_rules`, and writes a new function ``f`` in
 which every operation's types are explicit. numba (CPU or CUDA) compiles ``f`` and computes, for
 every value, what NumPy computes when ``func`` is called on NumPy scalars of those dtypes.
 
 Each assignment makes a new variable (``v3_x``), so a name may change type as the function
 runs, as in Python. Where paths meet (after an ``if``, at a loop's head) a name must have one
-type (:meth:`~dask_gpuchunk._kernels.numpy_rules.Emitter.join`).
+type (:meth:`~dask_gpuchunk.ufunc.numpy_rules.Emitter.join`).
 
 The subset translated: assignments (also ``+=`` and tuples), ``if``/``elif``/``else``,
 ``for`` over ``range``, ``while``, ``break``, ``continue``, ``return``; arithmetic, comparisons,
@@ -43,12 +43,12 @@ class Translation:
 
     ``source`` defines the functions named in ``functions`` (the translated helpers first,
     ``f`` last), all to be compiled for the target with the globals of
-    :func:`dask_gpuchunk._kernels.numpy_ops.namespace`. ``result_dtype`` is NumPy's dtype for
+    :func:`dask_gpuchunk.ufunc.numpy_ops.namespace`. ``result_dtype`` is NumPy's dtype for
     the function's result; ``f`` returns values of ``out_dtype`` (the result dtype unless
     another was asked for). A function that returns a tuple of numbers (NumPy's ``nout``
     convention) has one dtype per value in ``result_dtypes`` and ``out_dtypes``, and ``nout``. ``call_checks`` is what the call must check of values computed from
     the Python numbers given as arguments, as NumPy would raise
-    (:class:`~dask_gpuchunk._kernels.numpy_rules.Emitter`; :func:`check_call` checks them).
+    (:class:`~dask_gpuchunk.ufunc.numpy_rules.Emitter`; :func:`check_call` checks them).
     """
 
     source: str
@@ -76,7 +76,7 @@ def check_call(translation: Translation, args: Sequence[Any]) -> None:
 
     Examples
     --------
-    >>> from dask_gpuchunk._kernels.numpy_rules import weak_type
+    >>> from dask_gpuchunk.ufunc.numpy_rules import weak_type
     >>> t = translate(lambda a, k: a * (k + 1), [VType(np.dtype("int8")), weak_type(0, 1)])
     >>> check_call(t, [None, 126])
     >>> check_call(t, [None, 127])
@@ -105,7 +105,7 @@ def translate(func: Callable, argtypes: Sequence[VType],
         where its source can be read (a file, a notebook cell, a doctest).
     argtypes
         Each argument's type: ``VType(dtype)`` for a NumPy array or scalar,
-        :func:`~dask_gpuchunk._kernels.numpy_rules.weak_type` for a Python number.
+        :func:`~dask_gpuchunk.ufunc.numpy_rules.weak_type` for a Python number.
     out_dtype
         What ``f`` returns (each result converted as ``astype`` converts); default NumPy's
         result dtype. A sequence of dtypes for a function that returns a tuple.
@@ -124,7 +124,7 @@ def translate(func: Callable, argtypes: Sequence[VType],
 
     Examples
     --------
-    >>> from dask_gpuchunk._kernels.numpy_rules import weak_type
+    >>> from dask_gpuchunk.ufunc.numpy_rules import weak_type
     >>> t = translate(lambda x: x * 0.1 + 0.7, [VType(np.dtype("float32"))])
     >>> t.result_dtype
     dtype('float32')

@@ -1,6 +1,6 @@
 """Scalar operations with NumPy's results, for translated elementwise functions, per target.
 
-:mod:`dask_gpuchunk._kernels.numpy_rules` translates a user's scalar function into code where
+:mod:`dask_gpuchunk.ufunc.numpy_rules` translates a user's scalar function into code where
 every operation's types are explicit (``_nr_i1(_nr_i1(a) * _nr_i1(b))``). What numba's own
 ``//``, ``%``, ``<<``, ``**`` or complex ``/`` would not compute as NumPy does, and every
 floating-point product, goes through a helper named here. :func:`namespace` binds those names

@@ -1,7 +1,7 @@
 """The values of a translated scalar function and NumPy's types for them: a value's type
 (:class:`VType`: a dtype, strong or weak, with what is known of it), the bounds of integers
 known at translation, literals, NumPy's loop for an operation, and the small pieces of code the
-rules write (see :mod:`dask_gpuchunk._kernels.numpy_rules`). No dask here.
+rules write (see :mod:`dask_gpuchunk.ufunc.numpy_rules`). No dask here.
 """
 
 from __future__ import annotations

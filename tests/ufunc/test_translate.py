@@ -17,9 +17,9 @@ import pytest
 from helpers import assert_same
 
 from dask_gpuchunk._kernels.elementwise import arg_type, reference
-from dask_gpuchunk._kernels.numpy_ops import namespace
-from dask_gpuchunk._kernels.numpy_rules import VType
-from dask_gpuchunk._kernels.translate import capture_sources, check_call, translate
+from dask_gpuchunk.ufunc.numpy_ops import namespace
+from dask_gpuchunk.ufunc.numpy_rules import VType
+from dask_gpuchunk.ufunc.translate import capture_sources, check_call, translate
 
 TARGETS = ["sim", "cpu"]
 

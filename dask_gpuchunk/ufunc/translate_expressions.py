@@ -1,5 +1,5 @@
 """The expressions of a scalar function, typed and written by NumPy's rules: a part of
-:class:`dask_gpuchunk._kernels.translate_walk.Walker` (see :mod:`dask_gpuchunk._kernels.translate`).
+:class:`dask_gpuchunk.ufunc.translate_walk.Walker` (see :mod:`dask_gpuchunk.ufunc.translate`).
 
 Names, numbers, arithmetic, comparisons, ``and`` / ``or``, conditional expressions, attributes
 (``.real``, ``.imag``) and calls (``math``, ``cmath``, NumPy ufuncs and scalar types, builtins,
@@ -43,8 +43,8 @@ class _Object:
 
 
 class Expressions:
-    """The walker's expressions (its methods need its state: :class:`~dask_gpuchunk._kernels.
-    translate_walk.Walker`, which takes this class as its base)."""
+    """The walker's expressions (its methods need its state:
+    :class:`~dask_gpuchunk.ufunc.translate_walk.Walker` takes this class as its base)."""
 
     def rule(self, make: Callable[[], Any]) -> Any:
         """Call ``make`` (an emitter call), adding this line to a :class:`RuleError`."""

@@ -30,8 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dask_gpuchunk._kernels.elementwise import arg_type
-from dask_gpuchunk._kernels.numpy_ops import namespace
-from dask_gpuchunk._kernels.translate import check_call, translate
+from dask_gpuchunk.ufunc.numpy_ops import namespace
+from dask_gpuchunk.ufunc.translate import check_call, translate
 from dask_gpuchunk.devices import gpu_available
 
 #: Python numbers, one value each (an out-of-bounds one is tested in test_elementwise.py).

@@ -5,7 +5,7 @@ int8`` is an ``int8`` that wraps, ``uint8 + uint8`` wraps before ``/ 2``, a Pyth
 "weak" (NEP 50: ``float32 * 0.1`` stays ``float32``), ``int8 * uint64`` is ``float64``.
 numba compiles the same function by its own rules (small integers widened to 64 bits, Python
 numbers as ``float64``/``int64``, signed and unsigned mixed into ``int64``), so its values
-differ. :mod:`dask_gpuchunk._kernels.translate` walks the function; for each operation it asks
+differ. :mod:`dask_gpuchunk.ufunc.translate` walks the function; for each operation it asks
 the :class:`Emitter` here for code whose types are explicit, so that numba (or numba's CUDA
 target) computes exactly what NumPy computes.
 
@@ -15,10 +15,10 @@ NumPy's own ``ufunc.resolve_dtypes`` decides each strong operation's loop; opera
 two Python numbers follow Python's rules (64-bit integers). What cannot follow NumPy raises
 :class:`RuleError` (the translator adds where it was).
 
-Emitted code calls the helpers of :mod:`dask_gpuchunk._kernels.numpy_ops` (``_nr_...``). The
-values and their types are in :mod:`~dask_gpuchunk._kernels.numpy_values` (its public names
+Emitted code calls the helpers of :mod:`dask_gpuchunk.ufunc.numpy_ops` (``_nr_...``). The
+values and their types are in :mod:`~dask_gpuchunk.ufunc.numpy_values` (its public names
 stay importable from here); the calls (number types, ``math``, ``cmath``, ufuncs) in
-:mod:`~dask_gpuchunk._kernels.numpy_calls`, a base class of :class:`Emitter`. No dask here.
+:mod:`~dask_gpuchunk.ufunc.numpy_calls`, a base class of :class:`Emitter`. No dask here.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import pytest
 from numba import cuda
 
 from dask_gpuchunk._kernels.elementwise import ElementwiseKernels
-from dask_gpuchunk._kernels.numpy_rules import VType, weak_type
-from dask_gpuchunk._kernels.user_functions import (
+from dask_gpuchunk.ufunc.numpy_rules import VType, weak_type
+from dask_gpuchunk.ufunc.user_functions import (
     Loop,
     for_target,
     gufunc_parts,

@@ -1,7 +1,7 @@
 """The walk of a scalar function's statements, typed by NumPy's rules: assignments, ``if``,
 loops (``for`` over ``range``, ``while``, ``break``, ``continue``) and returns, each name a new
 variable at each assignment, types joined where paths meet (see
-:mod:`dask_gpuchunk._kernels.translate`). No dask here.
+:mod:`dask_gpuchunk.ufunc.translate`). No dask here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The calls of a translated scalar function by NumPy's rules: Python's number types
 (``float(x)``, ``int(x)``, ...), NumPy's scalar types, ``math`` and ``cmath`` functions and NumPy
-ufuncs, as methods of :class:`~dask_gpuchunk._kernels.numpy_rules.Emitter` (a base class of
+ufuncs, as methods of :class:`~dask_gpuchunk.ufunc.numpy_rules.Emitter` (a base class of
 it; see that module). No dask here.
 """
 
@@ -16,7 +16,7 @@ __all__ = ["Calls"]
 
 class Calls:
     """The emitter's calls (they use the emitter's other methods:
-    :class:`~dask_gpuchunk._kernels.numpy_rules.Emitter` takes this class as its base)."""
+    :class:`~dask_gpuchunk.ufunc.numpy_rules.Emitter` takes this class as its base)."""
 
     def python_number(self, kind: str, args: list[Value]) -> Value:
         """``float(x)``, ``int(x)``, ``complex(x[, y])``, ``bool(x)``: Python numbers."""

@@ -220,7 +220,7 @@ def pick_loop(loops: Sequence[Loop], argtypes: Sequence[VType], name: str) -> Lo
 
     Examples
     --------
-    >>> from dask_gpuchunk._kernels.numpy_rules import weak_type
+    >>> from dask_gpuchunk.ufunc.numpy_rules import weak_type
     >>> loops = [Loop((np.dtype("f4"),), np.dtype("f4")), Loop((np.dtype("f8"),), np.dtype("f8"))]
     >>> pick_loop(loops, [VType(np.dtype("int16"))], "f").output
     dtype('float32')
