@@ -28,7 +28,7 @@ from .gram import bitpack, gram
 from .io import from_npy, to_npy
 from .similarity import Neighbours, Pairs, similarity
 from .user_kernels import GufuncOp, gufunc_op, map_kernel
-from .zarr_files import from_zarr, to_zarr
+from .io.zarr_files import from_zarr, to_zarr
 
 #: The installed distribution's version (``importlib.metadata``).
 __version__ = package_version()

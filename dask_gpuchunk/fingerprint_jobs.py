@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from .files import publish
-from .fingerprint_files import (
+from .io.files import publish
+from .io.fingerprint_files import (
     FINGERPRINT_KINDS,
     Fingerprints,
     read_smiles,

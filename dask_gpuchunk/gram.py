@@ -32,7 +32,7 @@ from . import backend
 from ._kernels.gram import Method
 from .budget import check_fits, working_budget
 from .devices import Device, cluster_workers, gpu_available
-from .fingerprint_files import bit_vectors_as_words
+from .io.fingerprint_files import bit_vectors_as_words
 from .io import npy_reader_of
 from .bitpacking import bitpack, packed_words
 from .gram_blocks import (

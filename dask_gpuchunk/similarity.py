@@ -48,7 +48,7 @@ from .backend import is_cupy
 from .budget import check_fits, working_budget
 from .config import listed_graphs
 from .devices import Device, cluster_workers, gpu_available
-from .fingerprint_files import bit_vectors_as_words
+from .io.fingerprint_files import bit_vectors_as_words
 from .gram import (
     MIN_ROW_GROUPS,
     block_counts,

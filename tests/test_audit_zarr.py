@@ -90,7 +90,7 @@ def _assert_nothing_written_through(code: int, err: str, d: Path, victim: Path,
 
 
 def test_a_swapped_temporary_store_is_never_written_through_nor_published(job, monkeypatch):
-    from dask_gpuchunk import zarr_store
+    from dask_gpuchunk.io import zarr_store
 
     d, a, b = job
     victim = _victim(d)
@@ -106,7 +106,7 @@ def test_a_swapped_temporary_store_is_never_written_through_nor_published(job, m
         return real(target, block, region)
 
     monkeypatch.setattr(zarr_store, "write_chunks", swap_first)
-    monkeypatch.setattr("dask_gpuchunk.zarr_files.write_chunks", swap_first)
+    monkeypatch.setattr("dask_gpuchunk.io.zarr_files.write_chunks", swap_first)
     code, err = _run_in(d, monkeypatch, "multiply", "a.zarr", "b.npy", "-o", "c.zarr",
                         "--chunk-size", "2kB")
     _assert_nothing_written_through(code, err, d, victim, swapped)
@@ -193,7 +193,7 @@ def _attack(shared: Path, victim: Path) -> int:
 @pytest.mark.parametrize("how", ["chunk rewritten in place", "store replaced"])
 def test_an_input_store_changed_during_the_job_exits_1_and_writes_nothing(job, monkeypatch,
                                                                            how):
-    from dask_gpuchunk.zarr_files import ZarrReader
+    from dask_gpuchunk.io.zarr_files import ZarrReader
 
     d, a, b = job
     real = ZarrReader.__getitem__

@@ -427,7 +427,7 @@ def test_a_compressed_store_on_a_full_disk_exits_4_and_leaves_nothing(rng, tmp_p
     pytest.importorskip("zarr")
     import errno
 
-    from dask_gpuchunk import zarr_store
+    from dask_gpuchunk.io import zarr_store
 
     real, calls = zarr_store._write_all, []
 
@@ -449,7 +449,7 @@ def test_a_compressed_store_on_a_full_disk_exits_4_and_leaves_nothing(rng, tmp_p
 
 def test_a_tiny_output_fits_a_small_file_system(tmp_path, monkeypatch):
     # A 448-byte output on a 5 MiB file system: the 64 MiB margin refused it before.
-    from dask_gpuchunk import npy_writing as io
+    from dask_gpuchunk.io import npy_writing as io
 
     class Small:
         f_frsize, f_blocks, f_bavail = 4096, 5 * 256, 4 * 256
@@ -461,7 +461,7 @@ def test_a_tiny_output_fits_a_small_file_system(tmp_path, monkeypatch):
 
 
 def test_an_output_without_room_exits_4_before_any_work(tmp_path, monkeypatch):
-    from dask_gpuchunk import npy_writing as io
+    from dask_gpuchunk.io import npy_writing as io
 
     _setup_bad(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -580,7 +580,7 @@ def test_two_jobs_to_one_target_one_wins_the_other_exits_4(inputs):
 
 
 def test_a_target_that_appears_during_a_job_is_kept_exit_4(inputs, monkeypatch):
-    from dask_gpuchunk import npy_writing as io
+    from dask_gpuchunk.io import npy_writing as io
 
     d, *_ = inputs
     real = io.publish
@@ -599,7 +599,7 @@ def test_a_target_that_appears_during_a_job_is_kept_exit_4(inputs, monkeypatch):
 
 
 def test_an_input_changed_during_a_job_exits_1_and_writes_nothing(inputs, monkeypatch):
-    from dask_gpuchunk import npy_reading as io
+    from dask_gpuchunk.io import npy_reading as io
 
     d, *_ = inputs
     real = io.check_unchanged

@@ -1,4 +1,4 @@
-"""Files never clobbered, swapped or silently changed (dask_gpuchunk.files), and how to_npy and
+"""Files never clobbered, swapped or silently changed (dask_gpuchunk.io.files), and how to_npy and
 from_npy use them."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import dask_gpuchunk as dg
-from dask_gpuchunk import files
-from dask_gpuchunk.files import FileReplacedError, InputChangedError
+from dask_gpuchunk.io import files
+from dask_gpuchunk.io.files import FileReplacedError, InputChangedError
 
 
 @pytest.fixture(params=["renameat2", "link and unlink"])

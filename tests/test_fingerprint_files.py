@@ -1,4 +1,4 @@
-"""Fingerprints in chemists' forms (dask_gpuchunk.fingerprint_files): FPS files, SMILES through
+"""Fingerprints in chemists' forms (dask_gpuchunk.io.fingerprint_files): FPS files, SMILES through
 RDKit, lists of RDKit bit vectors, against RDKit's own fingerprints and similarities."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from helpers import random_bits
 
 import dask_gpuchunk as dg
 from dask_gpuchunk import _compat
-from dask_gpuchunk import fingerprint_files as ff
+from dask_gpuchunk.io import fingerprint_files as ff
 
 rdkit = pytest.importorskip("rdkit")
 from rdkit import Chem, DataStructs  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from dask_gpuchunk.cli import main
-from dask_gpuchunk.fingerprint_files import read_fpsim2
+from dask_gpuchunk.io.fingerprint_files import read_fpsim2
 
 pytest.importorskip("rdkit")
 from rdkit import Chem, DataStructs  # noqa: E402

@@ -452,7 +452,7 @@ def test_gram_of_a_npy_computes_the_blocks_below_too_when_asked(rng, tmp_path, d
 
 
 def test_gram_of_a_npy_refuses_a_file_changed_since_and_names_it_to_to_npy(rng, tmp_path):
-    from dask_gpuchunk.files import InputChangedError
+    from dask_gpuchunk.io.files import InputChangedError
     from dask_gpuchunk.io import inputs_of
 
     words = np.packbits(random_bits(rng, (40, 64), 0.5), axis=1)

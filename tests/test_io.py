@@ -84,7 +84,7 @@ def test_a_chunk_reads_only_its_region(rng, tmp_path, monkeypatch, chunks, runs)
 @pytest.mark.parametrize("threads", [1, 3])
 def test_a_large_region_is_read_in_pieces_by_several_threads(rng, tmp_path, monkeypatch,
                                                               threads):
-    import dask_gpuchunk.npy_reading as io
+    import dask_gpuchunk.io.npy_reading as io
 
     a = random_array(rng, (100, 10), "int32")
     np.save(tmp_path / "a.npy", a)
@@ -110,7 +110,7 @@ def test_a_large_region_is_read_in_pieces_by_several_threads(rng, tmp_path, monk
 
 
 def test_pieces_that_reach_the_end_of_the_file_report_it(monkeypatch):
-    import dask_gpuchunk.npy_reading as io
+    import dask_gpuchunk.io.npy_reading as io
 
     monkeypatch.setattr(io, "READ_PIECE_BYTES", 256)
     raw = memoryview(bytearray(1000))
@@ -202,7 +202,7 @@ def test_a_file_longer_than_its_header_warns_once_and_reads_what_it_says(rng, tm
 
 
 def test_to_npy_refuses_an_output_without_room_before_any_work(tmp_path, monkeypatch):
-    from dask_gpuchunk import npy_writing as io
+    from dask_gpuchunk.io import npy_writing as io
 
     computed = []
     x = da.ones((1000, 100), chunks=(100, 100)).map_blocks(
@@ -274,7 +274,7 @@ def test_failing_chunk_leaves_no_file(rng, tmp_path, existing):
 def test_ctrl_c_as_the_output_is_made_leaves_no_file(tmp_path, monkeypatch, where):
     # A signal lands between any two steps: here just after the file exists (before its key
     # is read) or while its header is written; either way the file is this job's to remove.
-    import dask_gpuchunk.npy_writing as io
+    import dask_gpuchunk.io.npy_writing as io
 
     real = getattr(io, where)
 
@@ -292,7 +292,7 @@ def test_ctrl_c_as_the_output_is_made_leaves_no_file(tmp_path, monkeypatch, wher
 
 def test_creating_the_output_failing_removes_nothing(tmp_path, monkeypatch):
     # A name already taken (never by chance: it holds a random part) is not this job's file.
-    import dask_gpuchunk.npy_writing as io
+    import dask_gpuchunk.io.npy_writing as io
 
     def taken(path, *args):
         Path(path).write_bytes(b"someone else's")
@@ -401,7 +401,7 @@ def test_a_forked_process_reads_in_pieces_with_threads_of_its_own(rng, tmp_path)
     # The parent's piece pool has no threads in a forked child: the child must not wait on it.
     import multiprocessing
 
-    import dask_gpuchunk.npy_reading as io
+    import dask_gpuchunk.io.npy_reading as io
 
     a = random_array(rng, (100, 10), "int32")
     np.save(tmp_path / "a.npy", a)
@@ -428,7 +428,7 @@ def test_rows_reach_the_gpu_straight_from_the_file_where_they_can(tmp_path, monk
     import cupy
 
     from dask_gpuchunk import staging
-    from dask_gpuchunk import npy_reading as io
+    from dask_gpuchunk.io import npy_reading as io
     from dask_gpuchunk.io import npy_reader_of
 
     rng = np.random.default_rng(11)
@@ -468,7 +468,7 @@ def test_the_bytes_a_gpu_copies_from_are_the_files(tmp_path):
     # What the GPU copies straight from the page cache: the file's bytes, at any offset.
     import ctypes
 
-    from dask_gpuchunk.npy_reading import _mapped_read_only
+    from dask_gpuchunk.io.npy_reading import _mapped_read_only
 
     data = np.random.default_rng(3).integers(0, 256, 3 * 4096 + 77, dtype=np.uint8).tobytes()
     (tmp_path / "b").write_bytes(data)
@@ -479,3 +479,17 @@ def test_the_bytes_a_gpu_copies_from_are_the_files(tmp_path):
                 assert ctypes.string_at(address, nbytes) == data[offset:offset + nbytes]
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("name", ["npy_reading", "npy_writing", "zarr_files", "zarr_store",
+                                  "files", "fingerprint_files"])
+def test_the_modules_moved_into_io_keep_their_old_names_for_a_release(name):
+    import importlib
+    import sys
+
+    sys.modules.pop(f"dask_gpuchunk.{name}", None)
+    with pytest.warns(DeprecationWarning, match=f"dask_gpuchunk.io.{name}"):
+        old = importlib.import_module(f"dask_gpuchunk.{name}")
+    new = importlib.import_module(f"dask_gpuchunk.io.{name}")
+    assert old.__all__ == new.__all__
+    assert all(getattr(old, n) is getattr(new, n) for n in new.__all__)

@@ -395,7 +395,7 @@ def _rdkit_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray,
 def _fpsim2_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: int,
                  truth: np.ndarray, threshold: float, gpu: bool) -> None:
     """FPSim2 as chemists run it, over an FPSim2 database of the same fingerprints (written by
-    :func:`dask_gpuchunk.fingerprint_files.write_fpsim2`): its CPU engine's ``top_k(query, k,
+    :func:`dask_gpuchunk.io.fingerprint_files.write_fpsim2`): its CPU engine's ``top_k(query, k,
     threshold=0)`` per query, one thread, top scores checked against the exact ones; on a GPU
     its CUDA engine's ``similarity(query, threshold)`` (it has no top-k), the pairs it finds
     checked against the exact ones. A peer that cannot run says why."""
@@ -407,7 +407,7 @@ def _fpsim2_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: in
         return
     import tempfile
 
-    from ..fingerprint_files import Fingerprints, write_fpsim2
+    from ..io.fingerprint_files import Fingerprints, write_fpsim2
 
     try:
         import FPSim2  # noqa: F401 - its engines are imported below, each where it runs

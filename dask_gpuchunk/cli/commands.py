@@ -12,7 +12,7 @@ from dask.utils import format_bytes
 
 from .. import jobs
 from ..devices import gpu_count
-from ..fingerprint_files import FINGERPRINT_KINDS
+from ..io.fingerprint_files import FINGERPRINT_KINDS
 from ..gram_blocks import METHODS
 from ..partials import partials_in, remove_partials
 from ..joining import write_credentials

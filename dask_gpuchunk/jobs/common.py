@@ -31,8 +31,8 @@ from ..devices import (
     gpu_available,
     gpu_count,
 )
-from ..files import FileReplacedError, InputChangedError
-from ..fingerprint_files import Fingerprints, FpsError, read_fps, read_fpsim2
+from ..io.files import FileReplacedError, InputChangedError
+from ..io.fingerprint_files import Fingerprints, FpsError, read_fps, read_fpsim2
 from ..gram import METHODS
 from ..io import (
     NoWorkersError,
@@ -43,7 +43,7 @@ from ..io import (
     read_header,
     to_npy,
 )
-from ..zarr_files import (
+from ..io.zarr_files import (
     ZarrFormatError,
     ZarrInfo,
     check_compression,

@@ -31,7 +31,7 @@ from ..gram import (
 )
 from ..io import npy_bytes, npy_in_place, npy_reader_of, run_writes, write_region
 from ..resident import row_bounds, source_tasks
-from ..zarr_files import is_zarr_path, region_writer, zarr_in_place
+from ..io.zarr_files import is_zarr_path, region_writer, zarr_in_place
 from .common import (
     BudgetError,
     Job,

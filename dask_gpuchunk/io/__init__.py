@@ -1,9 +1,9 @@
 """.npy files larger than memory, in and out, chunk by chunk: ``from_npy`` and ``to_npy``.
 
 Each task reads only its own region of a ``.npy``, where it runs
-(:mod:`dask_gpuchunk.npy_reading`, whose docstring says how); a write goes to a temporary
+(:mod:`dask_gpuchunk.io.npy_reading`, whose docstring says how); a write goes to a temporary
 file beside the target, each chunk into its region from the worker that computed it, renamed
-onto the target once whole (:mod:`dask_gpuchunk.npy_writing`). This module gives both their
+onto the target once whole (:mod:`dask_gpuchunk.io.npy_writing`). This module gives both their
 names.
 """
 
