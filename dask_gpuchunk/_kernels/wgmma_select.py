@@ -1,12 +1,9 @@
 """Top-k and threshold selection in the epilogue of the Hopper Gram kernel (``wgmma``).
 
-The same selections as :mod:`dask_gpuchunk._kernels.bmma_select` (its callers, slots, merge
-and redo are shared: only the launch differs), on the counts of
-:mod:`dask_gpuchunk._kernels.wgmma`'s tiles, which never reach memory. Each consumer thread
-holds 128 counts of a 128 x 256 tile in registers: two rows by 64 columns.
-
-Where bmma's epilogue stages a tile's counts in shared memory and scans every pair, here each
-count is compared with integers first, and only the rare one at or above them is scored.
+The same selections as :mod:`dask_gpuchunk._kernels.bmma_select` (callers, slots, merge and
+redo shared: only the launch differs), on :mod:`dask_gpuchunk._kernels.wgmma`'s tiles' counts,
+never in memory: each consumer thread holds 128 of a 128 x 256 tile (2 rows by 64 columns),
+compares each with integers first and scores only the rare one at or above them.
 
 Top-k: a pair of count ``c`` between rows of popcounts ``a`` and ``b`` reaches a score ``s``
 only on or above a line in ``c`` and ``b`` (Tanimoto: ``c >= s / (1 + s) * (a + b)``; Dice,
@@ -30,11 +27,10 @@ passes the orders: a key's id is ``first + order[r]``): a tile spans a few popco
 floors lie near the pairs' lines. Of a mid-chain block's 0.56 G counts 1.7 M reached unsorted
 rows' floors (68 k their lines); queueing them was most of its time (1.41 ms; none: 0.79 ms).
 
-Measured (H200, 8 GiB cap, 10**6 x 2048 bits at 7.5 % density, device-resident): all-pairs
-top-10 1.6 s (its candidates kernels 0.95 s, 1.25 s with unsorted rows); threshold 0.7 0.55 s
-(0.64 s one block a tile, 1.20 s bmma's); a 32,768-row block's fused threshold 0.9-1.2 ms
-(its counts alone, written to memory, 1.9 ms). The top-k kernel made persistent the same way
-was no faster before the rows were sorted (2.0-2.4 s against 1.9 s). No dask here.
+Measured (H200, 8 GiB cap, 10**6 x 2048 bits at 7.5 %, device-resident): all-pairs top-10
+1.6 s (candidates kernels 0.95 s; 1.25 s unsorted); threshold 0.7 0.55 s (0.64 s a block a
+tile, bmma's 1.20 s). The top-k kernel made persistent was no faster before the rows were
+sorted (2.0-2.4 s against 1.9 s). No dask here.
 """
 
 from __future__ import annotations

@@ -1,27 +1,21 @@
 """``dask-gpuchunk bench elementwise``: a large product and an RK4-style function, every path.
 
-Workload (defaults): two ``1,000,000 x 500`` float64 host arrays (4 GB each), result 4 GB,
-chunks of about 200 MB along the rows. Two tables, one run, one machine:
+Defaults: two ``1,000,000 x 500`` float64 host arrays (4 GB each), result 4 GB, ~200 MB row
+chunks. Two tables, one run, one machine: ``product`` (``c = a * b``): ours with
+``device="gpu"`` on pageable and on pinned host arrays, ours device-resident (CuPy chunks: a
+persist of four chunks per array, of one chunk per array, a 10-step loop of persists timed per
+step), ours ``device="cpu"`` and ``"auto"``; NumPy (one thread); numba parallel CPU; naive
+dask-cuda (``from_array -> cupy.asarray -> * -> cupy.asnumpy`` on a ``LocalCUDACluster``);
+CuPy ``a * b`` on device arrays (once, a 10-step loop); Dask's ``a * b`` persisted on the same
+CuPy chunks (what any Dask operation pays); the whole-array approach (everything to the device,
+a thread per row, copied back); device rows interleaved, 15 rounds. ``rk4`` (two RK4 steps of
+``y' = -k y + sin y`` per element): ours ``gpu`` (pageable), device-resident, ``cpu``,
+``auto``; numba parallel CPU; NumPy (one thread, at most 50,000 rows, scaled, as the JSON notes).
 
-``product`` (``c = a * b``)
-    ours with ``device="gpu"`` on pageable and on pinned host arrays, ours device-resident
-    (CuPy chunks: one persist of four chunks per array, one of one chunk per array, and a
-    10-step loop of persists timed per step), ours ``device="cpu"`` and ``"auto"``; NumPy
-    (one thread); numba parallel CPU; naive dask-cuda (``from_array -> cupy.asarray -> * ->
-    cupy.asnumpy``, computed on a ``LocalCUDACluster``);
-    CuPy ``a * b`` on device arrays (once, and a 10-step loop); Dask's own ``a * b`` persisted
-    on the same CuPy chunks (what any Dask operation pays); seed 000's whole-array approach
-    (``cuda.to_device`` of everything, one thread per row, copy back). The device rows are
-    timed interleaved, 15 rounds.
-``rk4`` (a compute-heavy user function, two RK4 steps of ``y' = -k y + sin y`` per element)
-    ours ``gpu`` (pageable), device-resident, ``cpu``, ``auto``; numba parallel CPU; NumPy
-    (vectorised, one thread; timed on at most 50,000 rows and scaled, as noted in the JSON).
-
-Limits measured in the same run: pinned H2D/D2H/bidirectional PCIe bandwidth, giving the floor
-for moving the inputs in and the output out; HBM bandwidth (device copy); host memory bandwidth
-(all-core copy). Every "ours" and host peer writes into a preallocated, already-touched output
-(``out=``), so all rows time the same work. Ratios: to the PCIe floor (host-resident rows), to
-the HBM floor (device rows), and to the best row of the table.
+Limits in the same run: pinned PCIe H2D/D2H/both (the floor for moving inputs in and output
+out), HBM (device copy), host memory (all-core copy). Every "ours" and host peer writes into a
+touched, preallocated output (``out=``). Ratios: to the PCIe floor (host-resident rows), the
+HBM floor (device rows), the table's best row.
 """
 
 from __future__ import annotations
