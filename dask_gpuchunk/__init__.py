@@ -26,9 +26,9 @@ from .devices import GPUNotAvailableError, gpu_available, gpu_count
 from .elementwise import ElementwiseOp, elementwise, multiply
 from .gram import bitpack, gram
 from .io import from_npy, to_npy
+from .io.zarr_files import from_zarr, to_zarr
 from .similarity import Neighbours, Pairs, similarity
 from .user_kernels import GufuncOp, gufunc_op, map_kernel
-from .io.zarr_files import from_zarr, to_zarr
 
 #: The installed distribution's version (``importlib.metadata``).
 __version__ = package_version()

@@ -35,9 +35,6 @@ from ._kernels.elementwise import (
     kernels_for,
     reduced_dtype,
 )
-from .ufunc.numpy_rules import VType
-from .ufunc.translate import check_call
-from .ufunc.user_functions import Loop, pick_loop, scalar_function
 from .arrays import is_array_like
 from .backend import is_cupy, run_elementwise
 from .config import listed_graphs, map_blocks_prefix
@@ -49,19 +46,6 @@ from .elementwise_blocks import (
     _combine_reduced,
     _finish,
     _reductions_of,
-)
-from .elementwise_operands import (
-    _argtype_of,
-    _broadcast_shape,
-    _cast,
-    _index_pairs,
-    _is_cupy_backed,
-    _is_xarray,
-    _loop_type,
-    _operands,
-    _positional_arity,
-    _to_dask,
-    _xarray_dtype,
 )
 from .elementwise_graphs import (
     EAGER_CALLS_KEPT,
@@ -77,6 +61,22 @@ from .elementwise_graphs import (
     _plan_text,
     _token_of,
 )
+from .elementwise_operands import (
+    _argtype_of,
+    _broadcast_shape,
+    _cast,
+    _index_pairs,
+    _is_cupy_backed,
+    _is_xarray,
+    _loop_type,
+    _operands,
+    _positional_arity,
+    _to_dask,
+    _xarray_dtype,
+)
+from .ufunc.numpy_rules import VType
+from .ufunc.translate import check_call
+from .ufunc.user_functions import Loop, pick_loop, scalar_function
 
 __all__ = ["ElementwiseOp", "elementwise", "multiply"]
 

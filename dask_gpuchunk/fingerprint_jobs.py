@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .io import temporary_output
 from .io.files import publish
 from .io.fingerprint_files import (
     FINGERPRINT_KINDS,
@@ -18,7 +19,6 @@ from .io.fingerprint_files import (
     smiles_fingerprints,
     write_fps,
 )
-from .io import temporary_output
 from .jobs.common import InputError, Job, OutputError, Progress, _check_output
 
 __all__ = ["fingerprints_job"]

@@ -22,15 +22,15 @@ from dask.base import tokenize
 
 from . import _compat
 from ._kernels.elementwise import check_dtype
+from .arrays import asarray
+from .backend import ChunkWork, DeviceLaunch, is_cupy, run_chunk
+from .devices import Device, check_device_for_graph, distributed_client_active, gpu_available
 from .ufunc.user_functions import (
     cuda_kernel_function,
     gufunc_parts,
     is_cuda_kernel,
     is_numba_function,
 )
-from .arrays import asarray
-from .backend import ChunkWork, DeviceLaunch, is_cupy, run_chunk
-from .devices import Device, check_device_for_graph, distributed_client_active, gpu_available
 
 __all__ = ["GufuncOp", "gufunc_op", "map_kernel"]
 

@@ -28,9 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .launch import DirectLaunch, StridedArg, current_device, load_lock
 from ..ufunc.numpy_rules import VType
-from .source_cache import function_stamp, numba_cache_here
 from ..ufunc.translate import Sources, Translation, capture_sources, translate
 from ..ufunc.user_functions import for_target
 from .elementwise_rules import (
@@ -58,6 +56,8 @@ from .elementwise_sources import (
     _signature_key,
     reduction_start,
 )
+from .launch import DirectLaunch, StridedArg, current_device, load_lock
+from .source_cache import function_stamp, numba_cache_here
 
 __all__ = [
     "REDUCTIONS",

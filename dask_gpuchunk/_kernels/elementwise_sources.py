@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..ufunc.numpy_rules import weak_type
-from .source_cache import load_kernel
 from .elementwise_rules import ElementwisePlan, is_python_number, is_scalar
+from .source_cache import load_kernel
 
 __all__ = ["reduction_start"]
 

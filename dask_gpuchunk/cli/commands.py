@@ -12,11 +12,11 @@ from dask.utils import format_bytes
 
 from .. import jobs
 from ..devices import gpu_count
-from ..io.fingerprint_files import FINGERPRINT_KINDS
 from ..gram_blocks import METHODS
-from ..partials import partials_in, remove_partials
-from ..joining import write_credentials
+from ..io.fingerprint_files import FINGERPRINT_KINDS
 from ..jobs import gram_job, multiply_job, similarity_job
+from ..joining import write_credentials
+from ..partials import partials_in, remove_partials
 from .app import main
 from .running import _CLUSTER_DEFAULTS, _cluster_options, _cluster_options_given, _run_job
 

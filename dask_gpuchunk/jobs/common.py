@@ -31,8 +31,6 @@ from ..devices import (
     gpu_available,
     gpu_count,
 )
-from ..io.files import FileReplacedError, InputChangedError
-from ..io.fingerprint_files import Fingerprints, FpsError, read_fps, read_fpsim2
 from ..gram import METHODS
 from ..io import (
     NoWorkersError,
@@ -43,6 +41,8 @@ from ..io import (
     read_header,
     to_npy,
 )
+from ..io.files import FileReplacedError, InputChangedError
+from ..io.fingerprint_files import Fingerprints, FpsError, read_fps, read_fpsim2
 from ..io.zarr_files import (
     ZarrFormatError,
     ZarrInfo,

@@ -30,8 +30,8 @@ from ..gram import (
     resolve_method,
 )
 from ..io import npy_bytes, npy_in_place, npy_reader_of, run_writes, write_region
-from ..resident import row_bounds, source_tasks
 from ..io.zarr_files import is_zarr_path, region_writer, zarr_in_place
+from ..resident import row_bounds, source_tasks
 from .common import (
     BudgetError,
     Job,

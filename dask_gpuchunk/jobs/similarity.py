@@ -18,11 +18,11 @@ import numpy as np
 from ..arrays import asarray
 from ..config import listed_graphs
 from ..devices import distributed_client_active
-from ..io.files import publish
 from ..gram import bitpack
 from ..io import npy_bytes, npy_reader_of, temporary_output
-from ..progress import BlockProgress
+from ..io.files import publish
 from ..io.zarr_files import is_zarr_path
+from ..progress import BlockProgress
 from .common import (
     InputError,
     Job,
