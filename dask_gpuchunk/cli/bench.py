@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 import click
 
@@ -19,17 +20,35 @@ def bench() -> None:
     """Benchmarks: ours, the peers and the limits, side by side in one run."""
 
 
+def _run_options(name: str, repeat: int) -> Callable[[Callable], Callable]:
+    """The options every benchmark takes: its timed runs, entries to skip, where its JSON and
+    PNG go (``bench-NAME``) and a device-memory cap."""
+    options = [
+        click.option("--repeat", default=repeat, show_default=True,
+                     help="Timed runs per entry (median reported)."),
+        click.option("--skip", multiple=True,
+                     help="Skip entries whose name contains this (repeatable)."),
+        click.option("--out-dir", default=".", show_default=True,
+                     type=click.Path(file_okay=False),
+                     help=f"Where to write bench-{name}.json and .png."),
+        click.option("--device-budget", help="Run under a device-memory cap, as on a GPU of "
+                     "this size (8GiB, 2GiB): caps CuPy's pool here and in any workers "
+                     "(CUPY_GPU_MEMORY_LIMIT)."),
+    ]
+
+    def decorate(command: Callable) -> Callable:
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return decorate
+
+
 @bench.command("elementwise")
 @click.option("--rows", default=1_000_000, show_default=True, help="Rows of each input.")
 @click.option("--cols", default=500, show_default=True, help="Columns of each input.")
 @click.option("--chunk-mb", default=200.0, show_default=True, help="Chunk size in MB (rows are split).")
 @click.option("--rk4-rows", default=500_000, show_default=True, help="Rows for the RK4 table.")
-@click.option("--repeat", default=3, show_default=True, help="Timed runs per entry (median reported).")
-@click.option("--skip", multiple=True, help="Skip entries whose name contains this (repeatable).")
-@click.option("--out-dir", default=".", show_default=True, type=click.Path(file_okay=False),
-              help="Where to write bench-elementwise.json and .png.")
-@click.option("--device-budget", help="Run under a device-memory cap, as on a GPU of this size "
-              "(8GiB, 2GiB): caps CuPy's pool here and in any workers (CUPY_GPU_MEMORY_LIMIT).")
+@_run_options("elementwise", repeat=3)
 @click.option("--loop-sizes", default="16777216,10000000", show_default=True,
               help="Seed 002's RK4 loop on the GPU at these numbers of complex64 values per "
               "array (a square number runs as a square); '' skips it.")
@@ -106,12 +125,7 @@ def _tile(value: str) -> tuple[int, int, int, int, int]:
 @click.option("--bitloop-rows", "seed_rows", default=4096, show_default=True, help="Rows for the byte-packed bit-loop peer "
               "(timed there and scaled by N**2).")
 @click.option("--cpu-rows", default=1024, show_default=True, help="Rows for our CPU path (scaled).")
-@click.option("--repeat", default=3, show_default=True, help="Timed runs per entry (median reported).")
-@click.option("--skip", multiple=True, help="Skip entries whose name contains this (repeatable).")
-@click.option("--out-dir", default=".", show_default=True, type=click.Path(file_okay=False),
-              help="Where to write bench-gram.json and .png.")
-@click.option("--device-budget", help="Run under a device-memory cap, as on a GPU of this size "
-              "(8GiB, 2GiB): caps CuPy's pool here and in any workers (CUPY_GPU_MEMORY_LIMIT).")
+@_run_options("gram", repeat=3)
 def bench_gram(n: int, k: int, chunk_rows: tuple[int, ...], tiles: tuple[str, ...], seed_rows: int,
                cpu_rows: int, repeat: int, skip: tuple[str, ...], out_dir: str,
                device_budget: str | None) -> None:
@@ -143,13 +157,7 @@ def bench_gram(n: int, k: int, chunk_rows: tuple[int, ...], tiles: tuple[str, ..
 @click.option("--threshold", default=0.7, show_default=True, help="Tanimoto threshold.")
 @click.option("--peer-rows", default=65536, show_default=True, help="Database rows the peers "
               "(CuPy, NumPy, RDKit) are timed on.")
-@click.option("--repeat", default=2, show_default=True, help="Timed runs per entry (median).")
-@click.option("--skip", multiple=True, help="Skip entries whose name contains this "
-              "(repeatable).")
-@click.option("--out-dir", default=".", show_default=True, type=click.Path(file_okay=False),
-              help="Where to write bench-similarity.json and .png.")
-@click.option("--device-budget", help="Run under a device-memory cap, as on a GPU of this size "
-              "(8GiB, 2GiB): caps CuPy's pool here and in any workers (CUPY_GPU_MEMORY_LIMIT).")
+@_run_options("similarity", repeat=2)
 def bench_similarity(n: int, bits: int, density: float, queries: int, chunk_rows: int, k: int,
                      threshold: float, peer_rows: int, repeat: int, skip: tuple[str, ...],
                      out_dir: str, device_budget: str | None) -> None:
