@@ -426,14 +426,14 @@ def _seeded_first_state(a: Any, pop_a: Any, first: int, selection: Selection, me
     seen = max(1, len(a) // 8)
     state = _device_selected(a, a[:seen], pop_a, pop_a[:seen], first, first, selection, False,
                              True, False, method)[0]
-    words64 = -(-a.shape[1] * a.dtype.itemsize // 8)
+    words = bits.words64(a)  # once: each span is a view of it
     while seen < len(a):
-        span = a[seen:seen + 2 * seen]
+        span = words[seen:seen + 2 * seen]
         state = run_reserved(
-            functools.partial(top_k_candidates, bits.words64(a), bits.words64(span), pop_a,
+            functools.partial(top_k_candidates, words, span, pop_a,
                               pop_a[seen:seen + len(span)], first, first + seen, state, None,
                               selection.metric, selection.exclude_self, method=fused_method),
-            top_k_scratch_bytes(len(a), len(span), selection.k, False, words64),
+            top_k_scratch_bytes(len(a), len(span), selection.k, False, words.shape[1]),
             f"a similarity block of {len(a)} x {len(span)} rows")[0]
         seen += len(span)
     return state
