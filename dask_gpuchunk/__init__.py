@@ -18,16 +18,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _moved
 from .arrays import asarray
 from ._kernels.source_cache import package_version
 from .alias_tasks import resolving_aliases
 from .cluster import connect, local_cluster, placement_decisions
 from .devices import GPUNotAvailableError, gpu_available, gpu_count
 from .elementwise import ElementwiseOp, elementwise, multiply
-from .gram import bitpack, gram
+from .bits.gram import bitpack, gram
 from .io import from_npy, to_npy
 from .io.zarr_files import from_zarr, to_zarr
-from .similarity import Neighbours, Pairs, similarity
+from .bits.similarity import Neighbours, Pairs, similarity
 from .user_kernels import GufuncOp, gufunc_op, map_kernel
 
 #: The installed distribution's version (``importlib.metadata``).
@@ -60,6 +61,11 @@ __all__ = [
     "to_zarr",
 ]
 
+
+# Module paths of one release ago (binary data moved to dask_gpuchunk.bits).
+_moved.keep_old_paths(__name__, {name: f"bits.{name}" for name in (
+    "bitpacking", "gram", "gram_blocks", "gram_graphs", "selection", "similarity",
+    "similarity_graphs")})
 
 #: Names of one release ago: dask's map_blocks and gufunc mean other things.
 _RENAMED = {"map_blocks": "map_kernel", "gufunc": "gufunc_op"}

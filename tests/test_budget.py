@@ -93,7 +93,7 @@ def test_gram_job_takes_fewer_rows_per_chunk_where_blocks_would_not_fit(rng, tmp
 def _layout_of(rng, tmp_path, monkeypatch, budget_bytes):
     """The layout gram_job picks for method="auto" on GPU workers with this budget, where
     "auto" means int8 (the job's writers are replaced: nothing runs)."""
-    gram_module = importlib.import_module("dask_gpuchunk.gram")  # the package exports gram()
+    gram_module = importlib.import_module("dask_gpuchunk.bits.gram")  # the package exports gram()
 
     _packed_bits(rng, tmp_path, (1000, 2048))
     monkeypatch.setattr(jobs.gram, "_budgets_where_it_runs", lambda: [budget_bytes])

@@ -374,7 +374,7 @@ def test_similarity_job_chunks_by_what_a_block_holds(rng, tmp_path, monkeypatch,
                                                       rows):
     from dask_gpuchunk import jobs
     from dask_gpuchunk.jobs import similarity_job
-    from dask_gpuchunk.similarity import block_bytes
+    from dask_gpuchunk.bits.similarity import block_bytes
 
     np.save(tmp_path / "fps.npy", np.packbits(random_bits(rng, (300, 2048), 0.075), axis=1))
     # GPU workers of 2 GiB each, as the job sees them; the chunks stay on the host here.

@@ -44,7 +44,7 @@ def test_every_block_is_reported_once_as_it_is_done_on_local_threads(rng, mode, 
         pytest.skip("threshold= needs dask's classic arrays")
     # The whole input in one chunk (as dg.from_npy reads a file of fingerprints): the
     # selection cuts it into blocks of CPU_BLOCK_ROWS rows (4,096; here 100, for speed).
-    monkeypatch.setattr(importlib.import_module("dask_gpuchunk.similarity"), "CPU_BLOCK_ROWS",
+    monkeypatch.setattr(importlib.import_module("dask_gpuchunk.bits.similarity"), "CPU_BLOCK_ROWS",
                         100)
     x = _fingerprints(rng, chunk=1100)
     chunks = 11

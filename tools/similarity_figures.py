@@ -24,7 +24,7 @@ import dask.array as da
 import numpy as np
 
 import dask_gpuchunk as dg
-from dask_gpuchunk.gram import block_counts
+from dask_gpuchunk.bits.gram import block_counts
 
 
 SKIP_GRAM = False

@@ -225,7 +225,7 @@ def run(
 
 
 def _cpu_rows(bench: _Bench, table: str, words: np.ndarray, n: int) -> None:
-    from ..gram import gram
+    from ..bits.gram import gram
 
     rows = words.shape[0]
     result: list[Any] = []
@@ -252,7 +252,7 @@ def _ours_dask(bench: _Bench, table: str, dev_words: Any, n: int, chunk_rows: Se
     from dask import persist
 
     from ..arrays import asarray
-    from ..gram import gram
+    from ..bits.gram import gram
 
     for rows in chunk_rows:
         x = asarray(dev_words, (rows, dev_words.shape[1]))

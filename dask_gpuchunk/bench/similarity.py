@@ -133,7 +133,7 @@ def run(
     import dask
 
     from ..arrays import asarray
-    from ..similarity import similarity
+    from ..bits.similarity import similarity
 
     bench = _Bench(repeat, skip, log)
     table = "similarity"
@@ -234,7 +234,7 @@ def _dense_blocks(chunks: list[Any], gpu: bool) -> None:
     """Every all-pairs block's counts (on and above the diagonal), one block at a time,
     computed and dropped: the dense Gram's work without scoring (and without Dask, whose
     threads would hold several 1 GiB blocks at once)."""
-    from ..gram import block_counts
+    from ..bits.gram import block_counts
 
     for i, a in enumerate(chunks):
         for b in chunks[i:]:

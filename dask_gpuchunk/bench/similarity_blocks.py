@@ -52,7 +52,7 @@ def block_entries(bench: _Bench, table: str, words: np.ndarray, rows: int, k: in
 
     from .._kernels import bmma_select
     from .._kernels import similarity as kernels
-    from ..gram import device_block_counts
+    from ..bits.gram import device_block_counts
 
     w = cupy.asarray(np.ascontiguousarray(words[:3 * rows])).view(np.uint64)
     a, b, c = w[:rows], w[rows:2 * rows], w[2 * rows:]

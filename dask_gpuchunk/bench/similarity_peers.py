@@ -260,7 +260,7 @@ def _faiss_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: int
         if np.array_equal(index.search(queries[:4], k)[0], exact):
             _time_faiss(bench, table, name, index, queries, db, k, exact)
             return
-        from ..gram_blocks import compute_capability
+        from ..bits.gram_blocks import compute_capability
 
         major, minor = compute_capability()
         bench.add(Entry(table, name, "peer", skipped=(

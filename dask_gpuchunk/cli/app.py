@@ -13,7 +13,7 @@ import click
 
 from .. import __version__
 from ..devices import _probe_gpus
-from ..gram_blocks import compute_capability, resolve_method
+from ..bits.gram_blocks import compute_capability, resolve_method
 
 __all__ = ["environment", "info", "main"]
 

@@ -12,7 +12,7 @@ from dask.utils import format_bytes
 
 from .. import jobs
 from ..devices import gpu_count
-from ..gram_blocks import METHODS
+from ..bits.gram_blocks import METHODS
 from ..io.fingerprint_files import FINGERPRINT_KINDS
 from ..jobs import gram_job, multiply_job, similarity_job
 from ..joining import write_credentials

@@ -31,7 +31,7 @@ from ..devices import (
     gpu_available,
     gpu_count,
 )
-from ..gram import METHODS
+from ..bits.gram import METHODS
 from ..io import (
     NoWorkersError,
     NpyFormatError,

@@ -19,7 +19,7 @@ from .. import config
 from ..arrays import asarray
 from ..budget import DeviceBudgetError
 from ..devices import distributed_client_active
-from ..gram import (
+from ..bits.gram import (
     bitpack,
     block_bytes,
     block_scratch_bytes,
@@ -72,7 +72,7 @@ SLABS_AHEAD = 2
 
 
 def _slab_after(_previous: Any, a: Any, others: list[Any], method: str, device: str) -> Any:
-    """:func:`dask_gpuchunk.gram.gram_slab`, as a task that also waits for ``_previous`` (the
+    """:func:`dask_gpuchunk.bits.gram.gram_slab`, as a task that also waits for ``_previous`` (the
     write of an earlier slab), so that slabs are computed no further ahead of their writer."""
     return gram_slab(a, others, method, device)
 
@@ -80,7 +80,7 @@ def _slab_after(_previous: Any, a: Any, others: list[Any], method: str, device: 
 def _resident_slab_after(_previous: Any, source: Any, rows_a: tuple[int, int],
                          others: list[tuple[int, int]], method: str, device: str) -> Any:
     """:func:`_slab_after` for words straight from a ``.npy``, which the slab reads itself
-    (:func:`dask_gpuchunk.gram.resident_gram_slab`): no chunk of words is sent between
+    (:func:`dask_gpuchunk.bits.gram.resident_gram_slab`): no chunk of words is sent between
     workers, and each is read and staged once per worker."""
     return resident_gram_slab(source, rows_a, others, method, device)
 
@@ -140,7 +140,7 @@ def _region_writer(target: Path, shape: tuple[int, int], block_rows: int, overwr
 def _gram_slabs_to_file(words: Any, target: Path, method: str, device: str, overwrite: bool,
                         progress: Progress, upper: bool, output: dict[str, Any]) -> None:
     """Write the Gram of ``words`` (whole-width row chunks) to ``target`` slab by slab: each
-    task computes one row slab (:func:`dask_gpuchunk.gram.gram_slab`), whole (layout ``rows``)
+    task computes one row slab (:func:`dask_gpuchunk.bits.gram.gram_slab`), whole (layout ``rows``)
     or from its diagonal block rightwards (``upper``, :func:`_write_upper_strip`), each write
     task puts it in its place, and slab ``i`` starts only once slab ``i - SLABS_AHEAD`` is
     written, so memory is bounded by slabs, not by the output. Never half-written, as

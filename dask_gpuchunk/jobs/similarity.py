@@ -18,7 +18,7 @@ import numpy as np
 from ..arrays import asarray
 from ..config import listed_graphs
 from ..devices import distributed_client_active
-from ..gram import bitpack
+from ..bits.gram import bitpack
 from ..io import npy_bytes, npy_reader_of, temporary_output
 from ..io.files import publish
 from ..io.zarr_files import is_zarr_path
@@ -88,7 +88,7 @@ def _warm_similarity(dtype: str, width: int, packed: bool, queries: bool, on_gpu
     kernel is now compiled once, here, and its tasks find it made. Rows made in memory missed
     the kernels of a ``.npy``'s read and of the top-k chain over it: ~1.7 s of a first 7.0 s
     job's compiles, in its tasks."""
-    from ..similarity import compile_selection_ahead, similarity
+    from ..bits.similarity import compile_selection_ahead, similarity
 
     top_k = options.get("top_k")
     if on_gpu:  # the longest compile first, beside the rest
@@ -121,7 +121,7 @@ def _warm_similarity(dtype: str, width: int, packed: bool, queries: bool, on_gpu
 
 
 #: Rows per chunk of a similarity job on GPUs, halved while a block would not fit the workers'
-#: budget (:func:`dask_gpuchunk.similarity.block_bytes`); 4,096 on the CPU. Measured on an H200 under an
+#: budget (:func:`dask_gpuchunk.bits.similarity.block_bytes`); 4,096 on the CPU. Measured on an H200 under an
 #: 8 GiB cap, the API on device words: all-pairs top-10 of 10**6 x 2048 bits in 2.8 s in
 #: 16,384-row chunks, 2.0 s in 32,768-row ones (threshold 0.7: 3.95 s, 1.63 s). A row chunk's
 #: first block, selected on the plain path, once held all its counts (4 GiB in 32,768-row
@@ -215,8 +215,8 @@ def similarity_job(
     :func:`dask_gpuchunk.similarity` takes them.
     """
     from .._kernels.similarity import score_dtype
-    from ..similarity import METRICS, similarity
-    from ..similarity import block_bytes as similarity_block_bytes
+    from ..bits.similarity import METRICS, similarity
+    from ..bits.similarity import block_bytes as similarity_block_bytes
 
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")

@@ -2,8 +2,8 @@
 by the chosen method (the kernels of :mod:`dask_gpuchunk._kernels`), the partial blocks of word
 chunks and their sums, a block's transpose and mirror, and the device memory a block takes.
 
-The graphs of :mod:`dask_gpuchunk.gram_graphs` call these; :func:`dask_gpuchunk.gram` chooses the
-method (:func:`resolve_method`) and checks it (:func:`check_method`).
+The graphs of :mod:`dask_gpuchunk.bits.gram_graphs` call these; :func:`dask_gpuchunk.gram`
+chooses the method (:func:`resolve_method`) and checks it (:func:`check_method`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from . import backend
-from ._kernels import bitpack as bits
-from ._kernels import gram as kernels
-from ._kernels.gram import Method
-from ._kernels.bmma import BMMA_MIN_CC, TILE, bmma_cuda
-from ._kernels.wgmma import WGMMA_CC, wgmma_cuda
-from ._kernels.launch import numba_stream
-from .devices import (
+from .. import backend
+from .._kernels import bitpack as bits
+from .._kernels import gram as kernels
+from .._kernels.gram import Method
+from .._kernels.bmma import BMMA_MIN_CC, TILE, bmma_cuda
+from .._kernels.wgmma import WGMMA_CC, wgmma_cuda
+from .._kernels.launch import numba_stream
+from ..devices import (
     Device,
     GPUNotAvailableError,
     check_device_for_graph,

@@ -17,8 +17,8 @@ the GPU's popcount rate is ~30 x the CPU's, so the GPU wins from a few hundred r
 the CPU.
 
 This module is the operator (checks, the method, the grouping of row chunks) and re-exports
-the Gram's names: the graphs are :mod:`dask_gpuchunk.gram_graphs`'s, what a block's task runs
-:mod:`dask_gpuchunk.gram_blocks`', ``bitpack`` :mod:`dask_gpuchunk.bitpacking`'s.
+the Gram's names: the graphs are :mod:`dask_gpuchunk.bits.gram_graphs`'s, what a block's task runs
+:mod:`dask_gpuchunk.bits.gram_blocks`', ``bitpack`` :mod:`dask_gpuchunk.bits.bitpacking`'s.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from typing import Any
 import dask.array as da
 import numpy as np
 
-from . import backend
-from ._kernels.gram import Method
-from .budget import check_fits, working_budget
-from .devices import Device, cluster_workers, gpu_available
-from .io.fingerprint_files import bit_vectors_as_words
-from .io import npy_reader_of
+from .. import backend
+from .._kernels.gram import Method
+from ..budget import check_fits, working_budget
+from ..devices import Device, cluster_workers, gpu_available
+from ..io.fingerprint_files import bit_vectors_as_words
+from ..io import npy_reader_of
 from .bitpacking import bitpack, packed_words
 from .gram_blocks import (
     METHODS,

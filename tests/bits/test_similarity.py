@@ -15,8 +15,9 @@ from helpers import bit_products, random_bits
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.config import listed_graphs
-from dask_gpuchunk.similarity import METRICS, MISSING_SCORE
-from dask_gpuchunk import config, gram_blocks
+from dask_gpuchunk.bits.similarity import METRICS, MISSING_SCORE
+from dask_gpuchunk import config
+from dask_gpuchunk.bits import gram_blocks
 
 QUERY_PLANNING = type(da.ones(1)).__module__.startswith("dask.array._array_expr")
 
@@ -305,7 +306,7 @@ def test_dense_scores_agree_with_scipy_on_non_empty_rows(rng):
 
 @pytest.mark.parametrize("count", [1, 2, 5, 8])
 def test_round_robin_meets_every_pair_once_in_rounds_of_disjoint_chunks(count):
-    from dask_gpuchunk.similarity_graphs import round_robin
+    from dask_gpuchunk.bits.similarity_graphs import round_robin
 
     order = round_robin(count)
     assert sorted(order) == [(i, j) for i in range(count) for j in range(i + 1, count)]
@@ -324,7 +325,7 @@ def test_top_k_and_threshold_beyond_the_kernels_first_room(xp, rng, monkeypatch)
     monkeypatch.setattr(bmma_select, "SLOTS", 1)
     monkeypatch.setattr(bmma_select, "REDONE_TARGETS", 7)
     # and room for 4 pairs at first: blocks with more are computed again with room for all.
-    monkeypatch.setattr(importlib.import_module("dask_gpuchunk.selection"),
+    monkeypatch.setattr(importlib.import_module("dask_gpuchunk.bits.selection"),
                         "PAIRS_FIRST_CAPACITY", 4)
     x = fingerprints(rng, 150, 300)
     w = dg.asarray(xp.asarray(np.packbits(x, axis=1)), chunks=(40, -1))
@@ -398,7 +399,7 @@ def test_tanimoto_of_morgan_fingerprints_agrees_with_rdkit(xp):
 @pytest.mark.skipif(QUERY_PLANNING, reason="the chain is listed where graphs are listed")
 @pytest.mark.parametrize("per_task", [1, 3, 64])
 def test_top_k_chain_tasks_take_several_blocks_of_a_round(rng, monkeypatch, per_task):
-    similarity_module = importlib.import_module("dask_gpuchunk.similarity_graphs")
+    similarity_module = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
     monkeypatch.setattr(similarity_module, "BLOCKS_PER_TASK", per_task)
     monkeypatch.setattr(similarity_module, "CPU_BLOCKS_PER_TASK", per_task)
     x = fingerprints(rng, 230, 90)  # 23 chunks (odd: a chunk rests each round)
@@ -434,7 +435,7 @@ def test_threshold_over_many_chunks_warns_nothing(rng):
 
 
 def test_plain_path_slices_are_a_quarter_of_the_budget_and_never_below_the_floor(monkeypatch):
-    similarity_module = importlib.import_module("dask_gpuchunk.selection")
+    similarity_module = importlib.import_module("dask_gpuchunk.bits.selection")
     floor = similarity_module.SELECT_COUNTS_BYTES
     monkeypatch.setattr(similarity_module, "working_budget", lambda: 8 << 30)
     assert similarity_module._select_counts_bytes() == 2 << 30
@@ -454,7 +455,7 @@ def test_plain_path_takes_a_blocks_counts_in_slices(rng, monkeypatch, method):
     # threshold's pairs; the results are the same as from whole blocks.
     import cupy
 
-    similarity_module = importlib.import_module("dask_gpuchunk.selection")
+    similarity_module = importlib.import_module("dask_gpuchunk.bits.selection")
     monkeypatch.setattr(similarity_module, "_select_counts_bytes", lambda: 7 * 40 * 4)
     assert similarity_module._rows_per_slice(40, similarity_module._select_counts_bytes()) == 7
     x = fingerprints(rng, 150, 300)
@@ -485,7 +486,7 @@ def test_first_states_seeded_from_a_quarter_are_exact(rng, monkeypatch, metric, 
     # that path); ties (repeated and empty rows) and uneven chunks.
     import cupy
 
-    selection = importlib.import_module("dask_gpuchunk.selection")
+    selection = importlib.import_module("dask_gpuchunk.bits.selection")
     monkeypatch.setattr(selection, "SEEDED_FIRST_ROWS", 32)
     seeded = []
     real = selection._seeded_first_state
@@ -574,7 +575,7 @@ def test_top_k_chains_of_several_workers_match_numpy(xp, rng, monkeypatch, worke
     # A chain per worker: each begins from every row chunk's first state, takes every
     # workers-th round, and the chains' states merge at the end, each key once.
     # The chains' count, and (CuPy chunks) the grouping's share of the workers.
-    for name in ("dask_gpuchunk.similarity_graphs", "dask_gpuchunk.similarity"):
+    for name in ("dask_gpuchunk.bits.similarity_graphs", "dask_gpuchunk.bits.similarity"):
         monkeypatch.setattr(importlib.import_module(name), "cluster_workers", lambda: workers)
     x = fingerprints(rng, 230, 90)  # 23 chunks of 10 rows
     y = random_bits(rng, (61, 90), 0.2)
@@ -611,7 +612,7 @@ def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path, monkeypatch):
     from distributed import Client, LocalCluster, get_task_stream
 
     # The blocks of a round grouped into tasks as on GPUs (on the CPU, a task each).
-    similarity_module = importlib.import_module("dask_gpuchunk.similarity_graphs")
+    similarity_module = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
     monkeypatch.setattr(similarity_module, "CPU_BLOCKS_PER_TASK",
                         similarity_module.BLOCKS_PER_TASK)
     x = fingerprints(rng, 17 * 30, 300)
@@ -732,7 +733,7 @@ def test_selections_of_host_words_on_a_gpu_bring_back_no_counts(rng, method):
 
 
 def test_no_kernel_is_compiled_ahead_where_no_fused_kernel_will_run(monkeypatch):
-    selection = importlib.import_module("dask_gpuchunk.selection")
+    selection = importlib.import_module("dask_gpuchunk.bits.selection")
 
     monkeypatch.setattr(selection, "gpu_available", lambda: False)
     assert selection.compile_selection_ahead("auto", 10, None) is None
@@ -752,8 +753,8 @@ def test_selections_on_a_hopper_run_the_wgmma_kernel_s_fused_epilogue(monkeypatc
     # wgmma, auto's method on compute capability 9.0, selects in its own epilogue; bmma's
     # epilogue only where asked for (or for a selection left out of WGMMA_SELECTIONS, to
     # measure one beside the other).
-    selection = importlib.import_module("dask_gpuchunk.selection")
-    gram_module = importlib.import_module("dask_gpuchunk.gram")
+    selection = importlib.import_module("dask_gpuchunk.bits.selection")
+    gram_module = importlib.import_module("dask_gpuchunk.bits.gram")
 
     monkeypatch.setattr(gram_blocks, "compute_capability", lambda: (9, 0))
     assert gram_module.resolve_method("auto", on_gpu=True) == "wgmma"
@@ -789,7 +790,7 @@ def test_dense_scores_from_the_wgmma_kernel(rng):
 def test_small_row_chunks_are_grouped_for_the_gpu_and_a_npy_stays_read_where_blocks_run(
         rng, tmp_path):
     from dask_gpuchunk.io import npy_reader_of
-    from dask_gpuchunk.similarity import grouped_for_gpu
+    from dask_gpuchunk.bits.similarity import grouped_for_gpu
 
     x = fingerprints(rng, 2000, 256)
     np.save(tmp_path / "x.npy", np.packbits(x, axis=1))

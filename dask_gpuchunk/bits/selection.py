@@ -5,7 +5,7 @@ kernel's epilogue (:mod:`dask_gpuchunk._kernels.bmma_select`,
 :mod:`dask_gpuchunk._kernels.wgmma_select`) or, where none applies, through the block's scores
 in device memory within the device budget; and the steps of the top-k chain (a row chunk's
 first block, then the states each further block updates). The graphs that call them are
-:mod:`dask_gpuchunk.similarity_graphs`; the operator, :mod:`dask_gpuchunk.similarity`.
+:mod:`dask_gpuchunk.bits.similarity_graphs`; the operator, :mod:`dask_gpuchunk.bits.similarity`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._kernels import bitpack as bits
-from ._kernels import similarity as kernels
-from ._kernels.bmma_select import (
+from .._kernels import bitpack as bits
+from .._kernels import similarity as kernels
+from .._kernels.bmma_select import (
     FUSED_METHODS,
     PAIRS_FIRST_CAPACITY,
     compile_ahead,
@@ -25,10 +25,10 @@ from ._kernels.bmma_select import (
     top_k_candidates,
     top_k_scratch_bytes,
 )
-from ._kernels.similarity_cpu import best_keys_of_columns, best_keys_of_rows, pairs_at_least_cpu
-from .backend import is_cupy, run_cpu_kernel
-from .budget import run_reserved, working_budget
-from .devices import gpu_available
+from .._kernels.similarity_cpu import best_keys_of_columns, best_keys_of_rows, pairs_at_least_cpu
+from ..backend import is_cupy, run_cpu_kernel
+from ..budget import run_reserved, working_budget
+from ..devices import gpu_available
 from .gram import (
     block_counts,
     block_scratch_bytes,
@@ -36,7 +36,7 @@ from .gram import (
     device_block_scratch,
     resolve_method,
 )
-from .progress import blocks_done
+from ..progress import blocks_done
 
 __all__ = ["BLOCK_ARGS", "SCORING_BYTES_PER_PAIR", "SEEDED_FIRST_ROWS", "SELECT_COUNTS_BYTES",
            "Selection", "WGMMA_SELECTIONS", "block_bytes", "compile_selection_ahead", "cross_block",

@@ -17,11 +17,12 @@ import dask_gpuchunk as dg
 from dask_gpuchunk import jobs
 from dask_gpuchunk._kernels.bitpack import BitValueError, reference_bitpack
 from dask_gpuchunk._kernels.gram import reference_gram
-from dask_gpuchunk import config, gram_blocks, gram_graphs
+from dask_gpuchunk import config
+from dask_gpuchunk.bits import gram_blocks, gram_graphs
 
 SIZES = [1, 7, 63, 64, 65, 1041, 1043]
 # the module, which the package's function of the same name hides as an attribute
-gram_module = importlib.import_module("dask_gpuchunk.gram")
+gram_module = importlib.import_module("dask_gpuchunk.bits.gram")
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -294,7 +295,7 @@ def test_gpu_only_requests_fail_clearly_without_gpu():
 def test_auto_method_follows_compute_capability(monkeypatch, cc, expected):
     import importlib
 
-    gram_module = importlib.import_module("dask_gpuchunk.gram")
+    gram_module = importlib.import_module("dask_gpuchunk.bits.gram")
 
     monkeypatch.setattr(gram_blocks, "compute_capability", lambda: cc)
     assert gram_module.resolve_method("auto", on_gpu=True) == expected
@@ -548,7 +549,7 @@ def _computed_blocks(g: da.Array) -> dict:
     """The tasks of a Gram over a ``.npy`` that compute a block, by key."""
     from dask._task_spec import Task
 
-    from dask_gpuchunk.gram_graphs import _resident_block
+    from dask_gpuchunk.bits.gram_graphs import _resident_block
 
     layer = dict(g.__dask_graph__().layers[g.name])
     return {key: task for key, task in layer.items()

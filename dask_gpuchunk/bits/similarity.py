@@ -2,7 +2,7 @@
 
 Dense scores are :func:`dask_gpuchunk.gram`'s blocks (all pairs of ``x``: only blocks on or
 above the diagonal computed, those below their transposes), or
-:func:`dask_gpuchunk.gram.block_counts` of a row chunk of ``x`` with one of ``y`` (queries x
+:func:`dask_gpuchunk.bits.gram.block_counts` of a row chunk of ``x`` with one of ``y`` (queries x
 database), scored block by block. The rows' popcounts are computed once per input.
 
 Top-k, where small graphs are listed (:func:`dask_gpuchunk.config.listed_graphs`): a chain of
@@ -10,7 +10,7 @@ Top-k, where small graphs are listed (:func:`dask_gpuchunk.config.listed_graphs`
 pairs: its diagonal block; queries: the first database chunk) is computed and selected the
 plain way; then one task per further block updates the states of its row chunk and (all
 pairs) of its column chunk, in rounds of disjoint chunk pairs
-(:func:`dask_gpuchunk.similarity_graphs.round_robin`), so that a round's tasks run at once and only states (``8 k`` bytes a row) move between them. On the 1-bit
+(:func:`dask_gpuchunk.bits.similarity_graphs.round_robin`), so that a round's tasks run at once and only states (``8 k`` bytes a row) move between them. On the 1-bit
 tensor cores the block is selected in the kernel's epilogue against the states
 (:mod:`dask_gpuchunk._kernels.bmma_select`; on Hopper, of the ``wgmma`` kernel:
 :mod:`dask_gpuchunk._kernels.wgmma_select`): its counts never reach memory. Under dask's array
@@ -22,8 +22,8 @@ block's counts; a task per row chunk merges them on the host. Where graphs are l
 blocks of words from a ``.npy`` read their own chunks where they run, as the top-k chain's do.
 
 This module is the operator (checks, chunking, and one graph); the listed graphs are
-:mod:`dask_gpuchunk.similarity_graphs`, and what each block's task runs
-:mod:`dask_gpuchunk.selection`.
+:mod:`dask_gpuchunk.bits.similarity_graphs`, and what each block's task runs
+:mod:`dask_gpuchunk.bits.selection`.
 """
 
 from __future__ import annotations
@@ -39,16 +39,16 @@ import numpy as np
 from dask.array.core import PerformanceWarning
 from dask.array.utils import meta_from_array
 
-from . import _compat
-from ._kernels import similarity as kernels
-from ._kernels.gram import Method
-from ._kernels.similarity import Metric
-from .arrays import asarray
-from .backend import is_cupy
-from .budget import check_fits, working_budget
-from .config import listed_graphs
-from .devices import Device, cluster_workers, gpu_available
-from .io.fingerprint_files import bit_vectors_as_words
+from .. import _compat
+from .._kernels import similarity as kernels
+from .._kernels.gram import Method
+from .._kernels.similarity import Metric
+from ..arrays import asarray
+from ..backend import is_cupy
+from ..budget import check_fits, working_budget
+from ..config import listed_graphs
+from ..devices import Device, cluster_workers, gpu_available
+from ..io.fingerprint_files import bit_vectors_as_words
 from .gram import (
     MIN_ROW_GROUPS,
     block_counts,
@@ -58,7 +58,7 @@ from .gram import (
     packed_words,
     resolve_method,
 )
-from .io import with_row_chunks
+from ..io import with_row_chunks
 from .selection import (
     Selection,
     block_bytes,

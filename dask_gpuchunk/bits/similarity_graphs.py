@@ -2,7 +2,7 @@
 of states per row chunk, in rounds of disjoint chunk pairs (a chain per worker on a cluster of
 several), and a threshold's task per block merged per row chunk; each block's words read where
 it runs when they come from a ``.npy``. What the tasks run is
-:mod:`dask_gpuchunk.selection`.
+:mod:`dask_gpuchunk.bits.selection`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import List, Task, TaskRef
 
-from ._kernels import similarity as kernels
-from .devices import cluster_workers, gpu_available
-from .io import npy_reader_of
-from .resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
+from .._kernels import similarity as kernels
+from ..devices import cluster_workers, gpu_available
+from ..io import npy_reader_of
+from ..resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 from .selection import (
     Selection,
     cross_block,

@@ -2,7 +2,7 @@
 where small graphs are, else dask's ``blockwise`` and ``reduction``; from words read where
 each block runs (:mod:`dask_gpuchunk.resident`); row chunks grouped into larger blocks.
 
-Each task runs a function of :mod:`dask_gpuchunk.gram_blocks`; only blocks on or above the
+Each task runs a function of :mod:`dask_gpuchunk.bits.gram_blocks`; only blocks on or above the
 diagonal are computed, a block below it is the transpose of its mirror.
 """
 
@@ -18,10 +18,10 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import List, Task, TaskRef
 
-from . import backend, config
-from ._kernels import bitpack as bits
-from .config import listed_graphs
-from .resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
+from .. import backend, config
+from .._kernels import bitpack as bits
+from ..config import listed_graphs
+from ..resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 from .gram_blocks import (
     block_task,
     gram_slab,
@@ -117,7 +117,7 @@ def _on_host(block: Any) -> np.ndarray:
     """A CuPy block copied to host memory (pinned, as the staged path's results are)."""
     import cupy
 
-    from .staging import copy_to_host
+    from ..staging import copy_to_host
 
     host = backend.host_result(block.shape, block.dtype)
     t0 = time.perf_counter()
