@@ -44,7 +44,7 @@ import pytest  # noqa: E402
 
 #: Doctests whose examples make arrays of lengths known only once computed, which dask's array
 #: query planning refuses (``similarity(threshold=)``): skipped where it is on.
-CLASSIC_ARRAYS_ONLY = {"dask_gpuchunk.similarity.similarity"}
+CLASSIC_ARRAYS_ONLY = {"dask_gpuchunk.bits.similarity.similarity"}
 
 
 def _query_planning() -> bool:
