@@ -96,7 +96,7 @@ __device__ __forceinline__ void rings_init(unsigned base)
 {
     // The stages' barriers (as tile_counts has them), then each column buffer's: full once
     // every helper thread has filled it, empty once every consumer thread is done with it.
-    // Thread 0 of the block; a __syncthreads after.
+    // Thread 0 of the block; a __syncthreads after (persistent_start).
     const unsigned full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;
     for (int s = 0; s < STAGES; ++s) {
         barrier_init(full + 8 * s, 1);
@@ -107,6 +107,16 @@ __device__ __forceinline__ void rings_init(unsigned base)
         barrier_init(COLUMNS_EMPTY(base) + 8 * b, CONSUMERS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ unsigned persistent_start(unsigned char* smem)
+{
+    // A persistent kernel's start: its stages' and column buffers' barriers made by thread 0
+    // and seen by the whole block before any thread waits on one; the stages' base.
+    const unsigned base = stages_base(smem);
+    if (threadIdx.x == 0) rings_init(base);
+    __syncthreads();
+    return base;
 }
 
 __device__ void copy_tiles(const void* map_a, const void* map_b, int na, int nb, int steps,
@@ -240,9 +250,7 @@ top_k_candidates_wgmma(
     metric = SELECT_METRIC;
 #endif
     extern __shared__ __align__(128) unsigned char smem[];
-    const unsigned base = stages_base(smem);
-    if (threadIdx.x == 0) rings_init(base);
-    __syncthreads();
+    const unsigned base = persistent_start(smem);
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const unsigned tiles = ((na + BM - 1) / BM) * ((nb + BN - 1) / BN);
 
@@ -387,9 +395,7 @@ pairs_at_least_wgmma(const void* __restrict__ map_a, const void* __restrict__ ma
     metric = SELECT_METRIC;
 #endif
     extern __shared__ __align__(128) unsigned char smem[];
-    const unsigned base = stages_base(smem);
-    if (threadIdx.x == 0) rings_init(base);
-    __syncthreads();
+    const unsigned base = persistent_start(smem);
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const unsigned tiles = ((na + BM - 1) / BM) * ((nb + BN - 1) / BN);
 
