@@ -89,7 +89,7 @@ def figures(n: int, bits: int, density: float, chunk_rows: int, k: int, threshol
     x = dg.asarray(words, chunks=(chunk_rows, -1))
     out: dict = {"rows": n, "bits": bits, "density": density, "chunk_rows": chunk_rows, "k": k,
                  "pairs": n * (n - 1)}
-    from dask_gpuchunk._kernels.bmma_select import redone
+    from dask_gpuchunk._kernels.top_k_overflow import redone
 
     def top_k():
         return dask.compute(*dg.similarity(x, packed=True, top_k=k))

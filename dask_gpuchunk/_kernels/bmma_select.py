@@ -41,21 +41,19 @@ from typing import Any
 import numpy as np
 
 from . import wgmma_select
-from .bmma import TILE, TILE_SOURCE, BmmaTile, bmma_cuda, tile_kernel, words32
+from .bmma import TILE, TILE_SOURCE, BmmaTile, tile_kernel, words32
 from .similarity import (
     CUDA_TOP_K_MAX,
     FLOAT_METRICS,
     cuda_metric_code,
     popcount_order,
     RANK_SOURCE,
-    rank_keys,
     rank_limit,
-    scores,
-    smallest_keys,
 )
+from .top_k_overflow import REDONE_TARGETS, Overflow, redo_overflows
 
-__all__ = ["FUSED_METHODS", "PAIRS_FIRST_CAPACITY", "REDONE_TARGETS", "SLOTS", "compile_ahead",
-           "launch_candidates", "pairs_at_least_bmma", "redone",
+__all__ = ["FUSED_METHODS", "PAIRS_FIRST_CAPACITY", "SLOTS", "compile_ahead",
+           "launch_candidates", "pairs_at_least_bmma",
            "top_k_candidates", "top_k_scratch_bytes"]
 
 #: Candidate slots per target and block in :func:`top_k_candidates`.
@@ -395,14 +393,19 @@ def top_k_scratch_bytes(na: int, nb: int, k: int, both: bool, words64: int,
 
 def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
                      state_a: Any, state_b: Any | None, metric: str, exclude: bool,
-                     tile: BmmaTile = TILE, method: str = "bmma") -> tuple[Any, Any | None]:
+                     tile: BmmaTile = TILE, method: str = "bmma",
+                     overflows: list[Overflow] | None = None) -> tuple[Any, Any | None]:
     """The new states ``(r, k)`` of ``a``'s rows (and, with ``state_b``, of ``b``'s rows as
     the block's columns) after the block of ``a`` against ``b`` (CuPy ``uint64`` words of one
     width; row ids ``first_a`` and ``first_b`` on), from states of sorted keys
     (:func:`~dask_gpuchunk._kernels.similarity.rank_keys`, :data:`NO_PAIR` padding) of the
     blocks before. Targets with more candidates than :data:`SLOTS` (ties with a state's last
     key from smaller ids, as an empty row has with every row) are redone exactly against the
-    whole block (:func:`_redone`). Waits for the device (one count read). ``method="wgmma"``:
+    whole block (:mod:`~dask_gpuchunk._kernels.top_k_overflow`). Waits for the device (one count read), unless given a list
+    ``overflows``: the block's :class:`Overflow` is appended to it instead, and the caller
+    passes the list to :func:`~dask_gpuchunk._kernels.top_k_overflow.redo_overflows` before the new states are read or updated again
+    (one wait for several blocks: each block's launches then queue while the device runs the
+    one before). ``method="wgmma"``:
     the candidates from Hopper's kernel (:mod:`~dask_gpuchunk._kernels.wgmma_select`), the
     same ones, its rows and columns taken in popcount order
     (:func:`~dask_gpuchunk._kernels.similarity.popcount_order`, the states and words gathered
@@ -457,18 +460,11 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
         if order is not None:  # back in the caller's row order
             out[order] = out.copy()
         new_states.append(out)
-    # The targets whose slots overflowed, by index (a scan: cupy.count_nonzero compiles a CUB
-    # reduction, ~12 s of a first job's 40 s on an H100).
-    full = [cupy.flatnonzero(count > SLOTS) for *_, count in sides]
-    full = [which if order is None else order[which] for which, order in zip(full, orders)]
-    over = sum(int(which.size) for which in full)
-    if over:
-        redone["targets"] += over
-        for side, state, which in zip(sides, new_states, full):
-            targets, others, pop_t, pop_o, first_t, first_o, old, _, _ = side
-            if which.size:
-                _redone(which, targets, others, pop_t, pop_o, first_t, first_o, old, state,
-                        metric, exclude)
+    block = Overflow(sides, new_states, orders, metric, exclude)
+    if overflows is None:
+        redo_overflows([block])
+    else:
+        overflows.append(block)
     return new_states[0], (new_states[1] if both else None)
 
 
@@ -505,33 +501,6 @@ def launch_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, firs
          np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)), np.int32(both),
          slots_a, count_a, slots_b, count_b, np.int32(SLOTS)),
         shared_mem=tile.shared_bytes)
-
-
-#: Targets whose candidates overflowed their slots and were redone (:func:`_redone`), in this
-#: process.
-redone = {"targets": 0}
-#: Targets :func:`_redone` takes at a time (their counts, scores, keys and a sort's copies
-#: against a block of 16,384 rows: 160 MiB).
-REDONE_TARGETS = 256
-
-
-def _redone(which: Any, targets: Any, others: Any, pop_t: Any, pop_o: Any, first_t: int,
-            first_o: int, old: Any, new: Any, metric: str, exclude: bool) -> None:
-    """Rows ``which`` of ``new``: their ``old`` state merged with their best keys against
-    every row of ``others``, from their exact counts (a Gram of those targets only)."""
-    import cupy
-
-    k = old.shape[1]
-    ids_o = cupy.arange(first_o, first_o + others.shape[0], dtype=np.int64)
-    for start in range(0, which.shape[0], REDONE_TARGETS):
-        part = which[start:start + REDONE_TARGETS]
-        counts = cupy.empty((part.shape[0], others.shape[0]), dtype=np.int32)
-        bmma_cuda(cupy.ascontiguousarray(targets[part]), others, counts,
-                  cupy.cuda.get_current_stream().ptr)
-        s = scores(counts, pop_t[part], pop_o, metric)
-        excluded = (part[:, None] + first_t == ids_o[None, :]) if exclude else None
-        keys = rank_keys(s, first_o, metric, excluded)
-        new[part] = smallest_keys(cupy.concatenate([old[part], keys], axis=1), k)
 
 
 def pairs_at_least_bmma(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,

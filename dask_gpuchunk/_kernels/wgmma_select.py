@@ -9,7 +9,10 @@ Top-k: a pair of count ``c`` between rows of popcounts ``a`` and ``b`` reaches a
 only on or above a line in ``c`` and ``b`` (Tanimoto: ``c >= s / (1 + s) * (a + b)``; Dice,
 cosine, Hamming and counts alike: :c:func:`bound_line`). Each row's line at the tile's least
 column popcount, and each column's at its least row popcount, is an integer floor below every
-pair's own line: two integer compares a count. Counts at or above a floor are queued (a warp's
+pair's own line: two integer compares a count, in one pass over the tile with no branch (the
+8-column steps a warp must take again marked; a vote and a branch each step, each waiting on
+its floors' shared loads, took 1.40 ms of a 32,768-row block where this takes 1.29 ms and no
+selection at all 0.78 ms). Counts at or above a floor are queued (a warp's
 queue in shared memory) and tested exactly a queue at a time, a lane each, as bmma's are, so
 the candidates, and the new states, are exactly bmma's (tested where found: 10.7 ms a
 32,768-row block on an H200; floors of ``c`` alone let half the pairs through: 11 ms).
@@ -32,7 +35,9 @@ floors lie near the pairs' lines. Of a mid-chain block's 0.56 G counts 1.7 M rea
 rows' floors (68 k their lines); queueing them was most of its time (1.41 ms; none: 0.79 ms).
 
 Measured (H200, 8 GiB cap, 10**6 x 2048 bits at 7.5 %, device-resident): all-pairs top-10
-1.39-1.51 s, a block a tile 1.58-1.65 s in the same process (candidates kernels 0.95 s a
+1.10-1.12 s (one wait for the device a round of the chain, not a block: 1.27-1.47 s; before
+the branch-free pass, 1.09-1.20 s in the same process); persistent at first 1.39-1.51 s, a
+block a tile 1.58-1.65 s in the same process (candidates kernels 0.95 s a
 block a tile, 1.25 s unsorted; made persistent before the rows were sorted, no faster: 2.0-2.4
 against 1.9 s); threshold 0.7 0.55 s (0.64 s a block a tile, bmma's 1.20 s). No dask here.
 """

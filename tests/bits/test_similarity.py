@@ -320,23 +320,30 @@ def test_round_robin_meets_every_pair_once_in_rounds_of_disjoint_chunks(count):
 def test_top_k_and_threshold_beyond_the_kernels_first_room(xp, rng, monkeypatch):
     # On a GPU with the 1-bit tensor cores, one slot per target: nearly every target of the
     # top-k chain's blocks is redone from its own Gram, a few at a time; the results stay exact.
-    from dask_gpuchunk._kernels import bmma_select
+    from dask_gpuchunk._kernels import bmma_select, top_k_overflow
 
     monkeypatch.setattr(bmma_select, "SLOTS", 1)
-    monkeypatch.setattr(bmma_select, "REDONE_TARGETS", 7)
+    monkeypatch.setattr(top_k_overflow, "REDONE_TARGETS", 7)
     # and room for 4 pairs at first: blocks with more are computed again with room for all.
     monkeypatch.setattr(importlib.import_module("dask_gpuchunk.bits.selection"),
                         "PAIRS_FIRST_CAPACITY", 4)
+    # The chain's tasks redo their blocks' targets once all are queued (one wait a task).
+    selection = importlib.import_module("dask_gpuchunk.bits.selection")
+    redo_calls = []
+    monkeypatch.setattr(selection, "redo_overflows",
+                        lambda blocks: (redo_calls.append(len(blocks)),
+                                        top_k_overflow.redo_overflows(blocks)))
     x = fingerprints(rng, 150, 300)
     w = dg.asarray(xp.asarray(np.packbits(x, axis=1)), chunks=(40, -1))
-    before = bmma_select.redone["targets"]
+    before = top_k_overflow.redone["targets"]
     indices, scores = dask.compute(*dg.similarity(w, packed=True, metric="dice", top_k=6))
     want_i, want_s = brute_top_k(reference(x, x, "dice"), 6, False, True)
     host = (lambda a: a) if xp is np else (lambda a: a.get())
     np.testing.assert_array_equal(host(indices), want_i)
     np.testing.assert_array_equal(host(scores), want_s.astype(np.float32))
     if xp is not np:
-        assert bmma_select.redone["targets"] > before
+        assert top_k_overflow.redone["targets"] > before
+        assert redo_calls == [2, 2, 2]  # four chunks: three rounds of two blocks, a task each
     rows, cols, got = dask.compute(*dg.similarity(w, packed=True, metric="dice", threshold=0.2))
     assert_pairs(rows, cols, got, reference(x, x, "dice"), 0.2)
 
