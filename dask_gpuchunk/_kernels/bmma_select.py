@@ -460,7 +460,9 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
         if order is not None:  # back in the caller's row order
             out[order] = out.copy()
         new_states.append(out)
-    block = Overflow(sides, new_states, orders, metric, exclude)
+    # The slots are merged: what a redo needs of each side (not the slots) is kept.
+    block = Overflow([side[:7] + side[8:] for side in sides], new_states, orders, metric, exclude,
+                     SLOTS)
     if overflows is None:
         redo_overflows([block])
     else:

@@ -21,14 +21,17 @@ __all__ = ["REDONE_TARGETS", "Overflow", "redo_overflows", "redone"]
 class Overflow(NamedTuple):
     """What :func:`redo_overflows` needs of one block of
     :func:`~dask_gpuchunk._kernels.bmma_select.top_k_candidates`: each side's inputs (targets,
-    others, their popcounts and first ids, old state, slots, counts), its new state, its order
-    (``None``: the caller's) and the block's metric and exclusion."""
+    others, their popcounts and first ids, old state) and candidate counts, its new state, its
+    order (``None``: the caller's), the block's metric and exclusion, and the slots a target
+    had. Never the slots themselves: a task of the 10**7-row chain queues 51 blocks, and their
+    slots (32 MiB a block) held to its end filled an 8 GiB card."""
 
     sides: list[tuple]
     new_states: list[Any]
     orders: list[Any]
     metric: str
     exclude: bool
+    slots: int
 
 
 def redo_overflows(blocks: list[Overflow]) -> None:
@@ -41,8 +44,7 @@ def redo_overflows(blocks: list[Overflow]) -> None:
     counts = [side[-1] for block in blocks for side in block.sides]
     if not counts:
         return
-    slots = blocks[0].sides[0][-2].shape[1]  # each target's, in every block alike
-    full = cupy.flatnonzero(cupy.concatenate(counts) > slots)
+    full = cupy.flatnonzero(cupy.concatenate(counts) > blocks[0].slots)  # alike in every block
     if not full.size:
         return
     redone["targets"] += int(full.size)
@@ -50,7 +52,7 @@ def redo_overflows(blocks: list[Overflow]) -> None:
     start = 0
     for block in blocks:
         for side, state, order in zip(block.sides, block.new_states, block.orders):
-            targets, others, pop_t, pop_o, first_t, first_o, old, _, count = side
+            targets, others, pop_t, pop_o, first_t, first_o, old, count = side
             stop = start + count.shape[0]
             mine = full[(full >= start) & (full < stop)] - start
             start = stop
@@ -61,8 +63,6 @@ def redo_overflows(blocks: list[Overflow]) -> None:
                 which = order[which]
             _redone(which, targets, others, pop_t, pop_o, first_t, first_o, old, state,
                     block.metric, block.exclude)
-
-
 
 
 #: Targets whose candidates overflowed their slots and were redone (:func:`_redone`), in this

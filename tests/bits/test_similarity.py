@@ -327,11 +327,14 @@ def test_top_k_and_threshold_beyond_the_kernels_first_room(xp, rng, monkeypatch)
     # and room for 4 pairs at first: blocks with more are computed again with room for all.
     monkeypatch.setattr(importlib.import_module("dask_gpuchunk.bits.selection"),
                         "PAIRS_FIRST_CAPACITY", 4)
-    # The chain's tasks redo their blocks' targets once all are queued (one wait a task).
+    # The chain's tasks redo their blocks' targets once all are queued (one wait a task),
+    # holding each block's counts until then, never its slots (their memory filled a card).
     selection = importlib.import_module("dask_gpuchunk.bits.selection")
-    redo_calls = []
+    redo_calls, held = [], []
     monkeypatch.setattr(selection, "redo_overflows",
                         lambda blocks: (redo_calls.append(len(blocks)),
+                                        held.extend(x for b in blocks for side in b.sides
+                                                    for x in side if hasattr(x, "shape")),
                                         top_k_overflow.redo_overflows(blocks)))
     x = fingerprints(rng, 150, 300)
     w = dg.asarray(xp.asarray(np.packbits(x, axis=1)), chunks=(40, -1))
@@ -344,6 +347,7 @@ def test_top_k_and_threshold_beyond_the_kernels_first_room(xp, rng, monkeypatch)
     if xp is not np:
         assert top_k_overflow.redone["targets"] > before
         assert redo_calls == [2, 2, 2]  # four chunks: three rounds of two blocks, a task each
+        assert held and not any(x.ndim == 2 and x.shape[1] == 1 for x in held)  # SLOTS = 1
     rows, cols, got = dask.compute(*dg.similarity(w, packed=True, metric="dice", threshold=0.2))
     assert_pairs(rows, cols, got, reference(x, x, "dice"), 0.2)
 
