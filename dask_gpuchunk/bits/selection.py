@@ -412,24 +412,28 @@ def first_state(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: i
 
 
 #: Rows of a chunk from which its first state (its block against itself) is seeded: the best
-#: keys against its first eighth, then the fused kernel against spans of the rest, each at
-#: most twice the rows already seen (about 2 k candidates a row: within the slots). The whole
-#: block's counts and their scoring took 11.5 ms for 32,768 rows on an H200; a quarter's seed
-#: and one span of the rest, 7.4 ms (2 % of the rows over their slots, redone).
+#: keys against its first :data:`SEED_PART` (an eighth), then the fused kernel against spans
+#: of the rest, each at most :data:`SPAN_GROWTH` times the rows already seen (twice: about
+#: 2 k candidates a row, within the slots). The whole block's counts and their scoring took
+#: 11.5 ms for 32,768 rows on an H200; a quarter's seed and one span of the rest, 7.4 ms (2 %
+#: of the rows over their slots, redone); an eighth's and two spans, 7.7 ms (0.07 s of the
+#: 31 first states' 0.24 s in the eighths' dense counts and best keys).
 SEEDED_FIRST_ROWS = 8192
+SEED_PART = 8
+SPAN_GROWTH = 2
 
 
 def _seeded_first_state(a: Any, pop_a: Any, first: int, selection: Selection, method: str,
                         fused_method: str) -> Any:
     """The best keys of CuPy chunk ``a``'s rows among its own rows (themselves left out): a
-    plain block against its first eighth, then the fused kernel's candidates from spans of
-    the rest against the keys so far."""
-    seen = max(1, len(a) // 8)
+    plain block against its first :data:`SEED_PART`, then the fused kernel's candidates from
+    spans of the rest against the keys so far."""
+    seen = max(1, len(a) // SEED_PART)
     state = _device_selected(a, a[:seen], pop_a, pop_a[:seen], first, first, selection, False,
                              True, False, method)[0]
     words = bits.words64(a)  # once: each span is a view of it
     while seen < len(a):
-        span = words[seen:seen + 2 * seen]
+        span = words[seen:seen + SPAN_GROWTH * seen]
         state = run_reserved(
             functools.partial(top_k_candidates, words, span, pop_a,
                               pop_a[seen:seen + len(span)], first, first + seen, state, None,
