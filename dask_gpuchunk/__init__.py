@@ -24,7 +24,7 @@ from ._kernels.source_cache import package_version
 from .alias_tasks import resolving_aliases
 from .cluster import connect, local_cluster, placement_decisions
 from .devices import GPUNotAvailableError, gpu_available, gpu_count
-from .elementwise import ElementwiseOp, elementwise, multiply
+from .elementwise_ops import ElementwiseOp, elementwise, multiply
 from .bits.gram import bitpack, gram
 from .io import from_npy, to_npy
 from .io.zarr_files import from_zarr, to_zarr
@@ -62,10 +62,15 @@ __all__ = [
 ]
 
 
-# Module paths of one release ago (binary data moved to dask_gpuchunk.bits).
+# Module paths of one release ago (binary data moved to dask_gpuchunk.bits, the elementwise
+# operator and its parts to dask_gpuchunk.elementwise_ops: a package named elementwise would
+# stand where dg.elementwise, the function, does, and `import dask_gpuchunk.elementwise.x as m`
+# would find the function).
 _moved.keep_old_paths(__name__, {name: f"bits.{name}" for name in (
     "bitpacking", "gram", "gram_blocks", "gram_graphs", "selection", "similarity",
     "similarity_graphs")})
+_moved.keep_old_paths(__name__, {"elementwise": "elementwise_ops.operations", **{
+    f"elementwise_{name}": f"elementwise_ops.{name}" for name in ("blocks", "graphs", "operands")}})
 
 #: Names of one release ago: dask's map_blocks and gufunc mean other things.
 _RENAMED = {"map_blocks": "map_kernel", "gufunc": "gufunc_op"}

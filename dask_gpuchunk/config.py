@@ -46,7 +46,7 @@ does and why its value:
 ``listed-graphs`` (default ``True``)
     Build small graphs as plain dicts of tasks (:func:`dask_gpuchunk.asarray`'s chunk views,
     :func:`dask_gpuchunk.elementwise`'s results of up to
-    ``elementwise.LISTED_GRAPH_MAX_BLOCKS`` blocks, :func:`dask_gpuchunk.gram`'s blocks)
+    ``elementwise_ops.graphs.LISTED_GRAPH_MAX_BLOCKS`` blocks, :func:`dask_gpuchunk.gram`'s blocks)
     instead of through ``dask.array.from_array`` and ``blockwise``. Measured on an H200: a
     device-resident product of two 4 GB CuPy arrays took 4.8 ms listed and 5.4 ms through
     ``from_array``, beside CuPy's own 2.8 ms. Never under dask's array query planning

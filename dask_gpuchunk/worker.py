@@ -14,7 +14,7 @@ from typing import Any
 from distributed import WorkerPlugin
 
 # What the workers' tasks run: imported once here, not at the unpickling of a first task.
-from . import backend, elementwise, io, process_memory  # noqa: F401
+from . import backend, elementwise_ops, io, process_memory  # noqa: F401
 from .bits import gram  # noqa: F401
 from .devices import gpu_available
 from .spilling import hold_budget, receive_through_pool

@@ -12,15 +12,33 @@ from dask_gpuchunk.bits import gram as gram_module
 from dask_gpuchunk.bits import selection as selection_module
 
 
-@pytest.mark.parametrize("old", ["bitpacking", "gram", "gram_blocks", "gram_graphs", "selection",
-                                 "similarity", "similarity_graphs"])
-def test_each_old_path_imports_and_warns_on_use(old):
+@pytest.mark.parametrize("old, new", [
+    *((name, f"bits.{name}") for name in ("bitpacking", "gram", "gram_blocks", "gram_graphs",
+                                          "selection", "similarity", "similarity_graphs")),
+    ("elementwise", "elementwise_ops.operations"),
+    *((f"elementwise_{name}", f"elementwise_ops.{name}")
+      for name in ("blocks", "graphs", "operands"))])
+def test_each_old_path_imports_and_warns_on_use(old, new):
     moved = importlib.import_module(f"dask_gpuchunk.{old}")
-    new = importlib.import_module(f"dask_gpuchunk.bits.{old}")
-    name = new.__all__[0]
+    module = importlib.import_module(f"dask_gpuchunk.{new}")
+    name = (module.__all__ or sorted(n for n, v in vars(module).items()  # one of its own
+                                     if getattr(v, "__module__", None) == module.__name__))[0]
     with pytest.warns(DeprecationWarning, match=f"dask_gpuchunk.{old} moved to "
-                                                f"dask_gpuchunk.bits.{old}"):
-        assert getattr(moved, name) is getattr(new, name)
+                                                f"dask_gpuchunk.{new}"):
+        assert getattr(moved, name) is getattr(module, name)
+
+
+def test_the_elementwise_operators_package_imports_every_way_and_leaves_dg_elementwise():
+    import dask_gpuchunk.elementwise_ops.graphs as graphs  # a plain import through the package
+    from dask_gpuchunk.elementwise_ops import ElementwiseOp, elementwise, multiply, operations
+
+    assert (ElementwiseOp, elementwise, multiply) == (
+        operations.ElementwiseOp, operations.elementwise, operations.multiply)
+    assert graphs.LISTED_GRAPH_MAX_BLOCKS > 0
+    with pytest.warns(DeprecationWarning):
+        from dask_gpuchunk.elementwise import multiply as old_multiply
+    assert old_multiply is multiply
+    assert dg.elementwise is elementwise and dg.multiply is multiply
 
 
 def test_importing_an_old_path_keeps_the_public_functions():

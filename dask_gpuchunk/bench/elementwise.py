@@ -33,7 +33,7 @@ from dask import persist
 
 from ..arrays import asarray
 from ..devices import gpu_available
-from ..elementwise import elementwise, multiply
+from ..elementwise_ops import elementwise, multiply
 from .report import report_of
 from .timing import Entry, time_entry
 

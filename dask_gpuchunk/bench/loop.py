@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..elementwise import elementwise
+from ..elementwise_ops import elementwise
 from .timing import Entry
 
 __all__ = ["LOOP_TABLE", "d_f", "d_g", "initial_values", "rk4_step", "rk4_step_fma", "run_loop"]

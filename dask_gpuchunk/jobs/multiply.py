@@ -11,7 +11,7 @@ import numpy as np
 
 from .._kernels.elementwise import check_dtype
 from ..devices import gpu_available
-from ..elementwise import multiply
+from ..elementwise_ops import multiply
 from ..io import npy_bytes
 from .common import (
     InputError,

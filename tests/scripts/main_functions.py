@@ -1,6 +1,6 @@
 """A newcomer's script: ``@dg.elementwise`` functions defined in ``__main__`` (at module level
 with a helper and a global, nested with a closure over numbers, returning two values), run on a
-multi-process cluster and checked against NumPy. Run by tests/test_elementwise_on_clusters.py
+multi-process cluster and checked against NumPy. Run by tests/elementwise_ops/test_operations.py
 as ``python main_functions.py CLUSTER [--gpu]``; prints ``exact`` once all agree.
 """
 

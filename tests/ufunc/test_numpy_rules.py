@@ -34,7 +34,7 @@ from dask_gpuchunk.ufunc.numpy_ops import namespace
 from dask_gpuchunk.ufunc.translate import check_call, translate
 from dask_gpuchunk.devices import gpu_available
 
-#: Python numbers, one value each (an out-of-bounds one is tested in test_elementwise.py).
+#: Python numbers, one value each (an out-of-bounds one is tested in tests/elementwise_ops/test_operations.py).
 PYTHON = {"py-int": 3, "py-float": 0.1, "py-complex": 1.5 - 2j, "py-bool": True}
 OPERANDS = [*DTYPES, *PYTHON]
 #: Pairs of two Python numbers follow Python's rules; a few of them, not all.

@@ -17,7 +17,7 @@ from helpers import DTYPES, assert_same, random_array
 import dask_gpuchunk as dg
 from dask_gpuchunk.devices import gpu_available
 
-elementwise_module = importlib.import_module("dask_gpuchunk.elementwise")
+elementwise_module = importlib.import_module("dask_gpuchunk.elementwise_ops.operations")
 
 DEVICES_HERE = ["cpu", "auto"] + (["gpu"] if gpu_available() else [])
 #: For the dtype tables: without a GPU, "auto" runs every chunk on the CPU, the "cpu" row's
@@ -885,7 +885,7 @@ def test_npy_operands_are_read_by_the_block_that_uses_them(rng, tmp_path):
 
 # ---- functions of a user's __main__ script on multi-process clusters -------------------------
 
-SCRIPTS = __import__("pathlib").Path(__file__).resolve().parent / "scripts"
+SCRIPTS = __import__("pathlib").Path(__file__).resolve().parent.parent / "scripts"
 
 
 def _run_script(name: str, *args: str, timeout: float = 240) -> str:

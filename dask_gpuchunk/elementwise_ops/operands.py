@@ -10,11 +10,11 @@ from typing import Any
 import dask.array as da
 import numpy as np
 
-from . import _compat
-from ._kernels.elementwise import arg_type, check_dtype, is_python_number
-from .arrays import asarray, is_array_like, refuse_masked
-from .backend import is_cupy
-from .ufunc.numpy_rules import VType, weak_type
+from .. import _compat
+from .._kernels.elementwise import arg_type, check_dtype, is_python_number
+from ..arrays import asarray, is_array_like, refuse_masked
+from ..backend import is_cupy
+from ..ufunc.numpy_rules import VType, weak_type
 
 __all__ = []
 

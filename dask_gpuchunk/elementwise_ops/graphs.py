@@ -15,17 +15,17 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import Task, TaskRef
 
-from ._kernels.elementwise import ElementwisePlan, is_python_number
-from .backend import device_call, input_kind, is_cupy
-from .budget import check_fits
-from .config import map_blocks_prefix
-from .elementwise_blocks import _block, _finish, _finish_blocks, _pick_output, _pick_reduction
-from .io import npy_reader_of
-from .resident import row_bounds
-from .ufunc.numpy_rules import VType
+from .._kernels.elementwise import ElementwisePlan, is_python_number
+from ..backend import device_call, input_kind, is_cupy
+from ..budget import check_fits
+from ..config import map_blocks_prefix
+from .blocks import _block, _finish, _finish_blocks, _pick_output, _pick_reduction
+from ..io import npy_reader_of
+from ..resident import row_bounds
+from ..ufunc.numpy_rules import VType
 
 if TYPE_CHECKING:  # annotations only: the operator imports this module
-    from .elementwise import ElementwiseOp
+    from .operations import ElementwiseOp
 
 __all__ = []
 

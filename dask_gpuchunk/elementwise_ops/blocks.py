@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ._kernels.elementwise import REDUCTIONS, ElementwisePlan
-from .backend import is_cupy, run_elementwise
+from .._kernels.elementwise import REDUCTIONS, ElementwisePlan
+from ..backend import is_cupy, run_elementwise
 
 __all__ = []
 

@@ -8,9 +8,9 @@ function (the function is translated per dtype signature:
 on the CPU, compiled lazily per dtype signature.
 
 This module is the operator (:class:`ElementwiseOp`, :func:`elementwise`, ``multiply``); its
-operands are :mod:`dask_gpuchunk.elementwise_operands`', its plans and graphs
-:mod:`dask_gpuchunk.elementwise_graphs`', what its tasks run
-:mod:`dask_gpuchunk.elementwise_blocks`'.
+operands are :mod:`dask_gpuchunk.elementwise_ops.operands`', its plans and graphs
+:mod:`dask_gpuchunk.elementwise_ops.graphs`', what its tasks run
+:mod:`dask_gpuchunk.elementwise_ops.blocks`'.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import dask.array as da
 import numpy as np
 from dask.base import tokenize
 
-from ._kernels.elementwise import (
+from .._kernels.elementwise import (
     RULES,
     ElementwisePlan,
     arg_type,
@@ -35,11 +35,11 @@ from ._kernels.elementwise import (
     kernels_for,
     reduced_dtype,
 )
-from .arrays import is_array_like
-from .backend import is_cupy, run_elementwise
-from .config import listed_graphs, map_blocks_prefix
-from .devices import Device, check_device, check_device_for_graph, check_device_name, gpu_available
-from .elementwise_blocks import (
+from ..arrays import is_array_like
+from ..backend import is_cupy, run_elementwise
+from ..config import listed_graphs, map_blocks_prefix
+from ..devices import Device, check_device, check_device_for_graph, check_device_name, gpu_available
+from .blocks import (
     _Target,
     _block,
     _block_into,
@@ -47,7 +47,7 @@ from .elementwise_blocks import (
     _finish,
     _reductions_of,
 )
-from .elementwise_graphs import (
+from .graphs import (
     EAGER_CALLS_KEPT,
     EAGER_ONE_CHUNK_BYTES,
     LISTED_GRAPH_MAX_BLOCKS,
@@ -61,7 +61,7 @@ from .elementwise_graphs import (
     _plan_text,
     _token_of,
 )
-from .elementwise_operands import (
+from .operands import (
     _argtype_of,
     _broadcast_shape,
     _cast,
@@ -74,9 +74,9 @@ from .elementwise_operands import (
     _to_dask,
     _xarray_dtype,
 )
-from .ufunc.numpy_rules import VType
-from .ufunc.translate import check_call
-from .ufunc.user_functions import Loop, pick_loop, scalar_function
+from ..ufunc.numpy_rules import VType
+from ..ufunc.translate import check_call
+from ..ufunc.user_functions import Loop, pick_loop, scalar_function
 
 __all__ = ["ElementwiseOp", "elementwise", "multiply"]
 
