@@ -63,7 +63,8 @@ __all__ = [
 
 
 # Module paths of one release ago (binary data moved to dask_gpuchunk.bits, the elementwise
-# operator and its parts to dask_gpuchunk.elementwise_ops: a package named elementwise would
+# operator and its parts to dask_gpuchunk.elementwise_ops, chunk execution to
+# dask_gpuchunk.runtime: a package named elementwise would
 # stand where dg.elementwise, the function, does, and `import dask_gpuchunk.elementwise.x as m`
 # would find the function).
 _moved.keep_old_paths(__name__, {name: f"bits.{name}" for name in (
@@ -71,6 +72,8 @@ _moved.keep_old_paths(__name__, {name: f"bits.{name}" for name in (
     "similarity_graphs")})
 _moved.keep_old_paths(__name__, {"elementwise": "elementwise_ops.operations", **{
     f"elementwise_{name}": f"elementwise_ops.{name}" for name in ("blocks", "graphs", "operands")}})
+_moved.keep_old_paths(__name__, {name: f"runtime.{name}" for name in (
+    "backend", "chunk_layout", "cpu_runner", "device_launch", "gpu_runners", "placement")})
 
 #: Names of one release ago: dask's map_blocks and gufunc mean other things.
 _RENAMED = {"map_blocks": "map_kernel", "gufunc": "gufunc_op"}

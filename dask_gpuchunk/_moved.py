@@ -41,9 +41,13 @@ class MovedModule(types.ModuleType):
         if name.startswith("__") and name != "__all__":  # __path__, __file__: not a package
             raise AttributeError(name)
         new = self.__dict__["_new_path"]
+        # Looked up before the warning: pickle looks for a function's module by reading its
+        # name from every module in sys.modules (dask's tokenize pickles), and a name the new
+        # module lacks is that scan, not a user of the old path.
+        value = getattr(importlib.import_module(new), name)
         warnings.warn(f"{self.__name__} moved to {new}; the old path goes in the next release",
                       DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(new), name)
+        return value
 
 
 def keep_old_paths(package: str, moves: dict[str, str]) -> None:

@@ -28,7 +28,7 @@ from dask.array.core import normalize_chunks
 from dask.base import tokenize
 
 from . import _compat
-from .backend import is_cupy
+from .runtime.backend import is_cupy
 from .config import listed_graphs
 
 __all__ = ["ViewReader", "asarray", "is_array_like", "refuse_masked"]

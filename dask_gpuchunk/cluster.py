@@ -29,7 +29,7 @@ from typing import Any
 import dask
 from dask.utils import parse_bytes
 
-from . import placement
+from .runtime import placement
 from .alias_tasks import resolving_aliases
 from .budget import pool_limit_from_env, spill_limit
 from .devices import GPUNotAvailableError, distributed_client_active, gpu_available, gpu_count

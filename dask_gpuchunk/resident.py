@@ -40,7 +40,7 @@ from typing import Any
 from dask.base import tokenize
 
 from . import config
-from .backend import staging_totals
+from .runtime.backend import staging_totals
 from .budget import out_of_memory_hooks, run_reserved, working_budget
 from .devices import gpu_available
 

@@ -2,7 +2,7 @@
 
 :func:`map_kernel` runs a ``@cuda.jit`` kernel once per block: each NumPy block goes to the GPU
 through the package's pinned staging on the worker's stream, each CuPy block is used where it
-is, both within the device budget (:func:`dask_gpuchunk.backend.run_chunk`, as every operator's
+is, both within the device budget (:func:`dask_gpuchunk.runtime.backend.run_chunk`, as every operator's
 chunks); a CPU twin (``cpu=``) runs where there is no GPU. :func:`gufunc_op` runs a numba
 ``@guvectorize`` function over Dask arrays as :func:`dask.array.apply_gufunc` does, on NumPy
 blocks with the CPU gufunc and on CuPy blocks with the same function compiled for CUDA.
@@ -23,7 +23,7 @@ from dask.base import tokenize
 from . import _compat
 from ._kernels.elementwise import check_dtype
 from .arrays import asarray
-from .backend import ChunkWork, DeviceLaunch, is_cupy, run_chunk
+from .runtime.backend import ChunkWork, DeviceLaunch, is_cupy, run_chunk
 from .devices import Device, check_device_for_graph, distributed_client_active, gpu_available
 from .ufunc.user_functions import (
     cuda_kernel_function,
@@ -122,7 +122,7 @@ def _numba_view(a: Any) -> Any:
 
 
 def kernel_launch(kernel: Any, launch: Any, extra: Sequence[Any]) -> Callable[..., None]:
-    """The launch :class:`~dask_gpuchunk.backend.DeviceLaunch` takes: ``kernel(*inputs, out,
+    """The launch :class:`~dask_gpuchunk.runtime.backend.DeviceLaunch` takes: ``kernel(*inputs, out,
     *extra)`` over ``launch(out.shape)`` on the chunk's stream."""
 
     def run(out: Any, inputs: list[Any], nb_stream: Any) -> None:
@@ -154,7 +154,7 @@ class _UserKernel:
 def _kernel_block(*blocks: Any, block_info: dict | None = None, user: _UserKernel,
                   out_dtype: np.dtype, args: tuple, offsets: tuple[int, ...], shaped: bool,
                   device: str, label: str) -> Any:
-    """One block of :func:`map_kernel`, where :func:`~dask_gpuchunk.backend.chunk_site`
+    """One block of :func:`map_kernel`, where :func:`~dask_gpuchunk.runtime.backend.chunk_site`
     sends it (``shaped``: the first block only gives the output's blocks; dropped)."""
     kernel, cpu, launch, dtype = user.kernel, user.cpu, user.launch, out_dtype
     blocks = blocks[1:] if shaped else blocks

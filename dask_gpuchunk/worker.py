@@ -14,8 +14,9 @@ from typing import Any
 from distributed import WorkerPlugin
 
 # What the workers' tasks run: imported once here, not at the unpickling of a first task.
-from . import backend, elementwise_ops, io, process_memory  # noqa: F401
+from . import elementwise_ops, io, process_memory  # noqa: F401
 from .bits import gram  # noqa: F401
+from .runtime import backend  # noqa: F401
 from .devices import gpu_available
 from .spilling import hold_budget, receive_through_pool
 
@@ -28,7 +29,7 @@ def set_up_worker(worker: Any) -> None:
     A fresh worker otherwise imports the package, numba and CuPy when it unpickles its first
     task (~1 s on the H200 machine, every task of a job waiting behind it), and, without a GPU,
     initialises numba's threading layer in its first CPU chunk
-    (:func:`dask_gpuchunk.backend.prepare_process`).
+    (:func:`dask_gpuchunk.runtime.backend.prepare_process`).
     In a dask-cuda worker it also makes spilling hold the device budget
     (:func:`dask_gpuchunk.spilling.hold_budget`) and, over UCX, chunks from other workers
     arrive in CuPy's pool (:func:`dask_gpuchunk.spilling.receive_through_pool`); in a worker

@@ -73,7 +73,7 @@ def _file_writes() -> int:
 
 
 def _record_a_decision() -> None:
-    from dask_gpuchunk import placement
+    from dask_gpuchunk.runtime import placement
 
     placement.decide(("planted", os.getpid()),
                      lambda: ({"function": "planted", "choice": "cpu"}, None))

@@ -309,7 +309,7 @@ def test_bytes_sent_by_workers_are_counted_per_worker():
 def test_what_chunks_staged_is_counted_per_worker_and_since_a_call():
     from distributed import Client, LocalCluster
 
-    from dask_gpuchunk.backend import StagingTotals, staging_totals
+    from dask_gpuchunk.runtime.backend import StagingTotals, staging_totals
     from dask_gpuchunk.jobs import staged_by_workers
 
     before = staged_by_workers(None)

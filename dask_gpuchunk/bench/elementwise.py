@@ -325,7 +325,7 @@ def _table(bench: _Bench, table: str, scalar_op: Callable, op: Any, shape: tuple
         trio = {"ours gpu (pageable host arrays)": peak, **trio}
     else:
         bench.timed(table, "ours gpu (pageable host arrays)", lambda: None, gpu=True)
-    from ..placement import decisions, forget
+    from ..runtime.placement import decisions, forget
 
     forget()
     for e in bench.interleaved(table, trio, check):

@@ -12,7 +12,7 @@ import numpy as np
 from dask.array.utils import meta_from_array
 from dask.base import tokenize
 
-from .. import backend
+from ..runtime import backend
 from .._kernels import bitpack as bits
 from ..arrays import asarray
 from ..devices import Device, check_device_for_graph

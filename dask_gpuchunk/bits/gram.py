@@ -28,7 +28,7 @@ from typing import Any
 import dask.array as da
 import numpy as np
 
-from .. import backend
+from ..runtime import backend
 from .._kernels.gram import Method
 from ..budget import check_fits, working_budget
 from ..devices import Device, cluster_workers, gpu_available

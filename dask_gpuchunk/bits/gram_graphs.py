@@ -18,7 +18,8 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import List, Task, TaskRef
 
-from .. import backend, config
+from .. import config
+from ..runtime import backend
 from .._kernels import bitpack as bits
 from ..config import listed_graphs
 from ..resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks

@@ -44,7 +44,7 @@ from .._kernels import similarity as kernels
 from .._kernels.gram import Method
 from .._kernels.similarity import Metric
 from ..arrays import asarray
-from ..backend import is_cupy
+from ..runtime.backend import is_cupy
 from ..budget import check_fits, working_budget
 from ..config import listed_graphs
 from ..devices import Device, cluster_workers, gpu_available

@@ -68,7 +68,7 @@ def environment() -> dict[str, Any]:
         "gpu-device": f"{gpu_state}" + ("; CuPy chunks computed on the device, queued on the "
                                         "current stream like CuPy operations" if count else ""),
         "auto": ("CuPy chunks on the GPU; NumPy chunks on the device the measured rule picks "
-                 "(dask_gpuchunk.placement)") if count else "every chunk on the CPU (no GPU visible)",
+                 "(dask_gpuchunk.runtime.placement)") if count else "every chunk on the CPU (no GPU visible)",
     }
     if count:
         auto = resolve_method("auto", on_gpu=True)

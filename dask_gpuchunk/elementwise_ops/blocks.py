@@ -1,5 +1,5 @@
 """What an elementwise operation's tasks run on a block: the chunk through
-:func:`dask_gpuchunk.backend.run_elementwise`, one output picked of several, and the fused
+:func:`dask_gpuchunk.runtime.backend.run_elementwise`, one output picked of several, and the fused
 reductions' partials combined and finished."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .._kernels.elementwise import REDUCTIONS, ElementwisePlan
-from ..backend import is_cupy, run_elementwise
+from ..runtime.backend import is_cupy, run_elementwise
 
 __all__ = []
 

@@ -16,7 +16,7 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import Task, TaskRef
 
 from .._kernels.elementwise import ElementwisePlan, is_python_number
-from ..backend import device_call, input_kind, is_cupy
+from ..runtime.backend import device_call, input_kind, is_cupy
 from ..budget import check_fits
 from ..config import map_blocks_prefix
 from .blocks import _block, _finish, _finish_blocks, _pick_output, _pick_reduction
@@ -58,7 +58,7 @@ EAGER_CALLS_KEPT = 64
 
 def _eager_key(args: tuple[Any, ...], device: str, out: Any, reduce: Any) -> tuple | None:
     """What an eager call on CuPy data is, for :attr:`ElementwiseOp._eager_calls`: the
-    arguments' kinds (:func:`~dask_gpuchunk.backend.input_kind`), ``out=``'s, ``reduce=``,
+    arguments' kinds (:func:`~dask_gpuchunk.runtime.backend.input_kind`), ``out=``'s, ``reduce=``,
     ``device=`` and the current CUDA device. ``None`` where the call is not of that form
     (no CuPy array, Dask or NumPy arrays, a list for ``reduce=``): it goes the full way."""
     if device != "auto" and device != "gpu":
@@ -81,7 +81,7 @@ def _eager_key(args: tuple[Any, ...], device: str, out: Any, reduce: Any) -> tup
 
 class _EagerDeviceCall:
     """One kind of eager call on CuPy data, checked once: the operation's pass prepared
-    (:func:`~dask_gpuchunk.backend.device_call`), what each call still checks (Python
+    (:func:`~dask_gpuchunk.runtime.backend.device_call`), what each call still checks (Python
     numbers' values) and finishes (a mean's division)."""
 
     def __init__(self, op: ElementwiseOp, plan: ElementwisePlan, argtypes: tuple[VType, ...],

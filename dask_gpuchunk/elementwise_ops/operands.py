@@ -13,7 +13,7 @@ import numpy as np
 from .. import _compat
 from .._kernels.elementwise import arg_type, check_dtype, is_python_number
 from ..arrays import asarray, is_array_like, refuse_masked
-from ..backend import is_cupy
+from ..runtime.backend import is_cupy
 from ..ufunc.numpy_rules import VType, weak_type
 
 __all__ = []

@@ -4,7 +4,7 @@ A scalar Python function becomes an operation on Dask arrays (NumPy and CuPy arr
 are accepted too) with NumPy's broadcasting, and NumPy's result dtype and values for that
 function (the function is translated per dtype signature:
 :mod:`dask_gpuchunk.ufunc.translate`). Each chunk runs through
-:func:`dask_gpuchunk.backend.run_elementwise`: numba CUDA kernel on the GPU, numba parallel twin
+:func:`dask_gpuchunk.runtime.backend.run_elementwise`: numba CUDA kernel on the GPU, numba parallel twin
 on the CPU, compiled lazily per dtype signature.
 
 This module is the operator (:class:`ElementwiseOp`, :func:`elementwise`, ``multiply``); its
@@ -36,7 +36,7 @@ from .._kernels.elementwise import (
     reduced_dtype,
 )
 from ..arrays import is_array_like
-from ..backend import is_cupy, run_elementwise
+from ..runtime.backend import is_cupy, run_elementwise
 from ..config import listed_graphs, map_blocks_prefix
 from ..devices import Device, check_device, check_device_for_graph, check_device_name, gpu_available
 from .blocks import (
@@ -482,7 +482,7 @@ def elementwise(func: Callable | None = None, *, dtype: Any = None,
             ``"gpu"``: CuPy chunks stay on the device; NumPy chunks are staged through pinned
             buffers, computed on the GPU and brought back as NumPy. ``"cpu"``: the numba
             parallel twin (NumPy chunks only). ``"auto"``: CuPy chunks on the GPU, NumPy chunks
-            where a measured rule says they run faster (:mod:`dask_gpuchunk.placement`),
+            where a measured rule says they run faster (:mod:`dask_gpuchunk.runtime.placement`),
             CPU where no GPU is visible.
         ``out``
             A NumPy array (pinned or not, or an ``np.memmap``) of the result's shape and dtype

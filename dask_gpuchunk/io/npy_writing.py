@@ -33,7 +33,7 @@ from dask.utils import format_bytes
 from .. import config
 from .._kernels.gram import c_ordered
 from ..arrays import asarray
-from ..backend import ChunkWork, run_chunk
+from ..runtime.backend import ChunkWork, run_chunk
 from ..config import map_blocks_prefix
 from ..devices import distributed_client_active
 from ..partials import remove_stale, temporary_name

@@ -36,7 +36,7 @@ import numpy as np
 from dask.base import tokenize
 
 from ..arrays import asarray
-from ..backend import ChunkWork, run_chunk
+from ..runtime.backend import ChunkWork, run_chunk
 from ..config import map_blocks_prefix
 from ..partials import remove_stale, temporary_name
 from .files import InputChangedError

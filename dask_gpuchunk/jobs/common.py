@@ -21,7 +21,7 @@ from dask.utils import format_bytes, parse_bytes
 from .. import process_memory
 from .._kernels.bitpack import BitValueError, check_bits_dtype, check_words_dtype
 from .._kernels.gram import GPU_METHODS
-from ..backend import dask_threads, staging_totals
+from ..runtime.backend import dask_threads, staging_totals
 from ..budget import budget_report
 from ..devices import (
     DEVICES,
@@ -401,7 +401,7 @@ def staged_by_workers(client: Any | None, since: dict[str, dict[str, float]] | N
                       ) -> dict[str, dict[str, float]]:
     """What host-fed chunks of each worker of ``client``'s cluster (or, without a client, of
     this process, as ``"this process"``) sent to its GPU and spent doing it
-    (:class:`~dask_gpuchunk.backend.StagingTotals`: bytes to and from the device, host copies,
+    (:class:`~dask_gpuchunk.runtime.backend.StagingTotals`: bytes to and from the device, host copies,
     waits for the device, time on it), less what it had at ``since`` (an earlier call).
 
     Examples

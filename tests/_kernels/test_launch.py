@@ -93,7 +93,7 @@ def test_a_layout_numba_does_not_use_is_refused(monkeypatch):
 def test_chunks_fall_back_to_numba_when_the_direct_launch_is_refused(rng, monkeypatch):
     import cupy
 
-    from dask_gpuchunk.backend import run_gpu_on_device
+    from dask_gpuchunk.runtime.backend import run_gpu_on_device
 
     monkeypatch.setattr(launch, "_direct_works", [True])
     monkeypatch.setattr(launch, "_array_words", _swapped_words)

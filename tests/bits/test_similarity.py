@@ -726,7 +726,7 @@ def test_top_k_of_a_npy_keeps_its_chunks_on_the_gpu(rng, tmp_path, device_cap, m
 def test_selections_of_host_words_on_a_gpu_bring_back_no_counts(rng, method):
     # Host words go to the GPU and what a block keeps comes back; staged the plain way, each
     # block's counts (4 bytes a pair) came back for the CPU to select from.
-    from dask_gpuchunk.backend import staging_totals
+    from dask_gpuchunk.runtime.backend import staging_totals
 
     x = fingerprints(rng, 700, 1000)
     w = da.from_array(np.packbits(x, axis=1), chunks=((300, 1, 399), -1))

@@ -9,8 +9,8 @@ import pytest
 from helpers import assert_same
 
 from dask_gpuchunk._kernels.elementwise import ElementwiseKernels
-from dask_gpuchunk.backend import is_cupy, run_cpu, run_elementwise
-from dask_gpuchunk.chunk_layout import _collapsed_layout
+from dask_gpuchunk.runtime.backend import is_cupy, run_cpu, run_elementwise
+from dask_gpuchunk.runtime.chunk_layout import _collapsed_layout
 from dask_gpuchunk.devices import GPUNotAvailableError, gpu_available
 
 
@@ -89,7 +89,7 @@ def test_cpu_threads_share_the_cores():
     import dask
     import numba
 
-    from dask_gpuchunk.cpu_runner import CPU_OVERSUBSCRIPTION, cpu_threads
+    from dask_gpuchunk.runtime.cpu_runner import CPU_OVERSUBSCRIPTION, cpu_threads
 
     cores = numba.config.NUMBA_NUM_THREADS
     with dask.config.set(num_workers=1):
@@ -107,7 +107,7 @@ def test_bad_device():
 
 @pytest.mark.skipif(gpu_available(), reason="a GPU is visible")
 def test_auto_without_gpu_runs_on_cpu(rng):
-    from dask_gpuchunk.placement import decisions, forget
+    from dask_gpuchunk.runtime.placement import decisions, forget
 
     forget()
     a = rng.random(50)
@@ -120,7 +120,7 @@ def test_auto_without_gpu_runs_on_cpu(rng):
 
 @pytest.mark.gpu
 def test_gpu_from_host_timings_and_result(rng):
-    from dask_gpuchunk.backend import run_gpu_from_host
+    from dask_gpuchunk.runtime.backend import run_gpu_from_host
 
     a, b = rng.random((500, 64)), rng.random(64)
     timings: dict[str, float] = {}
@@ -139,7 +139,7 @@ def test_gpu_from_host_timings_and_result(rng):
 @pytest.mark.gpu
 def test_pinned_chunks_are_sent_without_staging(rng, monkeypatch):
     from dask_gpuchunk import staging
-    from dask_gpuchunk.backend import run_gpu_from_host
+    from dask_gpuchunk.runtime.backend import run_gpu_from_host
 
     a, b, dest = (staging.empty_pinned((300, 50)) for _ in range(3))
     a[...], b[...] = rng.random((300, 50)), rng.random((300, 50))
@@ -158,7 +158,7 @@ def test_host_path_device_memory_is_bounded_by_slots(rng):
     import cupy
 
     from dask_gpuchunk import staging
-    from dask_gpuchunk.backend import run_gpu_from_host
+    from dask_gpuchunk.runtime.backend import run_gpu_from_host
 
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
@@ -209,13 +209,13 @@ def test_device_path_is_asynchronous_like_cupy(rng):
 ])
 def test_chunk_site_is_one_rule_for_every_operator(device, on_device, gpu_here, placed, stage,
                                                    expected):
-    from dask_gpuchunk.backend import chunk_site
+    from dask_gpuchunk.runtime.backend import chunk_site
 
     assert chunk_site(device, on_device, gpu_here, placed=placed, stage=stage) == expected
 
 
 def test_chunk_site_errors():
-    from dask_gpuchunk.backend import chunk_site
+    from dask_gpuchunk.runtime.backend import chunk_site
 
     with pytest.raises(ValueError, match="device='cpu' was given CuPy chunks"):
         chunk_site("cpu", True, True)

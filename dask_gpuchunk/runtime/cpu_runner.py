@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _compat
-from ._kernels.elementwise import ElementwiseKernels, partial_count
-from .devices import gpu_available
+from .. import _compat
+from .._kernels.elementwise import ElementwiseKernels, partial_count
+from ..devices import gpu_available
 from .chunk_layout import _as_plan, _chunk_reductions, _collapsed_views, _host_inputs
 
 __all__ = ["cpu_threads", "dask_threads", "prepare_process", "run_cpu", "run_cpu_kernel"]

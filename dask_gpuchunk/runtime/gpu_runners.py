@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from . import config
-from ._kernels.elementwise import ElementwiseKernels, is_scalar
-from ._kernels.launch import numba_stream
-from .budget import reserve, run_reserved
-from .staging import copy_to_device, copy_to_host, device_slot, h2d_slot, is_pinned, pinned_pool
+from .. import config
+from .._kernels.elementwise import ElementwiseKernels, is_scalar
+from .._kernels.launch import numba_stream
+from ..budget import reserve, run_reserved
+from ..staging import copy_to_device, copy_to_host, device_slot, h2d_slot, is_pinned, pinned_pool
 from .chunk_layout import _as_plan, _host_inputs, _scalars_by_value, is_cupy, staging_totals
 from .device_launch import _launch, _partials_bytes, _pass_launch, device_call
 
@@ -111,7 +111,7 @@ def run_staged(
     D2H straight into ``dest`` if it is pinned and contiguous, else into a pinned buffer; last,
     that buffer is copied into ``dest``.
 
-    With ``timings`` (a dict), it records what :mod:`dask_gpuchunk.placement` needs:
+    With ``timings`` (a dict), it records what :mod:`dask_gpuchunk.runtime.placement` needs:
     ``stage_seconds`` and ``staged_bytes`` (host copies into and out of pinned buffers),
     ``h2d_bytes``/``d2h_bytes`` (PCIe traffic) and ``kernel`` (seconds, CUDA events).
 

@@ -9,22 +9,22 @@ from typing import Any
 
 import numpy as np
 
-from . import config
-from ._kernels.elementwise import (
+from .. import config
+from .._kernels.elementwise import (
     ElementwiseKernels,
     ElementwisePlan,
     is_scalar,
     partial_count,
     reduction_start,
 )
-from ._kernels.launch import (
+from .._kernels.launch import (
     DirectLaunchError,
     StridedArg,
     direct_launch_available,
     fall_back_to_numba,
     numba_stream,
 )
-from .budget import run_reserved
+from ..budget import run_reserved
 from .chunk_layout import _collapsed_layout, _collapsed_views, is_cupy
 
 __all__ = ["DeviceCall", "device_call", "input_kind", "total_dtypes"]

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ._kernels.elementwise import (
+from .._kernels.elementwise import (
     ElementwisePlan,
     collapse_dims,
     is_python_number,

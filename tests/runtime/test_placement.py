@@ -9,7 +9,7 @@ import pytest
 from helpers import assert_same
 
 import dask_gpuchunk as dg
-from dask_gpuchunk import placement
+from dask_gpuchunk.runtime import placement
 
 
 def test_host_copy_bandwidth_is_measured_once():

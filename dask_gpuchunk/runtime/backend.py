@@ -4,7 +4,7 @@ Every operator's chunks go through here. :func:`chunk_site` is the one rule for 
 runs (its inputs' kind × ``device=`` × whether the operation measures its placement), with one
 error text per failure; :func:`run_chunk` runs an operation's :class:`ChunkWork` there (Gram
 blocks, bitpack, transposes, file writes), and :func:`run_elementwise` does the same for
-elementwise functions, whose host chunks the measured rule of :mod:`dask_gpuchunk.placement`
+elementwise functions, whose host chunks the measured rule of :mod:`dask_gpuchunk.runtime.placement`
 places. Kernels take the stream they are queued on as an argument (a numba stream). Three
 paths:
 
@@ -25,15 +25,15 @@ paths:
     (:func:`cpu_threads`).
 
 ``device="auto"`` sends CuPy chunks to their GPU; NumPy chunks of elementwise functions where
-the measured rule of :mod:`dask_gpuchunk.placement` says they run faster (``placed``), those of
+the measured rule of :mod:`dask_gpuchunk.runtime.placement` says they run faster (``placed``), those of
 other operations to a GPU where one is visible, unless the operation keeps them on the host
 (bitpack, transposes, file writes). Concurrency comes from Dask's own threads:
 several chunks in flight on their own streams overlap copies in both directions and kernels.
 
 This module is the dispatch (:func:`chunk_site`, :func:`run_chunk`, :func:`run_elementwise`)
-and gives the chunk runners' names: the CPU path is :mod:`dask_gpuchunk.cpu_runner`'s, the
-GPU paths :mod:`dask_gpuchunk.gpu_runners`', a kernel's launch on the device
-:mod:`dask_gpuchunk.device_launch`', and what they share :mod:`dask_gpuchunk.chunk_layout`'s.
+and gives the chunk runners' names: the CPU path is :mod:`dask_gpuchunk.runtime.cpu_runner`'s, the
+GPU paths :mod:`dask_gpuchunk.runtime.gpu_runners`', a kernel's launch on the device
+:mod:`dask_gpuchunk.runtime.device_launch`', and what they share :mod:`dask_gpuchunk.runtime.chunk_layout`'s.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import placement
-from ._kernels.elementwise import ElementwiseKernels, ElementwisePlan, is_python_number
-from .budget import working_budget
-from .devices import GPUNotAvailableError, check_device_name, gpu_available
-from .staging import is_pinned
+from .._kernels.elementwise import ElementwiseKernels, ElementwisePlan, is_python_number
+from ..budget import working_budget
+from ..devices import GPUNotAvailableError, check_device_name, gpu_available
+from ..staging import is_pinned
 from .chunk_layout import StagingTotals, _as_plan, is_cupy, staging_totals
 from .cpu_runner import cpu_threads, dask_threads, prepare_process, run_cpu, run_cpu_kernel
 from .device_launch import DeviceCall, device_call, input_kind, total_dtypes
@@ -109,7 +109,7 @@ def chunk_site(device: str, on_device: bool, gpu_here: bool, *, placed: bool = F
         Whether this process sees a GPU.
     placed
         Whether the operation measures where its NumPy chunks run faster
-        (:mod:`dask_gpuchunk.placement`); otherwise ``"auto"`` sends them to a GPU where there
+        (:mod:`dask_gpuchunk.runtime.placement`); otherwise ``"auto"`` sends them to a GPU where there
         is one.
     stage
         Whether NumPy chunks may be copied to a GPU at all (not for work cheaper where the data
@@ -280,7 +280,7 @@ def _tiny(inputs: Sequence[Any]) -> list[Any]:
 
 def _measure(kernels: ElementwiseKernels, out_dtype: Any, inputs: list[Any],
              dest: Any, key: tuple) -> tuple[dict[str, Any], Any]:
-    """Run a NumPy chunk both ways, timed (:func:`dask_gpuchunk.placement.estimate`'s inputs):
+    """Run a NumPy chunk both ways, timed (:func:`dask_gpuchunk.runtime.placement.estimate`'s inputs):
     the record of the rule, and the result of the device it picks."""
     import numba
 
