@@ -46,5 +46,8 @@ def test_ci_installs_every_lower_bound_exactly():
 def test_ci_runs_every_job_with_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "install newest" in ci and "install oldest .ci/oldest.txt" in ci
-    assert ci.count("python -m pytest -q -n auto") == 3
-    assert "DASK_ARRAY__QUERY_PLANNING=True python -m pytest -q -n auto" in ci
+    readme = (ROOT / "README.md").read_text()
+    command = "python -m pytest -n auto --dist worksteal"
+    assert command in readme
+    assert ci.count("python -m pytest -q -n auto --dist worksteal") == 3
+    assert "DASK_ARRAY__QUERY_PLANNING=True python -m pytest -q -n auto --dist worksteal" in ci
