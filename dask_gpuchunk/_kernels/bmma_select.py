@@ -379,7 +379,7 @@ def _operands(a: Any, b: Any, tile: BmmaTile) -> tuple[Any, Any]:
 
 
 def top_k_scratch_bytes(na: int, nb: int, k: int, both: bool, words64: int,
-                        tile: BmmaTile = TILE) -> int:
+                        tile: BmmaTile = TILE, slots: int | None = None) -> int:
     """Device bytes :func:`top_k_candidates` allocates for blocks of ``na`` and ``nb`` rows:
     slots, counts, new states, (where the rows need padding) copies of the words, and room to
     redo :data:`REDONE_TARGETS` targets (their counts, scores, keys and a sort's copies)."""
@@ -388,22 +388,26 @@ def top_k_scratch_bytes(na: int, nb: int, k: int, both: bool, words64: int,
     redo = min(REDONE_TARGETS, targets) * max(na, nb) * 40
     # Hopper's rows in popcount order: the words' copies, orders, popcounts and states.
     ordered = (na + nb) * (words64 * 8 + 16) + targets * k * 16
-    return targets * (SLOTS * 8 + 4 + k * 8) + (na + nb) * padded + redo + ordered
+    slots = SLOTS if slots is None else slots
+    return targets * (slots * 8 + 4 + k * 8) + (na + nb) * padded + redo + ordered
 
 
 def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: int,
                      state_a: Any, state_b: Any | None, metric: str, exclude: bool,
                      tile: BmmaTile = TILE, method: str = "bmma",
-                     overflows: list[Overflow] | None = None) -> tuple[Any, Any | None]:
+                     overflows: list[Overflow] | None = None, slots: int | None = None
+                     ) -> tuple[Any, Any | None]:
     """The new states ``(r, k)`` of ``a``'s rows (and, with ``state_b``, of ``b``'s rows as
     the block's columns) after the block of ``a`` against ``b`` (CuPy ``uint64`` words of one
     width; row ids ``first_a`` and ``first_b`` on), from states of sorted keys
     (:func:`~dask_gpuchunk._kernels.similarity.rank_keys`, :data:`NO_PAIR` padding) of the
-    blocks before. Targets with more candidates than :data:`SLOTS` (ties with a state's last
-    key from smaller ids, as an empty row has with every row) are redone exactly against the
-    whole block (:mod:`~dask_gpuchunk._kernels.top_k_overflow`). Waits for the device (one count read), unless given a list
-    ``overflows``: the block's :class:`Overflow` is appended to it instead, and the caller
-    passes the list to :func:`~dask_gpuchunk._kernels.top_k_overflow.redo_overflows` before the new states are read or updated again
+    blocks before. Targets with more candidates than ``slots`` (default :data:`SLOTS`; ties
+    with a state's last key from smaller ids, as an empty row has with every row) are redone
+    exactly against the whole block (:mod:`~dask_gpuchunk._kernels.top_k_overflow`). Waits
+    for the device (one count read), unless given a list ``overflows``: the block's
+    :class:`Overflow` is appended to it instead, and the caller passes the list to
+    :func:`~dask_gpuchunk._kernels.top_k_overflow.redo_overflows` before the new states are
+    read or updated again
     (one wait for several blocks: each block's launches then queue while the device runs the
     one before). ``method="wgmma"``:
     the candidates from Hopper's kernel (:mod:`~dask_gpuchunk._kernels.wgmma_select`), the
@@ -413,6 +417,7 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
     import cupy
 
     _check_fused(method)
+    slots = SLOTS if slots is None else slots
     k = state_a.shape[1]
     if not 1 <= k <= CUDA_TOP_K_MAX:
         raise ValueError(f"k must be from 1 to {CUDA_TOP_K_MAX}; got {k}")
@@ -423,11 +428,11 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
     pop_a = cupy.ascontiguousarray(pop_a, dtype=np.int32)
     pop_b = cupy.ascontiguousarray(pop_b, dtype=np.int32)
     state_a = cupy.ascontiguousarray(state_a)
-    slots_a = cupy.empty((na, SLOTS), dtype=np.uint64)
+    slots_a = cupy.empty((na, slots), dtype=np.uint64)
     count_a = cupy.zeros(na, dtype=np.int32)
     if both:
         state_b = cupy.ascontiguousarray(state_b)
-        slots_b = cupy.empty((nb, SLOTS), dtype=np.uint64)
+        slots_b = cupy.empty((nb, slots), dtype=np.uint64)
         count_b = cupy.zeros(nb, dtype=np.int32)
     else:  # never read: both = 0
         state_b, slots_b, count_b = state_a, slots_a, count_a
@@ -452,17 +457,17 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
                       *orders)
     merge = _kernel("merge_candidates", tile)
     new_states = []
-    for (*_, slots, count), state, order in zip(sides, ordered, orders):
+    for (*_, queued, count), state, order in zip(sides, ordered, orders):
         n = state.shape[0]
         out = cupy.empty_like(state)
-        merge((-(-n // 128),), (128,), (state, slots, count, np.int32(n), np.int32(k),
-                                        np.int32(SLOTS), out))
+        merge((-(-n // 128),), (128,), (state, queued, count, np.int32(n), np.int32(k),
+                                        np.int32(slots), out))
         if order is not None:  # back in the caller's row order
             out[order] = out.copy()
         new_states.append(out)
     # The slots are merged: what a redo needs of each side (not the slots) is kept.
     block = Overflow([side[:7] + side[8:] for side in sides], new_states, orders, metric, exclude,
-                     SLOTS)
+                     slots)
     if overflows is None:
         redo_overflows([block])
     else:
@@ -477,7 +482,7 @@ def launch_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, firs
                       order_b: Any = None) -> None:
     """Queue :func:`top_k_candidates`' kernel alone (``method``'s) on CuPy's current stream:
     ``a``, ``b`` CuPy ``uint64`` words, popcounts ``int32``, states ``(n, k)`` C-contiguous,
-    candidates into ``slots_*`` ``(n, SLOTS)`` counted in ``count_*`` (zeros before); with
+    candidates into ``slots_*`` ``(n, slots)`` counted in ``count_*`` (zeros before); with
     ``both`` false nothing is kept for the columns (pass ``state_a``'s buffers for theirs).
     ``"wgmma"`` only: row ``r`` of ``a`` has id ``first_a + order_a[r]`` (``int32``; default
     ``r``), and so for ``b``."""
@@ -491,7 +496,7 @@ def launch_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, firs
             order_b = cupy.arange(b.shape[0], dtype=np.int32)
         wgmma_select.launch_top_k_candidates(
             a, b, pop_a, pop_b, first_a, first_b, state_a, state_b, k, metric, exclude, both,
-            slots_a, count_a, slots_b, count_b, SLOTS, order_a, order_b)
+            slots_a, count_a, slots_b, count_b, slots_a.shape[1], order_a, order_b)
         return
     na, nb = a.shape[0], b.shape[0]
     a32, b32 = _operands(a, b, tile)
@@ -501,7 +506,7 @@ def launch_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, firs
         (a32, b32, np.int32(na), np.int32(nb), np.int32(a32.shape[1]), pop_a, pop_b,
          np.int64(first_a), np.int64(first_b), state_a, state_b, np.int32(k),
          np.int32(cuda_metric_code(metric)), np.int32(bool(exclude)), np.int32(both),
-         slots_a, count_a, slots_b, count_b, np.int32(SLOTS)),
+         slots_a, count_a, slots_b, count_b, np.int32(slots_a.shape[1])),
         shared_mem=tile.shared_bytes)
 
 

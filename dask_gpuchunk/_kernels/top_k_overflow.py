@@ -41,10 +41,10 @@ def redo_overflows(blocks: list[Overflow]) -> None:
     on an H100)."""
     import cupy
 
-    counts = [side[-1] for block in blocks for side in block.sides]
-    if not counts:
+    over = [side[-1] > block.slots for block in blocks for side in block.sides]
+    if not over:
         return
-    full = cupy.flatnonzero(cupy.concatenate(counts) > blocks[0].slots)  # alike in every block
+    full = cupy.flatnonzero(cupy.concatenate(over))
     if not full.size:
         return
     redone["targets"] += int(full.size)

@@ -412,15 +412,18 @@ def first_state(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first_b: i
 
 
 #: Rows of a chunk from which its first state (its block against itself) is seeded: the best
-#: keys against its first :data:`SEED_PART` (an eighth), then the fused kernel against spans
-#: of the rest, each at most :data:`SPAN_GROWTH` times the rows already seen (twice: about
-#: 2 k candidates a row, within the slots). The whole block's counts and their scoring took
-#: 11.5 ms for 32,768 rows on an H200; a quarter's seed and one span of the rest, 7.4 ms (2 %
-#: of the rows over their slots, redone); an eighth's and two spans, 7.7 ms (0.07 s of the
-#: 31 first states' 0.24 s in the eighths' dense counts and best keys).
+#: keys against its first :data:`SEED_PART`, then the fused kernel against spans of the rest,
+#: each at most :data:`SPAN_GROWTH` times the rows already seen, with :data:`FIRST_SLOTS`
+#: candidate slots a row (about ``k * SPAN_GROWTH`` candidates a row; the data's tail has
+#: rows with many more). 10**6 x 2048 bits, top-10, H200, against an eighth, spans of twice
+#: and 64 slots: a 32,768-row chunk's first state 5.7-6.0 ms (6.3-8.1), a 16,384-row one's
+#: 2.1-2.2 (2.2-3.2), the whole run 1.07 s (1.12) and 1.09 s (1.12-1.14). A floor from a
+#: sample's 4th best and one pass of 256 slots instead: 14-28 ms, a tenth of the rows over
+#: their slots (rows whose neighbours cluster).
 SEEDED_FIRST_ROWS = 8192
-SEED_PART = 8
-SPAN_GROWTH = 2
+SEED_PART = 16
+SPAN_GROWTH = 8
+FIRST_SLOTS = 512
 
 
 def _seeded_first_state(a: Any, pop_a: Any, first: int, selection: Selection, method: str,
@@ -437,8 +440,10 @@ def _seeded_first_state(a: Any, pop_a: Any, first: int, selection: Selection, me
         state = run_reserved(
             functools.partial(top_k_candidates, words, span, pop_a,
                               pop_a[seen:seen + len(span)], first, first + seen, state, None,
-                              selection.metric, selection.exclude_self, method=fused_method),
-            top_k_scratch_bytes(len(a), len(span), selection.k, False, words.shape[1]),
+                              selection.metric, selection.exclude_self, method=fused_method,
+                              slots=FIRST_SLOTS),
+            top_k_scratch_bytes(len(a), len(span), selection.k, False, words.shape[1],
+                                slots=FIRST_SLOTS),
             f"a similarity block of {len(a)} x {len(span)} rows")[0]
         seen += len(span)
     return state

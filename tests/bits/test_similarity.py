@@ -491,14 +491,19 @@ def test_plain_path_takes_a_blocks_counts_in_slices(rng, monkeypatch, method):
 @pytest.mark.gpu
 @pytest.mark.parametrize("metric", ["tanimoto", "dice", "cosine", "hamming"])
 @pytest.mark.parametrize("exclude_self", [True, False])
-def test_first_states_seeded_from_a_quarter_are_exact(rng, monkeypatch, metric, exclude_self):
-    # Each chunk's block against itself: its first quarter's best keys, then the fused
-    # kernel's candidates from the rest (SEEDED_FIRST_ROWS lowered so that small chunks take
-    # that path); ties (repeated and empty rows) and uneven chunks.
+@pytest.mark.parametrize("schedule", [(8, 2, 64), (16, 8, 16)])
+def test_first_states_seeded_from_a_part_are_exact(rng, monkeypatch, metric, exclude_self,
+                                                    schedule):
+    # Each chunk's block against itself: its first part's best keys, then the fused kernel's
+    # candidates from spans of the rest (SEEDED_FIRST_ROWS lowered so that small chunks take
+    # that path; few slots and long spans: rows over their slots, redone); ties (repeated and
+    # empty rows) and uneven chunks.
     import cupy
 
     selection = importlib.import_module("dask_gpuchunk.bits.selection")
     monkeypatch.setattr(selection, "SEEDED_FIRST_ROWS", 32)
+    for name, value in zip(("SEED_PART", "SPAN_GROWTH", "FIRST_SLOTS"), schedule):
+        monkeypatch.setattr(selection, name, value)
     seeded = []
     real = selection._seeded_first_state
     monkeypatch.setattr(selection, "_seeded_first_state",
