@@ -370,7 +370,7 @@ class _ClusterLost(Exception):
 def _cluster_lost(exc: BaseException) -> bool:
     """Whether ``exc`` says the job's client lost its scheduler (killed, or the network)."""
     name = type(exc).__name__
-    return (name in ("CommClosedError", "StreamClosedError")
+    return (name in ("CommClosedError", "StreamClosedError", "SchedulerLostError")
             or (name in ("FutureCancelledError", "CancelledError")
                 and "scheduler-connection-lost" in str(exc)))
 

@@ -23,6 +23,7 @@ from .npy_reading import (
 from .npy_writing import (
     NoSpaceError,
     NoWorkersError,
+    SchedulerLostError,
     check_output_directory,
     check_space,
     check_target,
@@ -36,7 +37,7 @@ from .npy_writing import (
 )
 
 __all__ = ["NoSpaceError", "NoWorkersError", "NpyFormatError", "NpyHeader", "NpyReader",
-           "NpyTrailingDataWarning", "check_output_directory", "check_space", "check_target",
+           "NpyTrailingDataWarning", "SchedulerLostError", "check_output_directory", "check_space", "check_target",
            "checked_chunks", "from_npy", "in_flight", "inputs_of", "no_workers_timeout",
            "npy_bytes",
            "npy_in_place", "npy_reader_of", "read_header", "run_writes", "temporary_output",

@@ -47,7 +47,7 @@ from .files import (
 )
 from .npy_reading import NpyHeader, _each_run, _log, _native, _region_runs, in_flight, inputs_of
 
-__all__ = ["NoSpaceError", "NoWorkersError", "check_output_directory", "check_space", "check_target", "no_workers_timeout", "npy_bytes", "npy_in_place", "run_writes", "temporary_output", "to_npy", "write_region"]
+__all__ = ["NoSpaceError", "NoWorkersError", "SchedulerLostError", "check_output_directory", "check_space", "check_target", "no_workers_timeout", "npy_bytes", "npy_in_place", "run_writes", "temporary_output", "to_npy", "write_region"]
 
 class NoSpaceError(OSError):
     """The output's file system has too little room for it (checked before any work)."""
@@ -188,6 +188,10 @@ class NoWorkersError(TimeoutError):
     """A job's cluster has had no workers for :func:`no_workers_timeout` seconds."""
 
 
+class SchedulerLostError(ConnectionError):
+    """A job's client lost its scheduler (stopped, or out of reach) while the writes ran."""
+
+
 def no_workers_timeout() -> float:
     """Seconds a job waits for a cluster without workers to get one again before giving up
     (``gpuchunk.no-workers-timeout``, default 300; the CLI's ``--worker-timeout``)."""
@@ -213,14 +217,21 @@ def run_writes(written: da.Array | list[Any],
     futures = futures_of(client.persist(written))
     total, done = len(futures), 0
     completed = as_completed(futures)
-    deserted = threading.Event()
+    deserted, lost = threading.Event(), threading.Event()
     finished = threading.Event()
 
     def watch() -> None:
         # as_completed waits without a timeout: this thread ends the wait (by emptying it)
-        # when the cluster stays without workers.
+        # when the cluster stays without workers, or at once when the client's connection to
+        # its scheduler closed: distributed cancels every future of a client that reconnects,
+        # so no write can finish; a job whose scheduler was killed waited 15 s in as_completed
+        # (the client "connecting", its futures neither done nor cancelled) before this.
         alone_since: float | None = None
         while not finished.wait(1.0):
+            if client.status != "running":
+                lost.set()
+                completed.clear()
+                return
             if client.scheduler_info().get("workers"):
                 alone_since = None
                 continue
@@ -241,6 +252,10 @@ def run_writes(written: da.Array | list[Any],
             done += 1
             if progress is not None:
                 progress(done, total)
+        if lost.is_set():
+            raise SchedulerLostError(
+                f"the job's client lost its scheduler (stopped, or out of reach) with "
+                f"{total - done} of {total} chunks to go; nothing was written")
         if deserted.is_set():
             raise NoWorkersError(
                 f"the cluster has had no workers for {no_workers_timeout():g} s (the last one "
