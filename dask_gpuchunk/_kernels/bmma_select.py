@@ -45,9 +45,9 @@ from .bmma import TILE, TILE_SOURCE, BmmaTile, tile_kernel, words32
 from .similarity import (
     CUDA_TOP_K_MAX,
     FLOAT_METRICS,
-    cuda_metric_code,
-    popcount_order,
     RANK_SOURCE,
+    cuda_metric_code,
+    kept_popcount_order,
     rank_limit,
 )
 from .top_k_overflow import REDONE_TARGETS, Overflow, redo_overflows
@@ -222,10 +222,12 @@ _MERGE_CANDIDATES = r"""
 extern "C" __global__ void
 merge_candidates(const unsigned long long* __restrict__ state,
                  const unsigned long long* __restrict__ slots, const int* __restrict__ count,
-                 int n, int k, int nslots, unsigned long long* __restrict__ out)
+                 int n, int k, int nslots, unsigned long long* __restrict__ out,
+                 const int* __restrict__ order)
 {
     // A target's new state: the k smallest of its state and its candidates (those of a target
-    // with more candidates than slots are redone by the caller).
+    // with more candidates than slots are redone by the caller), written to row order[target]
+    // of out where an order is given (targets taken in popcount order, put back).
     const int target = blockIdx.x * blockDim.x + threadIdx.x;
     if (target >= n) return;
     unsigned long long best[MAX_K];
@@ -238,7 +240,8 @@ merge_candidates(const unsigned long long* __restrict__ state,
         while (i > 0 && best[i - 1] > key) { best[i] = best[i - 1]; --i; }
         best[i] = key;
     }
-    for (int i = 0; i < k; ++i) out[(size_t)target * k + i] = best[i];
+    const size_t row = order != nullptr ? (size_t)order[target] : (size_t)target;
+    for (int i = 0; i < k; ++i) out[row * k + i] = best[i];
 }
 
 """
@@ -412,8 +415,8 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
     one before). ``method="wgmma"``:
     the candidates from Hopper's kernel (:mod:`~dask_gpuchunk._kernels.wgmma_select`), the
     same ones, its rows and columns taken in popcount order
-    (:func:`~dask_gpuchunk._kernels.similarity.popcount_order`, the states and words gathered
-    so, the new states put back)."""
+    (:func:`~dask_gpuchunk._kernels.similarity.kept_popcount_order`, once for each popcounts
+    array; the states and words gathered so, the new states put back)."""
     import cupy
 
     _check_fused(method)
@@ -425,6 +428,7 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
     both = state_b is not None
     if na == 0 or nb == 0:
         return state_a, state_b
+    given = (pop_a, pop_b)  # the callers' arrays: a chunk's order is kept by them
     pop_a = cupy.ascontiguousarray(pop_a, dtype=np.int32)
     pop_b = cupy.ascontiguousarray(pop_b, dtype=np.int32)
     state_a = cupy.ascontiguousarray(state_a)
@@ -439,31 +443,31 @@ def top_k_candidates(a: Any, b: Any, pop_a: Any, pop_b: Any, first_a: int, first
     sides = [(a, b, pop_a, pop_b, first_a, first_b, state_a, slots_a, count_a)]
     if both:
         sides.append((b, a, pop_b, pop_a, first_b, first_a, state_b, slots_b, count_b))
-    orders = [None, None]
+    orders: list[Any] = [None, None]
+    pops = [pop_a, pop_b]
     if method == "wgmma":
         # Hopper's kernel takes the rows in popcount order: a tile's rows and columns then
         # span a few popcounts, and the integer floors its epilogue tests every count against
         # (each row's line at the tile's least column popcount, and each column's) lie close
         # to the pairs' own lines, so that far fewer counts take the slow path.
         bits = 64 * a.shape[1]
-        orders[0] = popcount_order(pop_a, bits)
-        orders[1] = orders[0] if b is a else popcount_order(pop_b, bits)
+        orders[0], pops[0] = kept_popcount_order(given[0], bits)
+        orders[1], pops[1] = ((orders[0], pops[0]) if b is a
+                              else kept_popcount_order(given[1], bits))
     ordered = [state if order is None else state[order]
                for (*_, state, _, _), order in zip(sides, orders)]
-    launch_candidates(*(x if order is None else x[order]
-                        for x, order in zip((a, b, pop_a, pop_b), orders * 2)),
-                      first_a, first_b, ordered[0], ordered[-1] if both else state_b, both,
-                      metric, exclude, slots_a, count_a, slots_b, count_b, tile, method,
+    launch_candidates(*(x if order is None else x[order] for x, order in zip((a, b), orders)),
+                      *pops, first_a, first_b, ordered[0], ordered[-1] if both else state_b,
+                      both, metric, exclude, slots_a, count_a, slots_b, count_b, tile, method,
                       *orders)
     merge = _kernel("merge_candidates", tile)
     new_states = []
     for (*_, queued, count), state, order in zip(sides, ordered, orders):
         n = state.shape[0]
-        out = cupy.empty_like(state)
+        out = cupy.empty_like(state)  # in the caller's row order: the merge puts rows back
         merge((-(-n // 128),), (128,), (state, queued, count, np.int32(n), np.int32(k),
-                                        np.int32(slots), out))
-        if order is not None:  # back in the caller's row order
-            out[order] = out.copy()
+                                        np.int32(slots), out,
+                                        np.uint64(0) if order is None else order))
         new_states.append(out)
     # The slots are merged: what a redo needs of each side (not the slots) is kept.
     block = Overflow([side[:7] + side[8:] for side in sides], new_states, orders, metric, exclude,

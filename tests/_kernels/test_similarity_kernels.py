@@ -74,6 +74,7 @@ def test_threshold_pairs_on_the_gpu_equal_the_host_path(rng, metric, threshold):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, bits", [(0, 64), (1, 64), (1000, 64), (40_000, 2048),
+                                     (5000, 3001), (70_000, kernels.COUNTED_POPCOUNTS - 1),
                                      (3000, kernels.COUNTED_POPCOUNTS)])
 def test_popcount_order_is_a_permutation_by_popcount(rng, n, bits):
     cupy = pytest.importorskip("cupy")
@@ -83,3 +84,19 @@ def test_popcount_order_is_a_permutation_by_popcount(rng, n, bits):
     assert order.dtype == np.int32
     np.testing.assert_array_equal(np.sort(order), np.arange(n))
     np.testing.assert_array_equal(pop[order], np.sort(pop))
+
+
+@pytest.mark.gpu
+def test_a_popcounts_arrays_order_is_kept_while_it_lives(rng):
+    cupy = pytest.importorskip("cupy")
+    pop = cupy.asarray(rng.integers(0, 2049, 5000).astype(np.int32))
+    order, in_order = kernels.kept_popcount_order(pop, 2048)
+    again = kernels.kept_popcount_order(pop, 2048)
+    assert again[0] is order and again[1] is in_order
+    np.testing.assert_array_equal(cupy.asnumpy(pop[order]), np.sort(cupy.asnumpy(pop)))
+    np.testing.assert_array_equal(cupy.asnumpy(in_order), np.sort(cupy.asnumpy(pop)))
+    same_values = pop.copy()  # another array: its own order
+    assert kernels.kept_popcount_order(same_values, 2048)[0] is not order
+    key = id(pop)
+    del pop, same_values
+    assert key not in kernels._kept_orders  # freed with its array
