@@ -168,7 +168,7 @@ def test_a_scheduler_killed_mid_job_ends_it_with_exit_5_in_one_line(rng, tmp_pat
     lines = [line for line in err.strip().splitlines() if not line.startswith("warning:")]
     assert job.returncode == 5, err
     # At once, not after distributed's client gave up reconnecting (15 s on the CI machine)
-    assert time.monotonic() - killed < 8, err
+    assert time.monotonic() - killed < 10, err
     assert len(lines) == 1 and "lost its cluster" in lines[0], err
     assert not (tmp_path / "c.npy").exists() and _leftovers(tmp_path) == []
 
