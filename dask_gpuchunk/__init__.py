@@ -74,6 +74,7 @@ _moved.keep_old_paths(__name__, {"elementwise": "elementwise_ops.operations", **
     f"elementwise_{name}": f"elementwise_ops.{name}" for name in ("blocks", "graphs", "operands")}})
 _moved.keep_old_paths(__name__, {name: f"runtime.{name}" for name in (
     "backend", "chunk_layout", "cpu_runner", "device_launch", "gpu_runners", "placement")})
+_moved.keep_old_paths(__name__, {"fingerprint_jobs": "jobs.fingerprints"})
 
 #: Names of one release ago: dask's map_blocks and gufunc mean other things.
 _RENAMED = {"map_blocks": "map_kernel", "gufunc": "gufunc_op"}

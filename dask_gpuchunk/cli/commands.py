@@ -192,7 +192,7 @@ def fingerprints_command(smiles: str, output: str, kind: str, bits: int, radius:
     RDKit (pip install rdkit), in a process per core, packed into OUTPUT for the similarity
     job: dask-gpuchunk fingerprints mols.smi -o fps.fps, then dask-gpuchunk similarity fps.fps
     --top-k 10 -o nn.npz (its .npz then holds the ids)."""
-    from ..fingerprint_jobs import fingerprints_job
+    from ..jobs.fingerprints import fingerprints_job
 
     opts = {**_CLUSTER_DEFAULTS, "in_process": True, "worker_timeout": 60}
     _run_job(as_json, opts, lambda: fingerprints_job(smiles, output, kind=kind, bits=bits,

@@ -9,8 +9,9 @@ cluster's workers when a client is active), and writes the result chunk by chunk
 (:func:`dask_gpuchunk.to_npy`). Each returns a summary dict (what the ``--json`` line prints).
 
 A module a job (:mod:`~dask_gpuchunk.jobs.multiply`, :mod:`~dask_gpuchunk.jobs.gram`,
-:mod:`~dask_gpuchunk.jobs.similarity`, :mod:`~dask_gpuchunk.jobs.demo`), and what they share in
-:mod:`~dask_gpuchunk.jobs.common`.
+:mod:`~dask_gpuchunk.jobs.similarity`, :mod:`~dask_gpuchunk.jobs.demo`,
+:mod:`~dask_gpuchunk.jobs.fingerprints`: SMILES to fingerprints, imported where it runs, as it
+needs RDKit), and what they share in :mod:`~dask_gpuchunk.jobs.common`.
 """
 
 from .common import (

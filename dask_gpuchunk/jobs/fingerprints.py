@@ -10,16 +10,16 @@ from typing import Any
 
 import numpy as np
 
-from .io import temporary_output
-from .io.files import publish
-from .io.fingerprint_files import (
+from ..io import temporary_output
+from ..io.files import publish
+from ..io.fingerprint_files import (
     FINGERPRINT_KINDS,
     Fingerprints,
     read_smiles,
     smiles_fingerprints,
     write_fps,
 )
-from .jobs.common import InputError, Job, OutputError, Progress, _check_output
+from .common import InputError, Job, OutputError, Progress, _check_output
 
 __all__ = ["fingerprints_job"]
 
