@@ -524,7 +524,8 @@ def kept_popcount_order(pop: Any, bits: int) -> tuple[Any, Any]:
     in_order = cupy.ascontiguousarray(pop, dtype=np.int32)[order]
     made = cupy.cuda.Event(block=False, disable_timing=True)
     made.record()
-    # Dropped when pop is freed (before its id can be another object's).
-    _kept_orders[key] = (weakref.ref(pop, lambda _, key=key: _kept_orders.pop(key, None)),
-                         bits, order, in_order, made)
+    # Dropped when pop is freed (before its id can be another object's); the dict bound here,
+    # not looked up, for frees at the interpreter's exit.
+    _kept_orders[key] = (weakref.ref(pop, lambda _, key=key, kept=_kept_orders:
+                                     kept.pop(key, None)), bits, order, in_order, made)
     return order, in_order
