@@ -66,7 +66,7 @@ def multiply(a: str, b: str, output: str, overwrite: bool, compression: str, zar
                                  "(e.g. 200MB)") from None
     _run_job(as_json, opts, lambda: multiply_job(
         a, b, output, device=device, chunk_size=chunk_size, overwrite=overwrite,
-        compression=compression, zarr_format=int(zarr_format)))
+        compression=compression, zarr_format=int(zarr_format)), device=device)
 
 
 @main.command("gram")
@@ -92,7 +92,7 @@ def gram_command(bits: str, output: str, overwrite: bool, compression: str, zarr
     _run_job(as_json, opts, lambda: gram_job(
         bits, output, packed=packed, method=method, device=device, chunk_rows=chunk_rows,
         layout=layout, overwrite=overwrite, compression=compression,
-        zarr_format=int(zarr_format)))
+        zarr_format=int(zarr_format)), method=method, device=device)
 
 
 def _in_process_by_default(opts: dict[str, Any]) -> bool:
@@ -169,7 +169,7 @@ def similarity_command(fingerprints: str, queries: str | None, metric: str,
         threshold=threshold, packed=packed,
         exclude_self=(not include_self) if queries is None else None, method=method,
         device=device, chunk_rows=chunk_rows, overwrite=overwrite, compression=compression,
-        zarr_format=int(zarr_format), alpha=alpha, beta=beta))
+        zarr_format=int(zarr_format), alpha=alpha, beta=beta), method=method, device=device)
 
 
 @main.command("fingerprints")

@@ -54,7 +54,8 @@ from ..io.zarr_files import (
     to_zarr,
 )
 
-__all__ = ["BudgetError", "ClusterError", "InputError", "JobError", "OutputError", "is_fps_path", "job_errors", "sent_by_workers", "staged_by_workers", "watch_device_memory", "where_it_ran"]
+__all__ = ["BudgetError", "ClusterError", "InputError", "JobError", "OutputError",
+           "check_gpus_where_it_runs", "is_fps_path", "job_errors", "sent_by_workers", "staged_by_workers", "watch_device_memory", "where_it_ran"]
 
 #: ``progress(done, total)`` of chunks written; ``progress(done, total, "blocks")`` of a
 #: similarity job's blocks computed.
@@ -92,7 +93,7 @@ def _budgets_where_it_runs() -> list[int]:
     return [r["working_budget"] for r in reports.values() if r["working_budget"] is not None]
 
 
-def _check_gpus_where_it_runs(method: str, device: str) -> None:
+def check_gpus_where_it_runs(method: str, device: str) -> None:
     """Refuse GPU work (``device="gpu"``, a GPU-only Gram method) where it would run without a
     GPU: the active client's workers (asked now: the submitting process may have none, as a
     batch job's login node), or this process. :class:`ClusterError` or

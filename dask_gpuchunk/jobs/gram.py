@@ -39,7 +39,7 @@ from .common import (
     _bits_header,
     _budgets_where_it_runs,
     _check_counting_options,
-    _check_gpus_where_it_runs,
+    check_gpus_where_it_runs,
     _check_output,
     _output_options,
     _read,
@@ -296,7 +296,7 @@ def gram_job(
     def plan() -> tuple[str, int, Callable[[Progress], None]]:
         # Where the job runs (the cluster is up by now): the devices' budgets decide.
         nonlocal words
-        _check_gpus_where_it_runs(method, device)
+        check_gpus_where_it_runs(method, device)
         budgets = _budgets_where_it_runs() if device != "cpu" else []
         rows_per_chunk = chunk_rows or CHUNK_ROWS
         if budgets:

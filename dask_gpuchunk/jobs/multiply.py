@@ -17,7 +17,7 @@ from .common import (
     InputError,
     Job,
     Progress,
-    _check_gpus_where_it_runs,
+    check_gpus_where_it_runs,
     _check_output,
     _header,
     _native_str,
@@ -97,7 +97,7 @@ def multiply_job(
 
     def run(progress: Progress) -> dict[str, Any]:
         nonlocal result
-        _check_gpus_where_it_runs("", device)
+        check_gpus_where_it_runs("", device)
         result = multiply(x, y, device=device)
         seconds = _run(
             lambda: _write(result, target, overwrite, progress, output),

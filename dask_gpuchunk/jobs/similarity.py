@@ -32,7 +32,7 @@ from .common import (
     _bits_header,
     _budgets_where_it_runs,
     _check_counting_options,
-    _check_gpus_where_it_runs,
+    check_gpus_where_it_runs,
     _check_output,
     _output_options,
     _read,
@@ -254,7 +254,7 @@ def similarity_job(
                                  top_k is not None or threshold is not None)
 
     def run(progress: Progress) -> dict[str, Any]:
-        _check_gpus_where_it_runs(method, device)
+        check_gpus_where_it_runs(method, device)
         budgets = _budgets_where_it_runs() if device != "cpu" else []
         rows = chunk_rows or (SIMILARITY_CHUNK_ROWS if budgets else CHUNK_ROWS)
         h = headers[0]  # 64-bit words per row
