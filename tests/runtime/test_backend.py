@@ -21,6 +21,23 @@ def mul(a, b):
 KERNELS = ElementwiseKernels(mul, 2)
 
 
+def _squares_from_threads(run, arrays):
+    """``run(KERNELS, float64, [x, x])`` of each array in a thread of its own, all at once;
+    each result equal to ``x * x``."""
+    results = [None] * len(arrays)
+
+    def work(i):
+        results[i] = run(KERNELS, np.float64, [arrays[i], arrays[i]])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(arrays))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for x, r in zip(arrays, results):
+        assert_same(r, x * x)
+
+
 @pytest.mark.parametrize("out_shape, in_shapes", [
     ((100, 40, 5), [(40, 5), (100, 40, 5)]),
     ((6, 7), [(6, 1), (7,), (1, 1)]),
@@ -70,19 +87,7 @@ def test_empty_chunk_launches_nothing():
 
 def test_cpu_kernels_from_many_threads_at_once(rng):
     # Dask's threads each run their chunk's parallel kernel at the same time.
-    arrays = [rng.random(20_000) for _ in range(8)]
-    results = [None] * len(arrays)
-
-    def work(i):
-        results[i] = run_cpu(KERNELS, np.float64, [arrays[i], arrays[i]])
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(arrays))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for a, r in zip(arrays, results):
-        assert_same(r, a * a)
+    _squares_from_threads(run_cpu, [rng.random(20_000) for _ in range(8)])
 
 
 def test_cpu_threads_share_the_cores():
@@ -166,18 +171,7 @@ def test_host_path_device_memory_is_bounded_by_slots(rng):
     # this test's: only the growth is bounded.
     held = pool.total_bytes()
     chunks = [rng.random((256, 1024)) for _ in range(24)]  # 2 MB each
-    results = [None] * len(chunks)
-
-    def work(i):
-        results[i] = run_gpu_from_host(KERNELS, np.float64, [chunks[i], chunks[i]])
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(chunks))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for c, r in zip(chunks, results):
-        assert_same(r, c * c)
+    _squares_from_threads(run_gpu_from_host, chunks)
     per_chunk = 3 * chunks[0].nbytes
     assert pool.total_bytes() - held <= staging.GPU_TASKS_PER_DEVICE * per_chunk * 1.25
 
