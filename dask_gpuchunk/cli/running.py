@@ -21,6 +21,7 @@ from ..budget import DeviceBudgetError
 from ..cluster import collector_paused, connect, local_cluster, parse_memory_limit
 from ..config import check_settings
 from ..devices import GPUNotAvailableError
+from ..io import SchedulerLostError
 from ..joining import PlainTransportWarning
 from ..progress import format_rate
 from ..jobs import (
@@ -378,7 +379,7 @@ class _ClusterLost(Exception):
 def _cluster_lost(exc: BaseException) -> bool:
     """Whether ``exc`` says the job's client lost its scheduler (killed, or the network)."""
     name = type(exc).__name__
-    return (name in ("CommClosedError", "StreamClosedError", "SchedulerLostError")
+    return (isinstance(exc, SchedulerLostError) or name in ("CommClosedError", "StreamClosedError")
             or (name in ("FutureCancelledError", "CancelledError")
                 and "scheduler-connection-lost" in str(exc)))
 
