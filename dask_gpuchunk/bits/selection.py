@@ -39,8 +39,8 @@ from .gram import (
 )
 from ..progress import blocks_done
 
-__all__ = ["BLOCK_ARGS", "SCORING_BYTES_PER_PAIR", "SEEDED_FIRST_ROWS", "SELECT_COUNTS_BYTES",
-           "Selection", "WGMMA_SELECTIONS", "block_bytes", "compile_selection_ahead", "cross_block",
+__all__ = ["BLOCK_ARGS", "CHUNK_ARGS", "SCORING_BYTES_PER_PAIR", "SEEDED_FIRST_ROWS", "SELECT_COUNTS_BYTES",
+           "Selection", "WGMMA_SELECTIONS", "block_bytes", "chain_rounds", "compile_selection_ahead", "cross_block",
            "dense_block", "first_state", "gathered", "merged_chain_states",
            "next_states_of_blocks", "popcounts", "state_of", "upper_block"]
 
@@ -528,6 +528,35 @@ def next_states_of_blocks(*args: Any, selection: Selection, method: str, device:
     return tuple(states)
 
 
+#: Arguments of one row chunk in a task of :func:`chain_rounds`.
+CHUNK_ARGS = 5
+
+
+def chain_rounds(*args: Any, rounds: tuple, symmetric: bool, selection: Selection,
+                 method: str, device: str) -> tuple:
+    """Consecutive rounds of one top-k chain in one task: ``args`` holds ``CHUNK_ARGS`` for
+    each chunk taking part (words, popcounts, first row, and its state so far as ``previous,
+    slot``; ``None, 0`` for a database chunk, which has none), ``rounds`` each round's
+    blocks as pairs of places in that list. Each round runs as a task of
+    :func:`next_states_of_blocks` would, on the states the rounds before left; returns each
+    chunk's last state (``None`` where it has none), in the order of ``args``."""
+    chunks = [args[i:i + CHUNK_ARGS] for i in range(0, len(args), CHUNK_ARGS)]
+    states = [None if previous is None else previous[slot]
+              for _, _, _, previous, slot in chunks]
+    for blocks in rounds:
+        call: list[Any] = []
+        for a, b in blocks:
+            (words_a, pops_a, first_a, _, _), (words_b, pops_b, first_b, _, _) = chunks[a], chunks[b]
+            call += [words_a, words_b, pops_a, pops_b, first_a, first_b, (states[a],), 0,
+                     (states[b],) if symmetric else None, 0]
+        done = next_states_of_blocks(*call, selection=selection, method=method, device=device)
+        for place, (a, b) in enumerate(blocks):
+            states[a] = done[2 * place]
+            if symmetric:
+                states[b] = done[2 * place + 1]
+    return tuple(states)
+
+
 def gathered(*states: tuple) -> tuple:
     """Every row chunk's first state (each a task's ``(state,)``), in one tuple: a chain's
     beginning."""
@@ -543,10 +572,7 @@ def merged_chain_states(k: int, *refs: Any) -> Any:
         import cupy
 
         states = [cupy.asarray(s) for s in states]
-    xp = kernels._xp(states[0])
-    keys = xp.sort(xp.concatenate(states, axis=1), axis=1)
-    keys[:, 1:][keys[:, 1:] == keys[:, :-1]] = kernels.NO_PAIR
-    return kernels.smallest_keys(keys, k)
+    return kernels.merged_sorted_keys(states, k)
 
 
 def popcounts(words: Any) -> Any:

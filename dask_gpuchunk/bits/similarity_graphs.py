@@ -17,11 +17,12 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import List, Task, TaskRef
 
 from .._kernels import similarity as kernels
-from ..devices import cluster_workers, gpu_available
+from ..devices import cluster_workers, distributed_client_active, gpu_available
 from ..io import npy_reader_of
 from ..resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 from .selection import (
     Selection,
+    chain_rounds,
     cross_block,
     first_state,
     gathered,
@@ -32,7 +33,7 @@ from .selection import (
     upper_block,
 )
 
-__all__ = ["BLOCKS_PER_TASK", "CPU_BLOCKS_PER_TASK", "chains_for", "merged_keys",
+__all__ = ["BLOCKS_PER_TASK", "CLUSTER_BLOCKS_PER_TASK", "CPU_BLOCKS_PER_TASK", "chains_for", "merged_keys",
            "merged_pairs", "round_robin", "threshold_pairs", "top_k_chain"]
 
 #: Blocks of one round that one task of the top-k chain computes, one after the other, at
@@ -42,6 +43,10 @@ __all__ = ["BLOCKS_PER_TASK", "CPU_BLOCKS_PER_TASK", "chains_for", "merged_keys"
 #: 1.73-1.87 s with 8 blocks a task (a round in two tasks, run at once), 1.56-1.66 s with the
 #: round in one (H200, 8 GiB cap, threaded scheduler).
 BLOCKS_PER_TASK = 64
+#: Blocks a task of the top-k chain computes at most on a cluster's GPUs, in whole rounds one
+#: after the other: a task there waits for a trip through the scheduler before it starts, 16
+#: ms a round for 10**7 rows on two GPUs when a task took a round (2.4 s of a 46 s chain).
+CLUSTER_BLOCKS_PER_TASK = 1024
 #: The same on the CPU, where a block takes a tenth of a second or more: one a task, so that
 #: progress bars counting tasks move with the work.
 CPU_BLOCKS_PER_TASK = 1
@@ -163,8 +168,13 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
                                    _data_producer=True)
             latest.append({i: ((begin, c), i) for i in range(chunks_x)})
     next_task = functools.partial(next_states_of_blocks, **opts)
-    per_task = (BLOCKS_PER_TASK if device != "cpu" and gpu_available()
-                else CPU_BLOCKS_PER_TASK)
+    on_gpus = device != "cpu" and gpu_available()
+    per_task = BLOCKS_PER_TASK if on_gpus else CPU_BLOCKS_PER_TASK
+    if on_gpus and distributed_client_active():
+        for c in range(chains):
+            _add_chain_tasks(dsk, step, rounds, c, chains, latest[c], all_pairs, opts,
+                             (words_x, pops_x, starts_x), (words_y, pops_y, starts_y))
+        rounds = []
     for r, blocks in enumerate(rounds):
         held = latest[r % chains]
         tasks = -(-len(blocks) // per_task)
@@ -189,6 +199,43 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
                             *(part for held in latest for part in _ref(held[i])))
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=needs)
     return da.Array(graph, name, (wx.chunks[0], (k,)), dtype=np.uint64, meta=meta)
+
+
+def _add_chain_tasks(dsk: dict, step: str, rounds: list[list[tuple[int, int]]], chain: int,
+                     chains: int, held: dict, all_pairs: bool, opts: dict, x: tuple,
+                     y: tuple) -> None:
+    """The tasks of chain ``chain`` on a cluster: its rounds (``r % chains == chain``), whole,
+    as many one after the other in a task as :data:`CLUSTER_BLOCKS_PER_TASK` allows
+    (:func:`~dask_gpuchunk.bits.selection.chain_rounds`); ``held`` (each row chunk's
+    ``(task, slot)`` so far) follows them. A chain's next task waits for a trip through the
+    scheduler: 16 ms a round of 10**7 rows on two GPUs, when a task took a round."""
+    mine = [r for r in range(len(rounds)) if r % chains == chain]
+    groups: list[list[int]] = []
+    for r in mine:
+        if groups and sum(len(rounds[q]) for q in groups[-1]) + len(rounds[r]) <= (
+                CLUSTER_BLOCKS_PER_TASK):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    for group in groups:
+        places: dict[tuple[str, int], int] = {}
+        for r in group:
+            for i, j in rounds[r]:
+                places.setdefault(("x", i), len(places))
+                places.setdefault(("x" if all_pairs else "y", j), len(places))
+        args: list[Any] = []
+        for side, i in places:
+            words, pops, starts = x if side == "x" else y
+            state = _ref(held[i]) if side == "x" else (None, 0)
+            args += [words[i], pops[i], starts[i], *state]
+        plan = tuple(tuple((places[("x", i)], places[("x" if all_pairs else "y", j)])
+                           for i, j in rounds[r]) for r in group)
+        key = (step, group[0], 0)
+        dsk[key] = Task(key, functools.partial(chain_rounds, rounds=plan, symmetric=all_pairs,
+                                               **opts), *args)
+        for (side, i), place in places.items():
+            if side == "x":
+                held[i] = (key, place)
 
 
 def threshold_pairs(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,

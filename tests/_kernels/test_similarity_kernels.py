@@ -100,3 +100,43 @@ def test_a_popcounts_arrays_order_is_kept_while_it_lives(rng):
     key = id(pop)
     del pop, same_values
     assert key not in kernels._kept_orders  # freed with its array
+
+
+def _chain_states(rng, chains: int, rows: int, k: int) -> list[np.ndarray]:
+    """Sorted keys ``(rows, k)`` of ``chains`` chains sharing a first state: each row's keys
+    drawn from a small pool (the same pair in several chains), some rows short of k."""
+    shared = rng.choice(1000, size=(rows, 3))
+    states = []
+    for _ in range(chains):
+        keys = np.full((rows, k), kernels.NO_PAIR, dtype=np.uint64)
+        for r in range(rows):
+            drawn = np.unique(np.concatenate([shared[r], rng.choice(1000, rng.integers(0, k))]))
+            keys[r, :min(k, len(drawn))] = np.sort(drawn)[:k]
+        states.append(keys)
+    return states
+
+
+def _brute_merged(states: list[np.ndarray], k: int) -> np.ndarray:
+    out = np.full((states[0].shape[0], k), kernels.NO_PAIR, dtype=np.uint64)
+    for r in range(out.shape[0]):
+        distinct = np.unique(np.concatenate([s[r] for s in states]))
+        distinct = distinct[distinct != kernels.NO_PAIR][:k]
+        out[r, :len(distinct)] = distinct
+    return out
+
+
+@pytest.mark.parametrize("chains, k", [(2, 1), (2, 10), (3, 7)])
+def test_merged_chain_states_keep_each_pair_once(rng, chains, k):
+    states = _chain_states(rng, chains, 40, k)
+    np.testing.assert_array_equal(kernels.merged_sorted_keys(states, k),
+                                  _brute_merged(states, k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chains, k, rows", [(2, 1, 5), (2, 10, 3000), (4, 32, 700), (2, 5, 0)])
+def test_merged_chain_states_on_the_gpu_equal_the_host_path(rng, chains, k, rows):
+    import cupy
+
+    states = _chain_states(rng, chains, rows, k)
+    got = kernels.merged_sorted_keys([cupy.asarray(s) for s in states], k)
+    np.testing.assert_array_equal(got.get(), _brute_merged(states, k))

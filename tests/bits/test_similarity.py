@@ -616,6 +616,44 @@ def test_top_k_chains_of_several_workers_match_numpy(xp, rng, monkeypatch, worke
     np.testing.assert_array_equal(got_s, want_s.astype(got_s.dtype))
 
 
+@pytest.mark.skipif(QUERY_PLANNING, reason="the chain is listed where graphs are listed")
+@pytest.mark.parametrize("workers, most", [(1, 40), (2, 25), (3, 1)])
+def test_top_k_chains_on_a_clusters_gpus_take_rounds_a_task(xp, rng, monkeypatch, workers,
+                                                            most):
+    # On a cluster's GPUs a task of a chain takes its rounds one after the other, whole, up to
+    # CLUSTER_BLOCKS_PER_TASK blocks (at least a round); the graph as there, run here.
+    graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
+    for name in ("dask_gpuchunk.bits.similarity_graphs", "dask_gpuchunk.bits.similarity"):
+        monkeypatch.setattr(importlib.import_module(name), "cluster_workers", lambda: workers)
+    monkeypatch.setattr(graphs, "gpu_available", lambda: True)
+    monkeypatch.setattr(graphs, "distributed_client_active", lambda: True)
+    monkeypatch.setattr(graphs, "CLUSTER_BLOCKS_PER_TASK", most)
+    host = (lambda a: a) if xp is np else (lambda a: a.get())
+    x = fingerprints(rng, 230, 90)  # 23 chunks of 10 rows (CuPy's: grouped by the workers)
+    indices, scores = dg.similarity(dg.asarray(xp.asarray(x), chunks=(10, -1)), top_k=4)
+    graph = dict(indices.__dask_graph__())
+    chunks = sum(isinstance(key, tuple) and key[0].startswith("similarity-first")
+                 for key in graph)
+    steps = [key for key in graph if isinstance(key, tuple)
+             and key[0].startswith("similarity-step")]
+    rounds, per_round = chunks - 1 + chunks % 2, chunks // 2  # the circle method's
+    chains = min(workers, rounds)
+    each = [len(range(c, rounds, chains)) for c in range(chains)]  # each chain's rounds
+    assert chunks >= 3 and len(steps) == sum(-(-r // max(1, most // per_round)) for r in each)
+    want_i, want_s = brute_top_k(reference(x, x, "tanimoto"), 4, False, True)
+    got_i, got_s = map(host, dask.compute(indices, scores, scheduler="sync"))
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_s, want_s.astype(got_s.dtype))
+    # queries x database, uneven chunks: a round per database chunk after the first
+    y = random_bits(rng, (61, 90), 0.2)
+    indices, scores = dg.similarity(dg.asarray(xp.asarray(x[:75]), chunks=(10, -1)),
+                                    dg.asarray(xp.asarray(y), chunks=(13, -1)), top_k=3)
+    want_i, want_s = brute_top_k(reference(x[:75], y, "tanimoto"), 3, False, False)
+    got_i, got_s = map(host, dask.compute(indices, scores, scheduler="sync"))
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_s, want_s.astype(got_s.dtype))
+
+
 @pytest.mark.skipif(not listed_graphs(),
                     reason="the top-k chain reads a .npy's chunks itself only in listed graphs")
 def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path, monkeypatch):
