@@ -690,6 +690,47 @@ def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path, monkeypatch):
     assert all(w == chain_of[key[1] % 4] for key, w in steps.items()), (chain_of, steps)
 
 
+@pytest.mark.skipif(not listed_graphs(),
+                    reason="the top-k chain reads a .npy's chunks itself only in listed graphs")
+def test_grouped_rounds_of_each_chain_follow_it_and_only_states_move(rng, tmp_path,
+                                                                     monkeypatch):
+    # On a cluster's GPUs a chain's rounds run several to a task; each such task runs where its
+    # chain began, and between workers only states move (8 k bytes a row), never words.
+    from dask.utils import key_split
+    from distributed import Client, LocalCluster, get_task_stream
+
+    from dask_gpuchunk.jobs import sent_by_workers
+
+    graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
+    monkeypatch.setattr(graphs, "gpu_available", lambda: True)  # the graph as on GPUs
+    monkeypatch.setattr(graphs, "CLUSTER_BLOCKS_PER_TASK", 24)  # three rounds of 8 blocks
+    x = fingerprints(rng, 17 * 30, 8192)
+    np.save(tmp_path / "x.npy", np.packbits(x, axis=1))
+    want = brute_top_k(reference(x, x, "tanimoto"), 2, False, True)
+    with dask.config.set({"distributed.scheduler.work-stealing": False}), \
+            LocalCluster(n_workers=4, threads_per_worker=1, processes=False,
+                         dashboard_address=None) as cluster, Client(cluster) as client:
+        wx = dg.from_npy(tmp_path / "x.npy", chunks=(30, -1))
+        indices, scores = dg.similarity(wx, packed=True, top_k=2)
+        before = sent_by_workers(client)
+        with get_task_stream(client) as stream:
+            got = client.compute([indices, scores], sync=True)
+        sent = sent_by_workers(client, before)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1].astype(np.float32))
+    where = {t["key"]: t["worker"] for t in stream.data}
+    chain_of = {key[1]: w for key, w in where.items() if key_split(key) == "similarity-begin"}
+    assert len(set(chain_of.values())) == 4  # a worker each
+    steps = {key: w for key, w in where.items() if key_split(key) == "similarity-step"}
+    # 17 rounds over 4 chains (5, 4, 4, 4), three a task: 2 tasks a chain
+    assert sorted(key[1] for key in steps) == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert all(w == chain_of[key[1] % 4] for key, w in steps.items()), (chain_of, steps)
+    # The first states to each chain's beginning, the chains' last states (each task's, whole)
+    # to the merges, the results: about 16 sets of states (8 k bytes a row; 152 kB in all),
+    # under half of one worker's copy of the words (1 KiB a row).
+    assert 0 < sum(sent.values()) < len(x) * 8192 // 8 // 2, sent
+
+
 @pytest.mark.skipif(QUERY_PLANNING, reason="threshold= is refused under array query planning")
 @pytest.mark.parametrize("listed", [True, False])
 @pytest.mark.parametrize("queries", [False, True])
