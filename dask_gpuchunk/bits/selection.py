@@ -546,7 +546,8 @@ def chain_rounds(*args: Any, rounds: tuple, symmetric: bool, selection: Selectio
     for blocks in rounds:
         call: list[Any] = []
         for a, b in blocks:
-            (words_a, pops_a, first_a, _, _), (words_b, pops_b, first_b, _, _) = chunks[a], chunks[b]
+            words_a, pops_a, first_a = chunks[a][:3]
+            words_b, pops_b, first_b = chunks[b][:3]
             call += [words_a, words_b, pops_a, pops_b, first_a, first_b, (states[a],), 0,
                      (states[b],) if symmetric else None, 0]
         done = next_states_of_blocks(*call, selection=selection, method=method, device=device)

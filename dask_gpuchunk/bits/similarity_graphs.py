@@ -170,26 +170,26 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     next_task = functools.partial(next_states_of_blocks, **opts)
     on_gpus = device != "cpu" and gpu_available()
     per_task = BLOCKS_PER_TASK if on_gpus else CPU_BLOCKS_PER_TASK
-    if on_gpus and distributed_client_active():
+    if on_gpus and distributed_client_active():  # rounds several to a task
         for c in range(chains):
             _add_chain_tasks(dsk, step, rounds, c, chains, latest[c], all_pairs, opts,
                              (words_x, pops_x, starts_x), (words_y, pops_y, starts_y))
-        rounds = []
-    for r, blocks in enumerate(rounds):
-        held = latest[r % chains]
-        tasks = -(-len(blocks) // per_task)
-        for t in range(tasks):
-            key = (step, r, t)
-            args: list[Any] = []
-            mine = blocks[t * len(blocks) // tasks:(t + 1) * len(blocks) // tasks]
-            for i, j in mine:
-                args += [words_x[i], words_y[j], pops_x[i], pops_y[j], starts_x[i],
-                         starts_y[j], *_ref(held[i]), *_ref(held[j] if all_pairs else None)]
-            dsk[key] = Task(key, next_task, *args)
-            for b, (i, j) in enumerate(mine):
-                held[i] = (key, 2 * b)
-                if all_pairs:
-                    held[j] = (key, 2 * b + 1)
+    else:  # a round in tasks of at most per_task blocks
+        for r, blocks in enumerate(rounds):
+            held = latest[r % chains]
+            tasks = -(-len(blocks) // per_task)
+            for t in range(tasks):
+                key = (step, r, t)
+                args: list[Any] = []
+                mine = blocks[t * len(blocks) // tasks:(t + 1) * len(blocks) // tasks]
+                for i, j in mine:
+                    args += [words_x[i], words_y[j], pops_x[i], pops_y[j], starts_x[i],
+                             starts_y[j], *_ref(held[i]), *_ref(held[j] if all_pairs else None)]
+                dsk[key] = Task(key, next_task, *args)
+                for b, (i, j) in enumerate(mine):
+                    held[i] = (key, 2 * b)
+                    if all_pairs:
+                        held[j] = (key, 2 * b + 1)
     for i in range(chunks_x):
         key = (name, i, 0)
         if chains == 1:
@@ -209,14 +209,15 @@ def _add_chain_tasks(dsk: dict, step: str, rounds: list[list[tuple[int, int]]], 
     (:func:`~dask_gpuchunk.bits.selection.chain_rounds`); ``held`` (each row chunk's
     ``(task, slot)`` so far) follows them. A chain's next task waits for a trip through the
     scheduler: 16 ms a round of 10**7 rows on two GPUs, when a task took a round."""
-    mine = [r for r in range(len(rounds)) if r % chains == chain]
     groups: list[list[int]] = []
-    for r in mine:
-        if groups and sum(len(rounds[q]) for q in groups[-1]) + len(rounds[r]) <= (
-                CLUSTER_BLOCKS_PER_TASK):
+    blocks = 0  # in the last group
+    for r in range(chain, len(rounds), chains):
+        if groups and blocks + len(rounds[r]) <= CLUSTER_BLOCKS_PER_TASK:
             groups[-1].append(r)
+            blocks += len(rounds[r])
         else:
             groups.append([r])
+            blocks = len(rounds[r])
     for group in groups:
         places: dict[tuple[str, int], int] = {}
         for r in group:
