@@ -17,7 +17,7 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import List, Task, TaskRef
 
 from .._kernels import similarity as kernels
-from ..devices import cluster_workers, distributed_client_active, gpu_available
+from ..devices import cluster_workers, gpu_available
 from ..io import npy_reader_of
 from ..resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 from .selection import (
@@ -33,20 +33,16 @@ from .selection import (
     upper_block,
 )
 
-__all__ = ["BLOCKS_PER_TASK", "CLUSTER_BLOCKS_PER_TASK", "CPU_BLOCKS_PER_TASK", "chains_for", "merged_keys",
+__all__ = ["CPU_BLOCKS_PER_TASK", "GPU_BLOCKS_PER_TASK", "chains_for", "merged_keys",
            "merged_pairs", "round_robin", "threshold_pairs", "top_k_chain"]
 
-#: Blocks of one round that one task of the top-k chain computes, one after the other, at
-#: most, on GPUs: a round in one task. The distributed scheduler costs about a millisecond or
-#: two a task, as much as the fused kernel takes for a block; and a GPU's blocks run no faster
-#: side by side from several threads: the top-10 of 10**6 rows in 32,768-row chunks took
-#: 1.73-1.87 s with 8 blocks a task (a round in two tasks, run at once), 1.56-1.66 s with the
-#: round in one (H200, 8 GiB cap, threaded scheduler).
-BLOCKS_PER_TASK = 64
-#: Blocks a task of the top-k chain computes at most on a cluster's GPUs, in whole rounds one
-#: after the other: a task there waits for a trip through the scheduler before it starts, 16
-#: ms a round for 10**7 rows on two GPUs when a task took a round (2.4 s of a 46 s chain).
-CLUSTER_BLOCKS_PER_TASK = 1024
+#: Blocks a task of the top-k chain computes at most on GPUs, in whole rounds one after the
+#: other (at least a round). On a cluster a task waits for a trip through the scheduler before
+#: it starts: 16 ms a round for 10**7 rows on two GPUs when a task took a round (2.4 s of a 46 s
+#: chain). In one process too (H200, 8 GiB cap, 2026-11-29, results equal): the top-10 of
+#: 10**7 x 2048 bits from a .npy 68.9 s against 86.4 s with a round in a task; of 10**6 rows
+#: 0.98-1.00 s against 1.01-1.03 s (1.00-1.01 s with 128 blocks a task).
+GPU_BLOCKS_PER_TASK = 1024
 #: The same on the CPU, where a block takes a tenth of a second or more: one a task, so that
 #: progress bars counting tasks move with the work.
 CPU_BLOCKS_PER_TASK = 1
@@ -122,9 +118,11 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     """The best keys ``(n, k)`` of each row, listed by hand as a chain of states per row
     chunk: each row chunk's first block (all pairs: its diagonal block) by the plain path,
     then the further blocks, each updating the states of its row chunk and (all pairs) its
-    column chunk (:func:`_next_states`), in rounds of disjoint chunk pairs, up to
-    :data:`BLOCKS_PER_TASK` of a round in one task; what a block keeps never leaves the device
-    that computed it, and only the states (``8 k`` bytes a row) move between tasks.
+    column chunk (:func:`_next_states`), in rounds of disjoint chunk pairs: on GPUs whole
+    rounds one after the other in a task, up to :data:`GPU_BLOCKS_PER_TASK` blocks
+    (:func:`_add_chain_tasks`), on the CPU :data:`CPU_BLOCKS_PER_TASK` blocks a task; what a
+    block keeps never leaves the device that computed it, and only the states (``8 k`` bytes
+    a row) move between tasks.
 
     On a cluster of several workers, a chain per worker (:func:`chains_for`): chain ``c``
     begins from every first state, gathered by a task that distributed hands to a worker of
@@ -168,16 +166,14 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
                                    _data_producer=True)
             latest.append({i: ((begin, c), i) for i in range(chunks_x)})
     next_task = functools.partial(next_states_of_blocks, **opts)
-    on_gpus = device != "cpu" and gpu_available()
-    per_task = BLOCKS_PER_TASK if on_gpus else CPU_BLOCKS_PER_TASK
-    if on_gpus and distributed_client_active():  # rounds several to a task
+    if device != "cpu" and gpu_available():  # rounds several to a task
         for c in range(chains):
             _add_chain_tasks(dsk, step, rounds, c, chains, latest[c], all_pairs, opts,
                              (words_x, pops_x, starts_x), (words_y, pops_y, starts_y))
-    else:  # a round in tasks of at most per_task blocks
+    else:  # a round in tasks of at most CPU_BLOCKS_PER_TASK blocks
         for r, blocks in enumerate(rounds):
             held = latest[r % chains]
-            tasks = -(-len(blocks) // per_task)
+            tasks = -(-len(blocks) // CPU_BLOCKS_PER_TASK)
             for t in range(tasks):
                 key = (step, r, t)
                 args: list[Any] = []
@@ -204,15 +200,15 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
 def _add_chain_tasks(dsk: dict, step: str, rounds: list[list[tuple[int, int]]], chain: int,
                      chains: int, held: dict, all_pairs: bool, opts: dict, x: tuple,
                      y: tuple) -> None:
-    """The tasks of chain ``chain`` on a cluster: its rounds (``r % chains == chain``), whole,
-    as many one after the other in a task as :data:`CLUSTER_BLOCKS_PER_TASK` allows
+    """The tasks of chain ``chain`` on GPUs: its rounds (``r % chains == chain``), whole,
+    as many one after the other in a task as :data:`GPU_BLOCKS_PER_TASK` allows
     (:func:`~dask_gpuchunk.bits.selection.chain_rounds`); ``held`` (each row chunk's
     ``(task, slot)`` so far) follows them. A chain's next task waits for a trip through the
     scheduler: 16 ms a round of 10**7 rows on two GPUs, when a task took a round."""
     groups: list[list[int]] = []
     blocks = 0  # in the last group
     for r in range(chain, len(rounds), chains):
-        if groups and blocks + len(rounds[r]) <= CLUSTER_BLOCKS_PER_TASK:
+        if groups and blocks + len(rounds[r]) <= GPU_BLOCKS_PER_TASK:
             groups[-1].append(r)
             blocks += len(rounds[r])
         else:

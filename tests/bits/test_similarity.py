@@ -411,7 +411,6 @@ def test_tanimoto_of_morgan_fingerprints_agrees_with_rdkit(xp):
 @pytest.mark.parametrize("per_task", [1, 3, 64])
 def test_top_k_chain_tasks_take_several_blocks_of_a_round(rng, monkeypatch, per_task):
     similarity_module = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
-    monkeypatch.setattr(similarity_module, "BLOCKS_PER_TASK", per_task)
     monkeypatch.setattr(similarity_module, "CPU_BLOCKS_PER_TASK", per_task)
     x = fingerprints(rng, 230, 90)  # 23 chunks (odd: a chunk rests each round)
     y = random_bits(rng, (61, 90), 0.2)
@@ -618,16 +617,15 @@ def test_top_k_chains_of_several_workers_match_numpy(xp, rng, monkeypatch, worke
 
 @pytest.mark.skipif(QUERY_PLANNING, reason="the chain is listed where graphs are listed")
 @pytest.mark.parametrize("workers, most", [(1, 40), (2, 25), (3, 1)])
-def test_top_k_chains_on_a_clusters_gpus_take_rounds_a_task(xp, rng, monkeypatch, workers,
-                                                            most):
-    # On a cluster's GPUs a task of a chain takes its rounds one after the other, whole, up to
-    # CLUSTER_BLOCKS_PER_TASK blocks (at least a round); the graph as there, run here.
+def test_top_k_chains_on_gpus_take_rounds_a_task(xp, rng, monkeypatch, workers, most):
+    # On GPUs, in one process or on a cluster, a task of a chain takes its rounds one after
+    # the other, whole, up to GPU_BLOCKS_PER_TASK blocks (at least a round); the graph as
+    # there, run here.
     graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
     for name in ("dask_gpuchunk.bits.similarity_graphs", "dask_gpuchunk.bits.similarity"):
         monkeypatch.setattr(importlib.import_module(name), "cluster_workers", lambda: workers)
     monkeypatch.setattr(graphs, "gpu_available", lambda: True)
-    monkeypatch.setattr(graphs, "distributed_client_active", lambda: True)
-    monkeypatch.setattr(graphs, "CLUSTER_BLOCKS_PER_TASK", most)
+    monkeypatch.setattr(graphs, "GPU_BLOCKS_PER_TASK", most)
     host = (lambda a: a) if xp is np else (lambda a: a.get())
     x = fingerprints(rng, 230, 90)  # 23 chunks of 10 rows (CuPy's: grouped by the workers)
     indices, scores = dg.similarity(dg.asarray(xp.asarray(x), chunks=(10, -1)), top_k=4)
@@ -688,10 +686,9 @@ def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path, monkeypatch):
     # them.
     from dask.utils import key_split
 
-    # The blocks of a round grouped into tasks as on GPUs (on the CPU, a task each).
+    # The blocks of a round in tasks of several (on the CPU, a task each).
     similarity_module = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
-    monkeypatch.setattr(similarity_module, "CPU_BLOCKS_PER_TASK",
-                        similarity_module.BLOCKS_PER_TASK)
+    monkeypatch.setattr(similarity_module, "CPU_BLOCKS_PER_TASK", 64)
     x = fingerprints(rng, 17 * 30, 300)
     where, _ = _top_k_of_a_npy_on_four_workers(tmp_path, x, 5, device="cpu")
     begins = {key: w for key, w in where.items() if key_split(key) == "similarity-begin"}
@@ -712,7 +709,7 @@ def test_grouped_rounds_of_each_chain_follow_it_and_only_states_move(rng, tmp_pa
 
     graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
     monkeypatch.setattr(graphs, "gpu_available", lambda: True)  # the graph as on GPUs
-    monkeypatch.setattr(graphs, "CLUSTER_BLOCKS_PER_TASK", 24)  # three rounds of 8 blocks
+    monkeypatch.setattr(graphs, "GPU_BLOCKS_PER_TASK", 24)  # three rounds of 8 blocks
     x = fingerprints(rng, 17 * 30, 8192)
     where, sent = _top_k_of_a_npy_on_four_workers(tmp_path, x, 2)
     chain_of = {key[1]: w for key, w in where.items() if key_split(key) == "similarity-begin"}
