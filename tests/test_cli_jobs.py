@@ -62,17 +62,18 @@ def test_multiply_and_gram_on_a_local_cluster(inputs):
 
 
 def test_gram_of_packed_words_and_in_row_slabs(inputs):
-    # Apart from the test above, so that pytest-xdist runs the two side by side: each CLI run
-    # starts a process and its cluster.
+    # In this process (the test above runs gram on the default local cluster): a cluster's
+    # start is most of a CLI run's time here.
     d, _, _, bits = inputs
     expected = bit_products(bits, bits)
-    r = run_cli("gram", str(d / "packed.npy"), "-o", str(d / "g2.npy"), "--packed")
+    r = run_cli("gram", str(d / "packed.npy"), "-o", str(d / "g2.npy"), "--packed",
+                "--in-process")
     assert r.returncode == 0, r.stderr
     assert "gram:" in r.stdout and "bit-MAC/s" in r.stdout
     np.testing.assert_array_equal(np.load(d / "g2.npy"), expected)
 
     r = run_cli("gram", str(d / "bits.npy"), "-o", str(d / "g3.npy"), "--chunk-rows", "70",
-                "--layout", "rows", "--json")
+                "--layout", "rows", "--json", "--in-process")
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["layout"] == "rows" and summary["chunks"] == -(-len(bits) // 70)
@@ -80,7 +81,8 @@ def test_gram_of_packed_words_and_in_row_slabs(inputs):
 
 
 def test_demo_runs_and_checks_itself():
-    r = run_cli("demo", "--rows", "20000", "--bit-rows", "300", "--bits", "2000", "--json")
+    r = run_cli("demo", "--rows", "20000", "--bit-rows", "300", "--bits", "2000", "--json",
+                "--in-process")
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["command"] == "demo"
@@ -571,7 +573,7 @@ def test_two_jobs_to_one_target_one_wins_the_other_exits_4(inputs):
     d, a, b, _ = inputs
     target = str(d / "c.npy")
     args = [*PYTHON, "multiply", str(d / "a.npy"), str(d / "b.npy"), "-o", target,
-            "--chunk-size", "40KB"]
+            "--chunk-size", "40KB", "--in-process"]
     jobs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(2)]
     results = [(p.wait(timeout=180), p.stderr.read()) for p in jobs]
@@ -594,7 +596,8 @@ def test_a_target_that_appears_during_a_job_is_kept_exit_4(inputs, monkeypatch):
 
     monkeypatch.setattr(io, "publish", another_job_first)
     monkeypatch.chdir(d)
-    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy"])
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy",
+                                       "--in-process"])
     assert result.exit_code == 4, result.output
     assert "appeared during the job" in result.stderr and "\n" not in result.stderr.strip()
     np.testing.assert_array_equal(np.load(d / "c.npy"), np.zeros(3))
@@ -618,7 +621,8 @@ def test_an_input_changed_during_a_job_exits_1_and_writes_nothing(inputs, monkey
 
     monkeypatch.setattr(io, "check_unchanged", modified_meanwhile)
     monkeypatch.chdir(d)
-    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy"])
+    result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy",
+                                       "--in-process"])
     assert result.exit_code == 1, result.output
     message = result.stderr.strip()
     assert "a.npy was modified during the job" in message and "\n" not in message, message
@@ -647,7 +651,7 @@ def test_overwrite_refuses_a_fifo_and_keeps_a_files_mode(inputs, monkeypatch):
     np.save(d / "c.npy", np.zeros(2))
     os.chmod(d / "c.npy", 0o600)
     result = CliRunner().invoke(main, ["multiply", "a.npy", "b.npy", "-o", "c.npy",
-                                       "--overwrite"])
+                                       "--overwrite", "--in-process"])
     assert result.exit_code == 0, result.output
     assert (os.stat(d / "c.npy").st_mode & 0o777) == 0o600
     np.testing.assert_array_equal(np.load(d / "c.npy"), a * b)
