@@ -21,8 +21,8 @@ from typing import Any
 from . import _moved
 from .arrays import asarray
 from ._kernels.source_cache import package_version
-from .alias_tasks import resolving_aliases
-from .cluster import connect, local_cluster, placement_decisions
+from .distributed.alias_tasks import resolving_aliases
+from .distributed.cluster import connect, local_cluster, placement_decisions
 from .devices import GPUNotAvailableError, gpu_available, gpu_count
 from .elementwise_ops import ElementwiseOp, elementwise, multiply
 from .bits.gram import bitpack, gram
@@ -75,6 +75,8 @@ _moved.keep_old_paths(__name__, {"elementwise": "elementwise_ops.operations", **
 _moved.keep_old_paths(__name__, {name: f"runtime.{name}" for name in (
     "backend", "chunk_layout", "cpu_runner", "device_launch", "gpu_runners", "placement")})
 _moved.keep_old_paths(__name__, {"fingerprint_jobs": "jobs.fingerprints"})
+_moved.keep_old_paths(__name__, {name: f"distributed.{name}" for name in (
+    "alias_tasks", "cluster", "joining", "replicas", "spilling", "worker")})
 
 #: Names of one release ago: dask's map_blocks and gufunc mean other things.
 _RENAMED = {"map_blocks": "map_kernel", "gufunc": "gufunc_op"}

@@ -8,7 +8,7 @@ the capacity, see :func:`spill_limit`). The *working budget*, what running chunk
 is the capacity less :data:`HEADROOM_FRACTION` (for what CuPy's pool does not hold: kernel
 modules, cuBLAS's workspace) and less the results stored on the device at the time, unless they
 yield: in the workers of :func:`dask_gpuchunk.local_cluster` an allocation that fails first moves
-stored results to the host (:mod:`dask_gpuchunk.spilling`).
+stored results to the host (:mod:`dask_gpuchunk.distributed.spilling`).
 
 Every chunk the package runs on a GPU holds a reservation (:func:`reserve`) of the bytes it
 allocates there (its output, inputs it copies to the device, scratch) while it runs: chunks in
@@ -200,7 +200,7 @@ def working_budget(dask_worker: Any = None) -> int:
     """Bytes the chunks running in this process may hold on its current device at once: the
     capacity less :data:`HEADROOM_FRACTION`, and less the results a dask-cuda worker holds
     stored on the device now (``dask_worker``: as for :func:`stored_limit`) unless they yield
-    to running chunks (:func:`dask_gpuchunk.spilling.hold_budget`, as in the workers of
+    to running chunks (:func:`dask_gpuchunk.distributed.spilling.hold_budget`, as in the workers of
     :func:`dask_gpuchunk.local_cluster`)."""
     capacity = device_capacity()
     return max(int(capacity * (1 - HEADROOM_FRACTION)) - _stored_in_budget(dask_worker), 0)
@@ -211,11 +211,11 @@ def _stored_in_budget(dask_worker: Any = None) -> int:
     return 0 if stored_results_yield else stored_bytes(dask_worker)
 
 
-#: Set by :func:`dask_gpuchunk.spilling.hold_budget` in a worker whose stored device results
+#: Set by :func:`dask_gpuchunk.distributed.spilling.hold_budget` in a worker whose stored device results
 #: yield to allocations: the working budget then does not subtract them.
 stored_results_yield = False
 #: Stored results moved to the host because an allocation failed (see
-#: :mod:`dask_gpuchunk.spilling`).
+#: :mod:`dask_gpuchunk.distributed.spilling`).
 spilled_on_failure = {"bytes": 0, "results": 0}
 
 
@@ -357,7 +357,7 @@ def budget_report(dask_worker: Any = None) -> dict[str, Any]:
     """The budget of this process on its current device, and its peaks (for summaries):
     ``capacity``, ``stored_limit``, ``working_budget``, ``peak_pool``, ``peak_reserved``;
     ``None`` values where no GPU is visible; ``spilled_on_failure_bytes``: stored results moved
-    to the host because an allocation failed (:mod:`dask_gpuchunk.spilling`);
+    to the host because an allocation failed (:mod:`dask_gpuchunk.distributed.spilling`);
     ``retried_alone``: chunks that ran out of memory beside others and ran again alone
     (:func:`run_reserved`);
     ``peak_process``: the driver's figure for this process at its highest (what nvidia-smi

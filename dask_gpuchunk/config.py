@@ -22,7 +22,7 @@ its workers.
 ``gpuchunk.resolve-aliases`` (default ``True``)
     Inside :func:`dask_gpuchunk.local_cluster` (and after :func:`dask_gpuchunk.connect`),
     dask arrays' graphs go to the cluster without dask's ``Alias`` tasks, which distributed
-    runs as tasks of their own (:mod:`dask_gpuchunk.alias_tasks`): on 4 x H200 the Gram's
+    runs as tasks of their own (:mod:`dask_gpuchunk.distributed.alias_tasks`): on 4 x H200 the Gram's
     ``C.sum()`` ran 13-19 % faster on one GPU and 4-15 % on four. ``False``: dask's graphs as
     dask makes them.
 ``gpuchunk.no-workers-timeout`` (default ``300``)

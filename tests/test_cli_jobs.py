@@ -107,7 +107,7 @@ def scheduler_and_two_workers(tmp_path):
     worker = [sys.executable, "-m", "distributed.cli.dask_worker"]
     for i in range(2):
         # One with the preload shim, one without: a job's worker plugin sets up both.
-        preload = ["--preload", "dask_gpuchunk.cluster"] if i == 0 else []
+        preload = ["--preload", "dask_gpuchunk.distributed.cluster"] if i == 0 else []
         procs.append(_start([*worker, "--scheduler-file", str(sched_file), "--nthreads", "1",
                              "--no-nanny", "--host", "127.0.0.1", "--name", f"w{i}",
                              "--dashboard-address", ":0", "--local-directory", str(tmp_path),

@@ -92,7 +92,7 @@ def test_register_cupy_deserializer_round_trips_through_distributed():
     from distributed.protocol import deserialize, serialize
     from distributed.protocol.serialize import dask_deserialize
 
-    from dask_gpuchunk.spilling import unspill_through_pool
+    from dask_gpuchunk.distributed.spilling import unspill_through_pool
 
     before = dask_deserialize.dispatch(cupy.ndarray)
     try:

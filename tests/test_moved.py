@@ -22,7 +22,9 @@ from dask_gpuchunk.bits import selection as selection_module
       for name in ("blocks", "graphs", "operands")),
     *((name, f"runtime.{name}") for name in ("backend", "chunk_layout", "cpu_runner",
                                              "device_launch", "gpu_runners", "placement")),
-    ("fingerprint_jobs", "jobs.fingerprints")])
+    ("fingerprint_jobs", "jobs.fingerprints"),
+    *((name, f"distributed.{name}") for name in ("alias_tasks", "cluster", "joining",
+                                                 "replicas", "spilling", "worker"))])
 def test_each_old_path_imports_and_warns_on_use(old, new):
     moved = importlib.import_module(f"dask_gpuchunk.{old}")
     module = importlib.import_module(f"dask_gpuchunk.{new}")

@@ -36,7 +36,7 @@ own buffers for received chunks. ``--gil-probe``: how long a
 thread in each worker that wakes every millisecond waited to run again (the GIL's hand-over);
 ``--switch-interval``: Python's switch interval in the workers. ``--keep-aliases``: the graphs
 sent as dask makes them, with the ``Alias`` tasks its fusion leaves (which
-``dg.local_cluster`` resolves: :mod:`dask_gpuchunk.alias_tasks`). ``--gc-probe``: each of Python's collections of 0.5 ms
+``dg.local_cluster`` resolves: :mod:`dask_gpuchunk.distributed.alias_tasks`). ``--gc-probe``: each of Python's collections of 0.5 ms
 or more in each worker and in this process during the best run (``gc_pauses``), and the objects
 the collector tracks. ``--alloc-probe``: for every run, not only the best, each allocation of
 0.5 ms or more in each worker (page-locked host buffers for the pinned pool, CuPy's device
@@ -493,7 +493,8 @@ def _ucx_receive(client: Any, args: Any) -> None:
         return
 
     def restore() -> bool:
-        from dask_gpuchunk import _compat, spilling
+        from dask_gpuchunk import _compat
+        from dask_gpuchunk.distributed import spilling
 
         if spilling.ucx_own_allocator is None:
             return False
@@ -555,7 +556,7 @@ def main() -> None:
                         help="sys.setswitchinterval in each worker (Python's default: 0.005 s)")
     parser.add_argument("--keep-aliases", action="store_true",
                         help="send dask's Alias tasks to the cluster as dask makes them "
-                             "(gpuchunk.resolve-aliases off; dask_gpuchunk.alias_tasks)")
+                             "(gpuchunk.resolve-aliases off; dask_gpuchunk.distributed.alias_tasks)")
     parser.add_argument("--gil-probe", action="store_true",
                         help="report how long a sleeping thread in each worker waits to run "
                              "again (the GIL's hand-over) during each timed run")

@@ -16,13 +16,13 @@ from typing import Any
 
 import click
 
-from ..alias_tasks import resolving_aliases
+from ..distributed.alias_tasks import resolving_aliases
 from ..budget import DeviceBudgetError
-from ..cluster import collector_paused, connect, local_cluster, parse_memory_limit
+from ..distributed.cluster import collector_paused, connect, local_cluster, parse_memory_limit
 from ..config import check_settings
 from ..devices import GPUNotAvailableError
 from ..io import SchedulerLostError
-from ..joining import PlainTransportWarning
+from ..distributed.joining import PlainTransportWarning
 from ..progress import format_rate
 from ..jobs import (
     ClusterError,

@@ -79,7 +79,7 @@ def prepare_process() -> None:
     """Initialise now what the first chunk of this process would otherwise wait for: where a
     GPU is visible, the imports of CuPy and numba's CUDA module; else numba's threading layer
     (its first parallel kernel). Workers of ``dg.local_cluster`` call it as they start
-    (:func:`dask_gpuchunk.cluster.dask_setup`). It creates no CUDA context: dask-cuda creates
+    (:func:`dask_gpuchunk.distributed.cluster.dask_setup`). It creates no CUDA context: dask-cuda creates
     each worker's, on its own device, after the preload (and warns if one exists already).
 
     A GPU worker starts numba's threading layer at its first CPU kernel, if it runs one: on

@@ -492,7 +492,7 @@ def test_gram_of_a_npy_reads_ahead_on_each_worker_once_per_chunk(rng, tmp_path, 
     # Each worker reads every row chunk its blocks need once; with read-ahead (the
     # default) all but the first on a thread of its own, before its blocks ask. On
     # dg.local_cluster, whose active memory manager keeps every worker's copy of the source
-    # (dask_gpuchunk.replicas): on a plain LocalCluster a worker read them twice in one CI run.
+    # (dask_gpuchunk.distributed.replicas): on a plain LocalCluster a worker read them twice in one CI run.
     from dask_gpuchunk.resident import resident_stats
 
     words = np.packbits(random_bits(rng, (900, 4096), 0.3), axis=1)

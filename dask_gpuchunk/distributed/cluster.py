@@ -9,9 +9,9 @@ and ``dask cuda worker --scheduler-file`` (or ``dask worker``) on its nodes and 
 script connects through the same file.
 
 Kernels are compiled inside the workers, at their first chunk, once per process. The clients of
-:func:`local_cluster` and :func:`connect` register :class:`dask_gpuchunk.worker.WorkerSetup` (a
+:func:`local_cluster` and :func:`connect` register :class:`dask_gpuchunk.distributed.worker.WorkerSetup` (a
 ``WorkerPlugin``) with every worker, present and to come: it imports the package and prepares the
-process before any task. ``--preload dask_gpuchunk.cluster`` (this module's :func:`dask_setup`)
+process before any task. ``--preload dask_gpuchunk.distributed.cluster`` (this module's :func:`dask_setup`)
 does the same where workers are started by hand for another client.
 """
 
@@ -29,20 +29,20 @@ from typing import Any
 import dask
 from dask.utils import parse_bytes
 
-from .runtime import placement
+from ..runtime import placement
 from .alias_tasks import resolving_aliases
-from .budget import pool_limit_from_env, spill_limit
-from .devices import GPUNotAvailableError, distributed_client_active, gpu_available, gpu_count
+from ..budget import pool_limit_from_env, spill_limit
+from ..devices import GPUNotAvailableError, distributed_client_active, gpu_available, gpu_count
 from .joining import client_within, read_scheduler_file, shown, warn_if_plain
 from .replicas import policies_keeping_sources
-from .staging import pinned_pool
+from ..staging import pinned_pool
 
 __all__ = ["LOOPBACK", "PRELOAD", "SPARE_ROOT_TASKS", "THREADS_PER_GPU", "collector_paused",
            "connect", "dask_setup", "local_cluster", "parse_memory_limit", "placement_decisions",
            "release_memory", "root_task_saturation", "temporary_security", "wait_for_workers"]
 
 #: The module a worker imports when it starts (``preload=``; ``--preload`` of ``dask worker``).
-PRELOAD = "dask_gpuchunk.cluster"
+PRELOAD = "dask_gpuchunk.distributed.cluster"
 #: Dask threads per GPU worker of :func:`local_cluster` by default. A worker gathers a task's
 #: inputs, unspilling them to the device, before the task runs, so every running task over
 #: device-resident chunks holds its inputs and output there at once: a thread per core (16 on
@@ -81,9 +81,9 @@ def temporary_security() -> Any:
 
 
 def dask_setup(worker: Any) -> None:
-    """Worker start-up hook of ``--preload dask_gpuchunk.cluster``
-    (:func:`dask_gpuchunk.worker.set_up_worker`), for workers whose clients do not register
-    :class:`dask_gpuchunk.worker.WorkerSetup`."""
+    """Worker start-up hook of ``--preload dask_gpuchunk.distributed.cluster``
+    (:func:`dask_gpuchunk.distributed.worker.set_up_worker`), for workers whose clients do not register
+    :class:`dask_gpuchunk.distributed.worker.WorkerSetup`."""
     from .worker import set_up_worker  # distributed: 0.35 s more for every import of the package
 
     set_up_worker(worker)
@@ -237,7 +237,7 @@ def local_cluster(
     """A ``distributed.Client`` on a cluster of this machine, closed on exit.
 
     While it is open, dask arrays reach the cluster without the ``Alias`` tasks that dask's
-    fusion leaves (:mod:`dask_gpuchunk.alias_tasks`, ``gpuchunk.resolve-aliases``). Its
+    fusion leaves (:mod:`dask_gpuchunk.distributed.alias_tasks`, ``gpuchunk.resolve-aliases``). Its
     scheduler hands each worker :data:`SPARE_ROOT_TASKS` root tasks beyond its threads
     (:func:`root_task_saturation`; a ``distributed.scheduler.worker-saturation`` of your own
     is kept, unless it is distributed's default of 1.1).
@@ -261,7 +261,7 @@ def local_cluster(
         live on the device hold their inputs and outputs there while they run, so few run at
         once; results stored beyond ``device_memory_limit`` spill to the host, and stored
         results yield to a running task's allocation that would fail
-        (:mod:`dask_gpuchunk.spilling`). ``"cores"``: ``cores /
+        (:mod:`dask_gpuchunk.distributed.spilling`). ``"cores"``: ``cores /
         gpus``, for work staged from host memory (files, NumPy chunks: host copies run in every
         thread, device memory bounded by the package's staging slots and budget), as the CLI's
         jobs run. On a CPU-only machine, the threads of its one worker (default: a thread per
@@ -407,7 +407,7 @@ def _root_tasks_spared(threads: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def _resident_sources_kept() -> Iterator[None]:
     """While a local cluster starts: its scheduler's active memory manager keeps every replica
-    of a resident source (:mod:`dask_gpuchunk.replicas`), so that no worker reads a ``.npy``'s
+    of a resident source (:mod:`dask_gpuchunk.distributed.replicas`), so that no worker reads a ``.npy``'s
     words twice in one compute."""
     import dask
 
@@ -453,13 +453,13 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
     beside its scheduler and join when they are up), at most ``worker_timeout`` seconds; ``log``
     hears how many have joined while it waits. Dask arrays computed inside ``with
     dg.resolving_aliases():`` reach the cluster without the ``Alias`` tasks that dask's fusion
-    leaves (:mod:`dask_gpuchunk.alias_tasks`; ``dg.local_cluster`` does this for its block);
+    leaves (:mod:`dask_gpuchunk.distributed.alias_tasks`; ``dg.local_cluster`` does this for its block);
     nothing of this process's dask settings is changed.
 
     Whoever controls the scheduler runs code in this process: the scheduler file must be a
     small regular file of this user's (or root's) that no one else may write
-    (:func:`dask_gpuchunk.joining.read_scheduler_file`), and an address without TLS draws a
-    :class:`~dask_gpuchunk.joining.PlainTransportWarning`. ``security``: a
+    (:func:`dask_gpuchunk.distributed.joining.read_scheduler_file`), and an address without TLS draws a
+    :class:`~dask_gpuchunk.distributed.joining.PlainTransportWarning`. ``security``: a
     ``distributed.Security`` for a TLS cluster (Dask's ``distributed.comm.tls`` settings
     otherwise).
 

@@ -6,7 +6,7 @@ import dask
 import pytest
 
 import dask_gpuchunk as dg
-from dask_gpuchunk.replicas import (REDUCE_REPLICAS, ReduceReplicasKeepingSources,
+from dask_gpuchunk.distributed.replicas import (REDUCE_REPLICAS, ReduceReplicasKeepingSources,
                                     policies_keeping_sources)
 from dask_gpuchunk.resident import SOURCE_KEY_PREFIX, source_tasks
 
@@ -51,7 +51,7 @@ def test_policies_keep_the_callers_other_policies():
     policies = [{"class": "my.Policy", "n": 2}, {"class": REDUCE_REPLICAS}]
     assert policies_keeping_sources(policies) == [
         {"class": "my.Policy", "n": 2},
-        {"class": "dask_gpuchunk.replicas.ReduceReplicasKeepingSources"}]
+        {"class": "dask_gpuchunk.distributed.replicas.ReduceReplicasKeepingSources"}]
     assert policies_keeping_sources([]) == []
 
 

@@ -13,7 +13,7 @@ from dask.local import get_sync
 from distributed import get_task_stream
 
 import dask_gpuchunk as dg
-from dask_gpuchunk.alias_tasks import optimize_arrays, resolve_aliases, resolving_aliases
+from dask_gpuchunk.distributed.alias_tasks import optimize_arrays, resolve_aliases, resolving_aliases
 
 
 classic_only = pytest.mark.skipif(dask.array.array_expr_enabled(), reason="array query "

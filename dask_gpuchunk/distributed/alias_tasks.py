@@ -28,7 +28,7 @@ from typing import Any
 
 import dask
 
-from . import _compat, config
+from .. import _compat, config
 
 __all__ = ["optimize_arrays", "resolve_aliases", "resolving_aliases"]
 

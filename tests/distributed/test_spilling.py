@@ -1,4 +1,4 @@
-"""Spilling that holds the device budget (dask_gpuchunk.spilling): stored results moved to the
+"""Spilling that holds the device budget (dask_gpuchunk.distributed.spilling): stored results moved to the
 host when an allocation fails, spilled CuPy arrays brought back through CuPy's pool."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 import zict
 
 import dask_gpuchunk as dg
-from dask_gpuchunk import budget, spilling
+from dask_gpuchunk import budget
+from dask_gpuchunk.distributed import spilling
 
 MiB = 2**20
 

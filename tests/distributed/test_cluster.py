@@ -15,7 +15,8 @@ import pytest
 from helpers import bit_products
 
 import dask_gpuchunk as dg
-from dask_gpuchunk.cluster import parse_memory_limit
+from dask_gpuchunk.distributed import cluster as cluster_module
+from dask_gpuchunk.distributed.cluster import parse_memory_limit
 
 
 @pytest.mark.parametrize("value, expected", [("8GB", 8_000_000_000), ("500MiB", 500 * 2**20),
@@ -90,7 +91,7 @@ def test_local_cluster_threads():
     assert nthreads == [expected] * len(nthreads)
     with dg.local_cluster(processes=False, dashboard_address=None) as client:
         nthreads = list(client.nthreads().values())
-    expected = os.cpu_count() if not dg.gpu_available() else dg.cluster.THREADS_PER_GPU
+    expected = os.cpu_count() if not dg.gpu_available() else cluster_module.THREADS_PER_GPU
     assert nthreads == [expected] * len(nthreads)
 
 

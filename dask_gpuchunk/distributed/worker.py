@@ -3,8 +3,8 @@
 :class:`WorkerSetup` is a ``distributed`` worker plugin: the clients of
 :func:`dask_gpuchunk.local_cluster` and :func:`dask_gpuchunk.connect` register it, and it runs in
 every worker of the cluster, those already there and those that join later (a batch job's workers
-need no ``--preload``). ``--preload dask_gpuchunk.cluster`` runs the same
-(:func:`dask_gpuchunk.cluster.dask_setup`) for workers whose clients do not register it.
+need no ``--preload``). ``--preload dask_gpuchunk.distributed.cluster`` runs the same
+(:func:`dask_gpuchunk.distributed.cluster.dask_setup`) for workers whose clients do not register it.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 from distributed import WorkerPlugin
 
 # What the workers' tasks run: imported once here, not at the unpickling of a first task.
-from . import elementwise_ops, io, process_memory  # noqa: F401
-from .bits import gram  # noqa: F401
-from .runtime import backend  # noqa: F401
-from .devices import gpu_available
+from .. import elementwise_ops, io, process_memory  # noqa: F401
+from ..bits import gram  # noqa: F401
+from ..runtime import backend  # noqa: F401
+from ..devices import gpu_available
 from .spilling import hold_budget, receive_through_pool
 
 __all__ = ["WorkerSetup", "set_up_worker"]
@@ -31,8 +31,8 @@ def set_up_worker(worker: Any) -> None:
     initialises numba's threading layer in its first CPU chunk
     (:func:`dask_gpuchunk.runtime.backend.prepare_process`).
     In a dask-cuda worker it also makes spilling hold the device budget
-    (:func:`dask_gpuchunk.spilling.hold_budget`) and, over UCX, chunks from other workers
-    arrive in CuPy's pool (:func:`dask_gpuchunk.spilling.receive_through_pool`); in a worker
+    (:func:`dask_gpuchunk.distributed.spilling.hold_budget`) and, over UCX, chunks from other workers
+    arrive in CuPy's pool (:func:`dask_gpuchunk.distributed.spilling.receive_through_pool`); in a worker
     with a GPU it samples the device
     memory the driver counts for the process (:func:`dask_gpuchunk.process_memory.watch`).
     Running it twice (plugin and preload) does nothing more.

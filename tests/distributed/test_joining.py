@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import dask_gpuchunk as dg
-from dask_gpuchunk.joining import (
+from dask_gpuchunk.distributed.joining import (
     SCHEDULER_FILE_MAX_BYTES,
     PlainTransportWarning,
     read_scheduler_file,

@@ -21,8 +21,8 @@ from collections.abc import Generator
 from typing import Any
 
 
-from . import _compat
-from .resident import SOURCE_KEY_PREFIX
+from .. import _compat
+from ..resident import SOURCE_KEY_PREFIX
 
 __all__ = ["REDUCE_REPLICAS", "ReduceReplicasKeepingSources", "policies_keeping_sources"]
 
@@ -60,7 +60,7 @@ def policies_keeping_sources(policies: list[dict[str, Any]]) -> list[dict[str, A
     --------
     >>> policies_keeping_sources([{"class": REDUCE_REPLICAS}, {"class": "my.Policy", "n": 2}])
     ... # doctest: +NORMALIZE_WHITESPACE
-    [{'class': 'dask_gpuchunk.replicas.ReduceReplicasKeepingSources'},
+    [{'class': 'dask_gpuchunk.distributed.replicas.ReduceReplicasKeepingSources'},
      {'class': 'my.Policy', 'n': 2}]
     """
     mine = f"{__name__}.{ReduceReplicasKeepingSources.__name__}"

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import _compat
+from .. import _compat
 
 __all__ = ["SCHEDULER_FILE_MAX_BYTES", "PlainTransportWarning", "client_within",
            "read_scheduler_file", "shown", "warn_if_plain", "write_credentials"]

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _compat, budget
-from .devices import gpu_available
+from .. import _compat, budget
+from ..devices import gpu_available
 
 __all__ = ["allocate_or_yield", "hold_budget", "receive_through_pool", "unspill_through_pool"]
 
