@@ -73,7 +73,8 @@ _moved.keep_old_paths(__name__, {name: f"bits.{name}" for name in (
 _moved.keep_old_paths(__name__, {"elementwise": "elementwise_ops.operations", **{
     f"elementwise_{name}": f"elementwise_ops.{name}" for name in ("blocks", "graphs", "operands")}})
 _moved.keep_old_paths(__name__, {name: f"runtime.{name}" for name in (
-    "backend", "chunk_layout", "cpu_runner", "device_launch", "gpu_runners", "placement")})
+    "backend", "budget", "chunk_layout", "cpu_runner", "device_launch", "gpu_runners",
+    "placement", "process_memory", "resident", "staging")})
 _moved.keep_old_paths(__name__, {"fingerprint_jobs": "jobs.fingerprints"})
 _moved.keep_old_paths(__name__, {name: f"distributed.{name}" for name in (
     "alias_tasks", "cluster", "joining", "replicas", "spilling", "worker")})

@@ -62,7 +62,7 @@ does and why its value:
 ``pinned-allocation`` (default ``"register"``)
     How the pinned pool makes a page-locked buffer: anonymous memory that the kernel fills
     (in huge pages where it gives them) before CUDA locks it (``"register"``,
-    :class:`dask_gpuchunk.staging.RegisteredMemory`), or ``cudaHostAlloc`` (``"host-alloc"``).
+    :class:`dask_gpuchunk.runtime.staging.RegisteredMemory`), or ``cudaHostAlloc`` (``"host-alloc"``).
     On 2 x H200, a 128 MiB buffer took 28-40 ms registered, during which the process's copies
     to its GPU waited at most 6 ms, against 55-134 ms allocated, during which they all waited
     (``tools/pinned_alloc_probe.py`` at 93972b0). Where CUDA refuses a registration, the pool allocates.
@@ -75,7 +75,7 @@ does and why its value:
 ``read-ahead`` (default ``True``)
     Where ``dg.gram`` (and its CLI job) reads its words straight from a ``.npy``, each process
     reads the row chunks its blocks will want on a thread of its own once its first block has
-    asked, for as long as they fit where it keeps them (:mod:`dask_gpuchunk.resident`), instead
+    asked, for as long as they fit where it keeps them (:mod:`dask_gpuchunk.runtime.resident`), instead
     of each block waiting on the file in its task's thread. ``False``: blocks read what they
     need when they need it.
 ``register-reads`` (default ``False``)

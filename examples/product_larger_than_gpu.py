@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> float:
 
     shape = (args.rows, args.cols)
     if args.pinned:
-        from dask_gpuchunk.staging import empty_pinned
+        from dask_gpuchunk.runtime.staging import empty_pinned
 
         a, b, c = (empty_pinned(shape) for _ in range(3))
     else:

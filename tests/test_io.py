@@ -427,7 +427,7 @@ def _read_in_child(path: str) -> np.ndarray:
 def test_rows_reach_the_gpu_straight_from_the_file_where_they_can(tmp_path, monkeypatch):
     import cupy
 
-    from dask_gpuchunk import staging
+    from dask_gpuchunk.runtime import staging
     from dask_gpuchunk.io import npy_reading as io
     from dask_gpuchunk.io import npy_reader_of
 
@@ -449,7 +449,7 @@ def test_rows_reach_the_gpu_straight_from_the_file_where_they_can(tmp_path, monk
     assert fortran is None or fortran.rows_on_device(0, 10) is None
 
     # A device that refuses the registration: None, noted, and the chunk read as before.
-    from dask_gpuchunk.resident import ResidentSource
+    from dask_gpuchunk.runtime.resident import ResidentSource
 
     def refuse(*args):
         raise cupy.cuda.runtime.CUDARuntimeError(801)  # cudaErrorNotSupported

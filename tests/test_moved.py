@@ -20,8 +20,9 @@ from dask_gpuchunk.bits import selection as selection_module
     ("elementwise", "elementwise_ops.operations"),
     *((f"elementwise_{name}", f"elementwise_ops.{name}")
       for name in ("blocks", "graphs", "operands")),
-    *((name, f"runtime.{name}") for name in ("backend", "chunk_layout", "cpu_runner",
-                                             "device_launch", "gpu_runners", "placement")),
+    *((name, f"runtime.{name}") for name in ("backend", "budget", "chunk_layout", "cpu_runner",
+                                             "device_launch", "gpu_runners", "placement",
+                                             "process_memory", "resident", "staging")),
     ("fingerprint_jobs", "jobs.fingerprints"),
     *((name, f"distributed.{name}") for name in ("alias_tasks", "cluster", "joining",
                                                  "replicas", "spilling", "worker"))])

@@ -261,7 +261,8 @@ PINNED_WAYS = ("register", "host-alloc")
 def _pinned_allocation(way: str) -> None:
     """In a worker: make its pinned pool's buffers ``way`` from now on, and free the idle
     ones, so that the next run makes its buffers anew."""
-    from dask_gpuchunk import config, staging
+    from dask_gpuchunk import config
+    from dask_gpuchunk.runtime import staging
 
     config.internal_values({"pinned-allocation": way}).__enter__()  # for the worker's life
     staging.pinned_pool.clear()
@@ -276,7 +277,7 @@ def _alloc_probe(dask_worker: Any) -> None:
         return
     import cupy
 
-    from dask_gpuchunk import staging
+    from dask_gpuchunk.runtime import staging
 
     log = dask_worker.slow_allocations = []
 

@@ -38,7 +38,7 @@ def best_of(repeats: int, fn) -> tuple[float, object]:
         try:
             out = fn()
         except cupy.cuda.memory.OutOfMemoryError:
-            from dask_gpuchunk.budget import budget_report
+            from dask_gpuchunk.runtime.budget import budget_report
 
             pool = cupy.get_default_memory_pool()
             print(f"out of memory: pool used {pool.used_bytes():,} of {pool.total_bytes():,}; "

@@ -97,7 +97,7 @@ class _DevicePeaks:
     """Wraps ``fn`` to record, per call from an emptied pool, the CuPy pool's high-water mark
     (``pool``) and the driver's figure for this process (``process``: the pool's blocks plus
     the context, kernel modules and cuBLAS workspaces; sampled by
-    :func:`dask_gpuchunk.process_memory.watch` and read at the end of the call; ``None`` where
+    :func:`dask_gpuchunk.runtime.process_memory.watch` and read at the end of the call; ``None`` where
     the driver's per-process figure cannot be read). ``release``, where given, runs first: it
     drops what the previous call kept alive. ``keep_pool``: only the first call starts from an
     emptied pool (its peaks are recorded); later calls find the pool as the one before left
@@ -105,7 +105,7 @@ class _DevicePeaks:
 
     def __init__(self, fn: Callable[[], Any], release: Callable[[], Any] | None = None,
                  keep_pool: bool = False) -> None:
-        from .. import process_memory
+        from ..runtime import process_memory
 
         process_memory.watch()
         self.fn = fn
@@ -117,7 +117,7 @@ class _DevicePeaks:
     def __call__(self) -> Any:
         import cupy
 
-        from .. import process_memory
+        from ..runtime import process_memory
 
         if self.release is not None:
             self.release()
@@ -336,7 +336,7 @@ def _table(bench: _Bench, table: str, scalar_op: Callable, op: Any, shape: tuple
             peak.record(e)
 
     if table == "product" and bench.has_gpu and bench.want("ours gpu (pinned"):
-        from ..staging import empty_pinned
+        from ..runtime.staging import empty_pinned
 
         pa, pb, pc = (empty_pinned(shape, np.float64) for _ in range(3))
         pa[...], pb[...], pc[...] = a, b, np.nan
@@ -399,7 +399,7 @@ def _device_rows(bench: _Bench, table: str, op: Any, a: np.ndarray, b: np.ndarra
     """
     import cupy
 
-    from ..budget import device_capacity, format_bytes
+    from ..runtime.budget import device_capacity, format_bytes
 
     steps = LOOP_STEPS
     names = ["ours device-resident (CuPy chunks)", "ours device-resident, one chunk per array",

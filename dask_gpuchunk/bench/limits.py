@@ -67,7 +67,7 @@ def pcie_bandwidth(nbytes: int = 1 << 30, repeat: int = 5) -> dict[str, float]:
     """Pinned H2D, D2H and simultaneous H2D+D2H bandwidth in bytes/s (best of ``repeat``)."""
     import cupy
 
-    from ..staging import copy_to_device, copy_to_host, empty_pinned
+    from ..runtime.staging import copy_to_device, copy_to_host, empty_pinned
 
     host_a = empty_pinned(nbytes, np.uint8)
     host_b = empty_pinned(nbytes, np.uint8)

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..runtime import backend
 from .._kernels.gram import Method
-from ..budget import check_fits, working_budget
+from ..runtime.budget import check_fits, working_budget
 from ..devices import Device, cluster_workers, gpu_available
 from ..io.fingerprint_files import bit_vectors_as_words
 from ..io import npy_reader_of
@@ -133,7 +133,7 @@ def gram(x: Any, *, packed: bool = False, method: Method = "auto",
     Words straight from :func:`dask_gpuchunk.from_npy` (nothing done to them, whole rows in
     each chunk) are read by the blocks themselves: each row chunk once per process, kept on its
     GPU (at most half the device budget) or in host memory while the compute needs it, and never
-    sent between workers (:mod:`dask_gpuchunk.resident`).
+    sent between workers (:mod:`dask_gpuchunk.runtime.resident`).
 
     Examples
     --------
@@ -228,7 +228,7 @@ def task_block_rows(rows: int, bits: int, method: str = "auto", budget: int | No
 def check_block_fits(chunks: tuple[tuple[int, ...], ...], itemsize: int, method: str,
                      budget: int | None = None) -> None:
     """Refuse, before any work, Gram blocks that cannot fit the device budget (this process's,
-    or ``budget``): :class:`dask_gpuchunk.budget.DeviceBudgetError` naming the bytes."""
+    or ``budget``): :class:`dask_gpuchunk.runtime.budget.DeviceBudgetError` naming the bytes."""
     rows = max(chunks[0], default=0)
     words64 = -(-max(chunks[1], default=0) * itemsize // 8)
     resolved = method if method != "auto" else resolve_method("auto", on_gpu=True)

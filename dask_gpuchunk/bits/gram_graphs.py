@@ -1,6 +1,6 @@
 """The graphs of :func:`dask_gpuchunk.gram`: ``C``'s blocks from packed words, listed by hand
 where small graphs are, else dask's ``blockwise`` and ``reduction``; from words read where
-each block runs (:mod:`dask_gpuchunk.resident`); row chunks grouped into larger blocks.
+each block runs (:mod:`dask_gpuchunk.runtime.resident`); row chunks grouped into larger blocks.
 
 Each task runs a function of :mod:`dask_gpuchunk.bits.gram_blocks`; only blocks on or above the
 diagonal are computed, a block below it is the transpose of its mirror.
@@ -22,7 +22,7 @@ from .. import config
 from ..runtime import backend
 from .._kernels import bitpack as bits
 from ..config import listed_graphs
-from ..resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
+from ..runtime.resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 from .gram_blocks import (
     block_task,
     gram_slab,
@@ -96,14 +96,14 @@ def resident_gram_slab(source: ResidentSource, rows_a: tuple[int, int],
                        device: str = "auto") -> np.ndarray:
     """:func:`gram_slab` of rows ``rows_a`` (start, stop) of the words ``source`` reads from
     a file against its row chunks ``others``, each chunk read once per process and kept where
-    the slab runs (:func:`~dask_gpuchunk.resident.rows_where_it_runs`), as a NumPy slab.
+    the slab runs (:func:`~dask_gpuchunk.runtime.resident.rows_where_it_runs`), as a NumPy slab.
     Passed as chunks of a Dask array, every slab task was sent every chunk it did not hold
     (on two H100s, 1 GB of words a worker, then 9.1 GB of pageable copies into pinned buffers)
     and staged all of them to its GPU again.
 
     Examples
     --------
-    >>> from dask_gpuchunk.resident import ResidentSource
+    >>> from dask_gpuchunk.runtime.resident import ResidentSource
     >>> w = np.packbits(np.array([[1, 0, 1], [0, 1, 1], [1, 1, 1]], dtype=np.uint8), axis=1)
     >>> resident_gram_slab(ResidentSource(w, "w"), (0, 1), [(0, 2), (2, 3)], device="cpu")
     array([[2, 1, 2]], dtype=int32)
@@ -118,7 +118,7 @@ def _on_host(block: Any) -> np.ndarray:
     """A CuPy block copied to host memory (pinned, as the staged path's results are)."""
     import cupy
 
-    from ..staging import copy_to_host
+    from ..runtime.staging import copy_to_host
 
     host = backend.host_result(block.shape, block.dtype)
     t0 = time.perf_counter()
@@ -137,7 +137,7 @@ def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta
     others, so none is sent between workers: on two GPUs the words' chunks had been sent (2.3 GB
     over TLS for 2.1 GB of words) and staged again for every block (34 GB of H2D). The reader
     and the source that reads it are entries of the graph
-    (:func:`~dask_gpuchunk.resident.source_tasks`)."""
+    (:func:`~dask_gpuchunk.runtime.resident.source_tasks`)."""
     recompute = config.checked("gram-mirror") == "recompute"
     token = tokenize(words, method, device, "resident", recompute, config.flag("read-ahead"),
                      row_chunks, keep_on_device)

@@ -28,7 +28,7 @@ from .._kernels.bmma_select import (
 from .._kernels.top_k_overflow import REDONE_TARGETS, redo_overflows
 from .._kernels.similarity_cpu import best_keys_of_columns, best_keys_of_rows, pairs_at_least_cpu
 from ..runtime.backend import is_cupy, run_cpu_kernel
-from ..budget import run_reserved, working_budget
+from ..runtime.budget import run_reserved, working_budget
 from ..devices import gpu_available
 from .gram import (
     block_counts,

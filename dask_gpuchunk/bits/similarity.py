@@ -45,7 +45,7 @@ from .._kernels.gram import Method
 from .._kernels.similarity import Metric
 from ..arrays import asarray
 from ..runtime.backend import is_cupy
-from ..budget import check_fits, working_budget
+from ..runtime.budget import check_fits, working_budget
 from ..config import listed_graphs
 from ..devices import Device, cluster_workers, gpu_available
 from ..io.fingerprint_files import bit_vectors_as_words

@@ -19,7 +19,7 @@ from dask.task_spec import List, Task, TaskRef
 from .._kernels import similarity as kernels
 from ..devices import cluster_workers, gpu_available
 from ..io import npy_reader_of
-from ..resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
+from ..runtime.resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 from .selection import (
     Selection,
     chain_rounds,
@@ -85,7 +85,7 @@ def _chunk_refs(words: da.Array, pops: da.Array, device: str, dsk: dict, tag: st
     """What a task of the top-k chain names for each row chunk's words and popcounts: the keys
     of ``words`` and ``pops``, or, for words straight from a ``.npy``
     (:func:`dask_gpuchunk.io.npy_reader_of`), tasks inside the task that read them where it
-    runs (:func:`~dask_gpuchunk.resident.rows_where_it_runs`, through a source that ``dsk``
+    runs (:func:`~dask_gpuchunk.runtime.resident.rows_where_it_runs`, through a source that ``dsk``
     gains): then no chunk of words is sent between workers. Last, the collections the names
     need (none for a ``.npy``)."""
     reader = npy_reader_of(words)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import click
 
-from ..budget import cap_device_pool
+from ..runtime.budget import cap_device_pool
 from ..devices import gpu_available
 from .app import main
 

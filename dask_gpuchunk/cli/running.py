@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from ..distributed.alias_tasks import resolving_aliases
-from ..budget import DeviceBudgetError
+from ..runtime.budget import DeviceBudgetError
 from ..distributed.cluster import collector_paused, connect, local_cluster, parse_memory_limit
 from ..config import check_settings
 from ..devices import GPUNotAvailableError

@@ -31,11 +31,11 @@ from dask.utils import parse_bytes
 
 from ..runtime import placement
 from .alias_tasks import resolving_aliases
-from ..budget import pool_limit_from_env, spill_limit
+from ..runtime.budget import pool_limit_from_env, spill_limit
 from ..devices import GPUNotAvailableError, distributed_client_active, gpu_available, gpu_count
 from .joining import client_within, read_scheduler_file, shown, warn_if_plain
 from .replicas import policies_keeping_sources
-from ..staging import pinned_pool
+from ..runtime.staging import pinned_pool
 
 __all__ = ["LOOPBACK", "PRELOAD", "SPARE_ROOT_TASKS", "THREADS_PER_GPU", "collector_paused",
            "connect", "dask_setup", "local_cluster", "parse_memory_limit", "placement_decisions",

@@ -1,6 +1,6 @@
 """distributed's active memory manager, told to keep every replica of a resident source.
 
-A :class:`~dask_gpuchunk.resident.ResidentSource` is a small task result that each worker
+A :class:`~dask_gpuchunk.runtime.resident.ResidentSource` is a small task result that each worker
 running blocks over a ``.npy``'s words holds a copy of; the copy keeps what that worker has read
 of the words, on its GPU or in its memory, and reads the rest ahead. The active memory manager's
 :class:`~distributed.active_memory_manager.ReduceReplicas` drops copies of a result held by
@@ -22,7 +22,7 @@ from typing import Any
 
 
 from .. import _compat
-from ..resident import SOURCE_KEY_PREFIX
+from ..runtime.resident import SOURCE_KEY_PREFIX
 
 __all__ = ["REDUCE_REPLICAS", "ReduceReplicasKeepingSources", "policies_keeping_sources"]
 

@@ -30,7 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import _compat, budget
+from .. import _compat
+
+from ..runtime import budget
 from ..devices import gpu_available
 
 __all__ = ["allocate_or_yield", "hold_budget", "receive_through_pool", "unspill_through_pool"]
@@ -42,7 +44,7 @@ ucx_own_allocator: Any = None
 
 def _evict_one(stored: Any) -> bool:
     """Move the least recently used result of a dask-cuda worker's device LRU
-    (:func:`dask_gpuchunk.budget.stored_results_lru`) to the host; ``False`` when nothing is
+    (:func:`dask_gpuchunk.runtime.budget.stored_results_lru`) to the host; ``False`` when nothing is
     left to move."""
     try:
         _, _, weight = stored.evict()
@@ -88,7 +90,7 @@ def unspill_through_pool(header: dict[str, Any], frames: list[Any]) -> Any:
 def hold_budget(worker: Any) -> bool:
     """In a dask-cuda worker with a device limit: make failing CuPy allocations move stored
     results to the host, bring spilled CuPy arrays back through CuPy's pool, and tell the
-    budget that stored results yield (:data:`dask_gpuchunk.budget.stored_results_yield`).
+    budget that stored results yield (:data:`dask_gpuchunk.runtime.budget.stored_results_yield`).
     Returns whether it did (``False``: no GPU, or no dask-cuda device buffer)."""
     stored = budget.stored_results_lru(worker)
     if not gpu_available() or stored is None:

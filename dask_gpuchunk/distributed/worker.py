@@ -14,7 +14,8 @@ from typing import Any
 from distributed import WorkerPlugin
 
 # What the workers' tasks run: imported once here, not at the unpickling of a first task.
-from .. import elementwise_ops, io, process_memory  # noqa: F401
+from .. import elementwise_ops, io  # noqa: F401
+from ..runtime import process_memory  # noqa: F401
 from ..bits import gram  # noqa: F401
 from ..runtime import backend  # noqa: F401
 from ..devices import gpu_available
@@ -34,7 +35,7 @@ def set_up_worker(worker: Any) -> None:
     (:func:`dask_gpuchunk.distributed.spilling.hold_budget`) and, over UCX, chunks from other workers
     arrive in CuPy's pool (:func:`dask_gpuchunk.distributed.spilling.receive_through_pool`); in a worker
     with a GPU it samples the device
-    memory the driver counts for the process (:func:`dask_gpuchunk.process_memory.watch`).
+    memory the driver counts for the process (:func:`dask_gpuchunk.runtime.process_memory.watch`).
     Running it twice (plugin and preload) does nothing more.
     """
     backend.prepare_process()

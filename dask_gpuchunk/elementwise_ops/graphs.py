@@ -17,11 +17,11 @@ from dask.task_spec import Task, TaskRef
 
 from .._kernels.elementwise import ElementwisePlan, is_python_number
 from ..runtime.backend import device_call, input_kind, is_cupy
-from ..budget import check_fits
+from ..runtime.budget import check_fits
 from ..config import map_blocks_prefix
 from .blocks import _block, _finish, _finish_blocks, _pick_output, _pick_reduction
 from ..io import npy_reader_of
-from ..resident import row_bounds
+from ..runtime.resident import row_bounds
 from ..ufunc.numpy_rules import VType
 
 if TYPE_CHECKING:  # annotations only: the operator imports this module
@@ -197,7 +197,7 @@ def _largest_block_bytes(chunks: tuple[tuple[int, ...], ...], dtype: np.dtype) -
 def _check_chunk_fits(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],
                       out_dtypes: tuple[np.dtype, ...], on_device: bool) -> None:
     """Refuse, before any work, a result chunk that cannot fit this process's device budget
-    (:mod:`dask_gpuchunk.budget`) with its inputs: its outputs, and host inputs copied to the
+    (:mod:`dask_gpuchunk.runtime.budget`) with its inputs: its outputs, and host inputs copied to the
     device (device inputs are already there)."""
     nbytes = sum(_largest_block_bytes(chunks, dt) for dt in out_dtypes)
     if not on_device:

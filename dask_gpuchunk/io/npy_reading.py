@@ -32,7 +32,7 @@ from dask.base import tokenize
 from .. import config
 from ..c_library import advise, map_memory, unmap
 from ..devices import gpu_available
-from ..staging import pinned_pool
+from ..runtime.staging import pinned_pool
 from .files import FileIdentity, check_unchanged, identity, open_pinned
 
 __all__ = ["NpyFormatError", "NpyHeader", "NpyReader", "NpyTrailingDataWarning", "checked_chunks", "from_npy", "in_flight", "inputs_of", "npy_reader_of", "read_header", "with_row_chunks"]
@@ -484,7 +484,7 @@ def npy_reader_of(x: Any, whole_rows: bool = True) -> NpyReader | None:
     """The reader of ``x`` where ``x`` is a :func:`from_npy` array as it was made (no operation
     since; ``whole_rows``: 2-D, whole rows in each chunk; outside dask's array query planning),
     else ``None``: an operator may then read its chunks itself
-    (:class:`dask_gpuchunk.resident.ResidentSource`, or a region a task) instead of through
+    (:class:`dask_gpuchunk.runtime.resident.ResidentSource`, or a region a task) instead of through
     ``x``'s tasks.
 
     Examples

@@ -37,7 +37,7 @@ from ..runtime.backend import ChunkWork, run_chunk
 from ..config import map_blocks_prefix
 from ..devices import distributed_client_active
 from ..partials import remove_stale, temporary_name
-from ..staging import copy_to_host, pinned_pool
+from ..runtime.staging import copy_to_host, pinned_pool
 from .files import (
     create_exclusive,
     file_key,

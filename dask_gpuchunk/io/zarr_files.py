@@ -420,7 +420,7 @@ def _device_block_to_store(block: Any, region: tuple[slice, ...], target: StoreT
     """D2H into a pinned buffer, then written from there: no other host copy."""
     import cupy
 
-    from ..staging import copy_to_host, pinned_pool
+    from ..runtime.staging import copy_to_host, pinned_pool
 
     block = cupy.ascontiguousarray(block.astype(np.dtype(target.dtype), copy=False))
     stream = cupy.cuda.get_current_stream()

@@ -18,11 +18,11 @@ import numpy as np
 from dask.array.core import normalize_chunks
 from dask.utils import format_bytes, parse_bytes
 
-from .. import process_memory
+from ..runtime import process_memory
 from .._kernels.bitpack import BitValueError, check_bits_dtype, check_words_dtype
 from .._kernels.gram import GPU_METHODS
 from ..runtime.backend import dask_threads, staging_totals
-from ..budget import budget_report
+from ..runtime.budget import budget_report
 from ..devices import (
     DEVICES,
     GPUNotAvailableError,
@@ -63,7 +63,7 @@ Progress = Callable[..., None] | None
 
 
 def _device_report(dask_worker: Any = None) -> dict[str, Any]:
-    """:func:`dask_gpuchunk.budget.budget_report` of this process (``Client.run`` runs it in
+    """:func:`dask_gpuchunk.runtime.budget.budget_report` of this process (``Client.run`` runs it in
     each worker, passing the worker)."""
     return budget_report(dask_worker)
 
@@ -74,7 +74,7 @@ def _watch_if_gpu() -> bool:
 
 def watch_device_memory(client: Any | None) -> None:
     """Sample the device memory the driver counts for each process with a GPU: the workers of
-    ``client``, or this process where it is ``None`` (:func:`dask_gpuchunk.process_memory.watch`;
+    ``client``, or this process where it is ``None`` (:func:`dask_gpuchunk.runtime.process_memory.watch`;
     the summaries' ``peak_process``)."""
     if client is None:
         _watch_if_gpu()

@@ -17,7 +17,7 @@ from dask.base import tokenize
 
 from .. import config
 from ..arrays import asarray
-from ..budget import DeviceBudgetError
+from ..runtime.budget import DeviceBudgetError
 from ..devices import distributed_client_active
 from ..bits.gram import (
     bitpack,
@@ -31,7 +31,7 @@ from ..bits.gram import (
 )
 from ..io import npy_bytes, npy_in_place, npy_reader_of, run_writes, write_region
 from ..io.zarr_files import is_zarr_path, region_writer, zarr_in_place
-from ..resident import row_bounds, source_tasks
+from ..runtime.resident import row_bounds, source_tasks
 from .common import (
     BudgetError,
     Job,

@@ -52,7 +52,7 @@ def _similarity_words(x: Any, packed: bool, device: str, on_gpu: bool, selection
     """A similarity job's input rows as the job computes on them: packed (unless ``packed``)
     into whole-row chunks, on the GPUs where ``on_gpu``; for a ``selection`` (top-k or
     threshold) of a ``.npy``'s words left as they are where graphs are listed, since its blocks
-    then read those themselves where they run, once per worker (:mod:`dask_gpuchunk.resident`):
+    then read those themselves where they run, once per worker (:mod:`dask_gpuchunk.runtime.resident`):
     none are sent between workers."""
     if not packed:
         x = bitpack(x, device="cpu" if device == "cpu" else "auto")

@@ -5,8 +5,9 @@ runs); its runners are :mod:`~dask_gpuchunk.runtime.cpu_runner` (numba's paralle
 :mod:`~dask_gpuchunk.runtime.device_launch` (a kernel's passes and launch), sharing
 :mod:`~dask_gpuchunk.runtime.chunk_layout` (a chunk's inputs laid out for its kernel);
 :mod:`~dask_gpuchunk.runtime.placement` measures this machine's copies for the choice of
-where a host chunk runs. The device memory budget, host staging and process memory stay
-beside it (:mod:`dask_gpuchunk.budget`, :mod:`dask_gpuchunk.staging`,
-:mod:`dask_gpuchunk.process_memory`) until the cluster engines' measurements settle which of
-them RMM and dask-cuda replace.
+where a host chunk runs. Beside them: the device memory budget and its admission
+(:mod:`~dask_gpuchunk.runtime.budget`; dask-cuda's RMM pool was measured no faster, so it
+stays), page-locked host staging (:mod:`~dask_gpuchunk.runtime.staging`), the process's
+device memory as the driver counts it (:mod:`~dask_gpuchunk.runtime.process_memory`) and
+input chunks kept where the blocks that read them run (:mod:`~dask_gpuchunk.runtime.resident`).
 """

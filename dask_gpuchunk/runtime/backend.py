@@ -46,9 +46,9 @@ import numpy as np
 
 from . import placement
 from .._kernels.elementwise import ElementwiseKernels, ElementwisePlan, is_python_number
-from ..budget import working_budget
+from .budget import working_budget
 from ..devices import GPUNotAvailableError, check_device_name, gpu_available
-from ..staging import is_pinned
+from .staging import is_pinned
 from .chunk_layout import StagingTotals, _as_plan, is_cupy, staging_totals
 from .cpu_runner import cpu_threads, dask_threads, prepare_process, run_cpu, run_cpu_kernel
 from .device_launch import DeviceCall, device_call, input_kind, total_dtypes

@@ -25,7 +25,7 @@ def is_cupy(x: Any) -> bool:
 
 
 class StagingTotals:
-    """What :func:`run_staged` (and the chunks that :mod:`dask_gpuchunk.resident` keeps on a GPU,
+    """What :func:`run_staged` (and the chunks that :mod:`dask_gpuchunk.runtime.resident` keeps on a GPU,
     and the Gram blocks it returns from there) has moved and spent in this process, summed over
     its threads:
     ``chunks``; ``h2d_bytes`` and ``d2h_bytes`` (PCIe); ``host_copy_bytes`` and

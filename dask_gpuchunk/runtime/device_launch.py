@@ -24,7 +24,7 @@ from .._kernels.launch import (
     fall_back_to_numba,
     numba_stream,
 )
-from ..budget import run_reserved
+from .budget import run_reserved
 from .chunk_layout import _collapsed_layout, _collapsed_views, is_cupy
 
 __all__ = ["DeviceCall", "device_call", "input_kind", "total_dtypes"]
@@ -217,7 +217,7 @@ class DeviceCall:
                  reserved: bool = True) -> Any:
         """Queue the pass on the current CuPy stream: its outputs (``dest``, or new CuPy
         arrays); with reductions, ``(outputs, totals)`` (0-d CuPy arrays). ``reserved``: hold
-        what it allocates of the device budget (:func:`~dask_gpuchunk.budget.run_reserved`),
+        what it allocates of the device budget (:func:`~dask_gpuchunk.runtime.budget.run_reserved`),
         as a Dask chunk does beside the others; else allocate as any CuPy operation does."""
         if reserved:
             return run_reserved(lambda: self.run(inputs, dest), self.nbytes)

@@ -14,8 +14,8 @@ import numpy as np
 from .. import config
 from .._kernels.elementwise import ElementwiseKernels, is_scalar
 from .._kernels.launch import numba_stream
-from ..budget import reserve, run_reserved
-from ..staging import copy_to_device, copy_to_host, device_slot, h2d_slot, is_pinned, pinned_pool
+from .budget import reserve, run_reserved
+from .staging import copy_to_device, copy_to_host, device_slot, h2d_slot, is_pinned, pinned_pool
 from .chunk_layout import _as_plan, _host_inputs, _scalars_by_value, is_cupy, staging_totals
 from .device_launch import _launch, _partials_bytes, _pass_launch, device_call
 
@@ -115,7 +115,7 @@ def run_staged(
     ``stage_seconds`` and ``staged_bytes`` (host copies into and out of pinned buffers),
     ``h2d_bytes``/``d2h_bytes`` (PCIe traffic) and ``kernel`` (seconds, CUDA events).
 
-    The chunk holds a reservation of the device budget (:func:`dask_gpuchunk.budget.reserve`)
+    The chunk holds a reservation of the device budget (:func:`dask_gpuchunk.runtime.budget.reserve`)
     for its inputs, its output and ``scratch_bytes`` (what ``launch`` allocates) while it holds
     device memory; ``what`` names it in the error where it can never fit.
 
@@ -216,7 +216,7 @@ def run_on_device(
 
     NumPy inputs are copied to the device first; the work is queued on the thread's current
     CuPy stream, like any CuPy operation. The chunk reserves its output, the inputs it copies
-    and ``scratch_bytes`` of the device budget (:func:`dask_gpuchunk.budget.run_reserved`: a
+    and ``scratch_bytes`` of the device budget (:func:`dask_gpuchunk.runtime.budget.run_reserved`: a
     chunk that runs out of memory beside others runs again alone) until it returns: the output
     then belongs to the caller (a dask-cuda worker stores it, and spills it beyond its limit).
     """

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ..staging import copy_to_device, copy_to_host, pinned_pool
+from .staging import copy_to_device, copy_to_host, pinned_pool
 
 __all__ = ["decide", "decided", "decisions", "estimate", "forget", "host_copy_bandwidth",
            "pcie_bandwidth"]

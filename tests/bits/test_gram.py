@@ -493,7 +493,7 @@ def test_gram_of_a_npy_reads_ahead_on_each_worker_once_per_chunk(rng, tmp_path, 
     # default) all but the first on a thread of its own, before its blocks ask. On
     # dg.local_cluster, whose active memory manager keeps every worker's copy of the source
     # (dask_gpuchunk.distributed.replicas): on a plain LocalCluster a worker read them twice in one CI run.
-    from dask_gpuchunk.resident import resident_stats
+    from dask_gpuchunk.runtime.resident import resident_stats
 
     words = np.packbits(random_bits(rng, (900, 4096), 0.3), axis=1)
     np.save(tmp_path / "w.npy", words)
@@ -589,7 +589,7 @@ def test_gram_of_a_npy_spreads_its_diagonal_blocks_over_the_workers(rng, tmp_pat
 @pytest.mark.parametrize("method", ["auto", "int8", "popcount"])
 def test_gram_of_a_npy_stages_each_chunk_to_the_gpu_once(rng, tmp_path, device_cap, method):
     from dask_gpuchunk.jobs import staged_by_workers
-    from dask_gpuchunk.resident import resident_stats
+    from dask_gpuchunk.runtime.resident import resident_stats
 
     device_cap(1 << 30)
     a = random_bits(rng, (1000, 3000), 0.3)

@@ -525,7 +525,7 @@ def test_blocks_that_cannot_fit_the_device_are_refused_by_what_they_hold(rng, de
     # before any work; their top-k selects in slices and the fused kernel, under 0.6 GiB.
     import cupy
 
-    from dask_gpuchunk.budget import DeviceBudgetError
+    from dask_gpuchunk.runtime.budget import DeviceBudgetError
 
     device_cap(1 << 30)
     words = cupy.asarray(rng.integers(0, 2**63, size=(40000, 32), dtype=np.uint64))
@@ -781,7 +781,7 @@ def test_threshold_of_a_npy_sends_no_words_between_workers(rng, tmp_path):
                     reason="the top-k chain reads a .npy's chunks itself only in listed graphs")
 @pytest.mark.parametrize("method", ["auto", "popcount"])
 def test_top_k_of_a_npy_keeps_its_chunks_on_the_gpu(rng, tmp_path, device_cap, method):
-    from dask_gpuchunk.resident import resident_stats
+    from dask_gpuchunk.runtime.resident import resident_stats
 
     device_cap(1 << 30)
     x = fingerprints(rng, 500, 2048)

@@ -8,7 +8,7 @@ import pytest
 import dask_gpuchunk as dg
 from dask_gpuchunk.distributed.replicas import (REDUCE_REPLICAS, ReduceReplicasKeepingSources,
                                     policies_keeping_sources)
-from dask_gpuchunk.resident import SOURCE_KEY_PREFIX, source_tasks
+from dask_gpuchunk.runtime.resident import SOURCE_KEY_PREFIX, source_tasks
 
 
 class _State:

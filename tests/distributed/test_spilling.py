@@ -10,7 +10,7 @@ import pytest
 import zict
 
 import dask_gpuchunk as dg
-from dask_gpuchunk import budget
+from dask_gpuchunk.runtime import budget
 from dask_gpuchunk.distributed import spilling
 
 MiB = 2**20

@@ -559,7 +559,7 @@ def test_device_resident_loop_with_on_device_reduction(rng, monkeypatch):
     # step; no staging copy to the host happens inside the loop.
     import cupy
 
-    from dask_gpuchunk import staging
+    from dask_gpuchunk.runtime import staging
 
     def no_host_copy(*args, **kwargs):
         raise AssertionError("host copy inside a device-resident loop")
@@ -579,7 +579,7 @@ def test_device_resident_loop_with_on_device_reduction(rng, monkeypatch):
 @pytest.mark.parametrize("pinned_inputs", [False, True])
 @pytest.mark.parametrize("pinned_out", [False, True])
 def test_gpu_from_host_pinned_and_pageable(rng, pinned_inputs, pinned_out):
-    from dask_gpuchunk.staging import empty_pinned
+    from dask_gpuchunk.runtime.staging import empty_pinned
 
     a = rng.random((300, 40))
     b = rng.random((300, 40))

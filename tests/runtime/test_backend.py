@@ -132,7 +132,7 @@ def test_gpu_from_host_timings_and_result(rng):
     out = run_gpu_from_host(KERNELS, np.float64, [a, b], timings=timings)
     assert_same(out, a * b)
     # a new result is allocated pinned: the device writes it directly, only inputs are staged
-    from dask_gpuchunk.staging import is_pinned
+    from dask_gpuchunk.runtime.staging import is_pinned
 
     assert is_pinned(out)
     assert timings["staged_bytes"] == a.nbytes + b.nbytes
@@ -143,7 +143,7 @@ def test_gpu_from_host_timings_and_result(rng):
 
 @pytest.mark.gpu
 def test_pinned_chunks_are_sent_without_staging(rng, monkeypatch):
-    from dask_gpuchunk import staging
+    from dask_gpuchunk.runtime import staging
     from dask_gpuchunk.runtime.backend import run_gpu_from_host
 
     a, b, dest = (staging.empty_pinned((300, 50)) for _ in range(3))
@@ -162,7 +162,7 @@ def test_host_path_device_memory_is_bounded_by_slots(rng):
     # Many threads, many chunks: CuPy's pool never holds more than the slots' buffers.
     import cupy
 
-    from dask_gpuchunk import staging
+    from dask_gpuchunk.runtime import staging
     from dask_gpuchunk.runtime.backend import run_gpu_from_host
 
     pool = cupy.get_default_memory_pool()

@@ -33,9 +33,9 @@ from typing import Any, TypeVar
 import numpy as np
 from dask.utils import parse_bytes
 
-from . import config
-from .c_library import MADV_POPULATE_WRITE, advise, map_memory, unmap
-from ._kernels.launch import numba_stream
+from .. import config
+from ..c_library import MADV_POPULATE_WRITE, advise, map_memory, unmap
+from .._kernels.launch import numba_stream
 
 __all__ = [
     "PinnedPool",

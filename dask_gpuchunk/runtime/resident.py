@@ -21,9 +21,9 @@ threads were busy 4.58 s instead of 5.37, and ``C.sum()`` took 0.92 s instead of
 with 16 read threads, 0.93 s either way).
 
 What a device keeps is allocated from CuPy's pool, so the budget's admission
-(:func:`dask_gpuchunk.budget.reserve`) counts it as held outside the running chunks: blocks wait
+(:func:`dask_gpuchunk.runtime.budget.reserve`) counts it as held outside the running chunks: blocks wait
 for room rather than run out of memory; a chunk that runs out all the same runs again alone
-after the kept chunks are dropped (:data:`dask_gpuchunk.budget.out_of_memory_hooks`).
+after the kept chunks are dropped (:data:`dask_gpuchunk.runtime.budget.out_of_memory_hooks`).
 """
 
 from __future__ import annotations
@@ -39,16 +39,16 @@ from typing import Any
 
 from dask.base import tokenize
 
-from . import config
-from .runtime.backend import staging_totals
+from .. import config
+from .backend import staging_totals
 from .budget import out_of_memory_hooks, run_reserved, working_budget
-from .devices import gpu_available
+from ..devices import gpu_available
 
 __all__ = ["DEVICE_FRACTION", "HOST_BYTES", "SOURCE_KEY_PREFIX", "ResidentChunks",
            "ResidentSource", "on_gpu_here", "resident_stats", "row_bounds", "rows_where_it_runs",
            "source_tasks"]
 
-#: Share of the working budget (:func:`dask_gpuchunk.budget.working_budget`) that a device's
+#: Share of the working budget (:func:`dask_gpuchunk.runtime.budget.working_budget`) that a device's
 #: cache may keep: half, the other half for the blocks running beside it (a 4,096² block of
 #: counts and its scratch is well under 100 MB).
 DEVICE_FRACTION = 0.5

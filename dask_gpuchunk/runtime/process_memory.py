@@ -1,6 +1,6 @@
 """Device memory this process holds, as the driver counts it, and its high-water mark.
 
-CuPy's pool sees only what it allocated (:func:`dask_gpuchunk.budget.peak_bytes`); the driver
+CuPy's pool sees only what it allocated (:func:`dask_gpuchunk.runtime.budget.peak_bytes`); the driver
 also counts the CUDA context, loaded kernel modules, cuBLAS workspaces and anything allocated
 outside the pool (numba's allocator, for one). :func:`watch` starts a background thread that
 reads this process's figure every ``interval`` seconds, through NVML (``pynvml``, which dask-cuda

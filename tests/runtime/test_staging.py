@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from dask_gpuchunk.staging import _size_class
+from dask_gpuchunk.runtime.staging import _size_class
 from dask_gpuchunk import config
 
 
@@ -24,7 +24,7 @@ def test_similar_sizes_share_a_class():
 
 @pytest.mark.gpu
 def test_pool_reuses_buffers_and_they_are_pinned():
-    from dask_gpuchunk.staging import PinnedPool, is_pinned
+    from dask_gpuchunk.runtime.staging import PinnedPool, is_pinned
 
     pool = PinnedPool()
     with pool.borrow(np.float64, (1000, 10)) as buf:
@@ -43,7 +43,7 @@ def test_pool_buffers_of_each_allocation_are_pinned_and_copy_exactly(allocation)
     import cupy
     import dask
 
-    from dask_gpuchunk import staging
+    from dask_gpuchunk.runtime import staging
 
     with config.internal_values({"pinned-allocation": allocation}):
         owner, _ = staging._page_locked(1 << 16)
@@ -73,7 +73,7 @@ def test_registered_memory_is_zeroed_and_unlocked_when_dropped():
 
     import cupy
 
-    from dask_gpuchunk.staging import RegisteredMemory
+    from dask_gpuchunk.runtime.staging import RegisteredMemory
 
     mem = RegisteredMemory(3 << 20)
     address = mem.address
@@ -89,7 +89,7 @@ def test_a_refused_registration_falls_back_to_cuda_host_alloc_once(monkeypatch):
     import cupy
     import dask
 
-    from dask_gpuchunk import staging
+    from dask_gpuchunk.runtime import staging
 
     asked = []
 
@@ -114,7 +114,7 @@ def test_a_refused_registration_falls_back_to_cuda_host_alloc_once(monkeypatch):
 
 @pytest.mark.gpu
 def test_empty_pinned_and_is_pinned():
-    from dask_gpuchunk.staging import empty_pinned, is_pinned
+    from dask_gpuchunk.runtime.staging import empty_pinned, is_pinned
 
     a = empty_pinned((10, 3), np.int16)
     assert a.shape == (10, 3) and a.dtype == np.int16 and is_pinned(a)
@@ -132,7 +132,7 @@ def _plain_bytes(size):
 def test_lent_buffers_come_back_when_their_arrays_are_gone():
     import gc
 
-    from dask_gpuchunk.staging import PinnedPool
+    from dask_gpuchunk.runtime.staging import PinnedPool
 
     pool = PinnedPool(_plain_bytes, limit=lambda: 1 << 30)
     a = pool.lend((300, 7), np.int32)
@@ -150,7 +150,7 @@ def test_lent_buffers_come_back_when_their_arrays_are_gone():
 
 
 def test_the_pool_frees_idle_buffers_at_its_limit_then_lends_pageable_memory():
-    from dask_gpuchunk.staging import PinnedPool
+    from dask_gpuchunk.runtime.staging import PinnedPool
 
     pool = PinnedPool(_plain_bytes, limit=lambda: 3 << 20)
     with pool.borrow(np.uint8, (1 << 20,)):

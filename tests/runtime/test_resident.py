@@ -1,4 +1,4 @@
-"""``dask_gpuchunk.resident``: chunks read once per process and kept while they fit."""
+"""``dask_gpuchunk.runtime.resident``: chunks read once per process and kept while they fit."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from dask.base import tokenize
 
-from dask_gpuchunk import resident
-from dask_gpuchunk.resident import ResidentChunks, ResidentSource, resident_stats
+from dask_gpuchunk.runtime import resident
+from dask_gpuchunk.runtime.resident import ResidentChunks, ResidentSource, resident_stats
 from dask_gpuchunk import config
 
 
@@ -115,7 +115,7 @@ def test_sources_of_one_place_share_its_limit(monkeypatch):
 
 def test_kept_device_chunks_are_dropped_when_a_chunk_runs_out_of_memory(monkeypatch):
     # budget.run_reserved calls its hooks before it runs an out-of-memory chunk again alone.
-    from dask_gpuchunk import budget
+    from dask_gpuchunk.runtime import budget
 
     monkeypatch.setattr(resident, "_device_limit", lambda: 1 << 20)
     on_device, on_host = resident._cache_for(7), ResidentSource(np.ones((4, 4)), "host rows")

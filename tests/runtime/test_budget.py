@@ -16,8 +16,9 @@ from click.testing import CliRunner
 from helpers import bit_products, random_bits
 
 import dask_gpuchunk as dg
-from dask_gpuchunk import budget, jobs
-from dask_gpuchunk.budget import DeviceBudgetError
+from dask_gpuchunk import jobs
+from dask_gpuchunk.runtime import budget
+from dask_gpuchunk.runtime.budget import DeviceBudgetError
 from dask_gpuchunk.cli import main
 
 MiB = 2**20

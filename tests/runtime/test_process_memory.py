@@ -1,4 +1,4 @@
-"""The device memory the driver counts for a process (dask_gpuchunk.process_memory)."""
+"""The device memory the driver counts for a process (dask_gpuchunk.runtime.process_memory)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dask_gpuchunk import process_memory
+from dask_gpuchunk.runtime import process_memory
 
 MiB = 2**20
 

@@ -25,8 +25,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import _compat, process_memory
-from .devices import gpu_available
+from .. import _compat
+
+from . import process_memory
+from ..devices import gpu_available
 from .staging import per_device
 
 __all__ = [
@@ -331,7 +333,7 @@ def run_reserved(fn: Callable[[], Any], nbytes: int, what: str = "a chunk",
 retried_alone = {"chunks": 0}
 #: What :func:`run_reserved` calls before a chunk that ran out of device memory runs again
 #: alone: each drops what this process keeps on its devices and can read again
-#: (:mod:`dask_gpuchunk.resident` adds its own).
+#: (:mod:`dask_gpuchunk.runtime.resident` adds its own).
 out_of_memory_hooks: list[Callable[[], None]] = []
 
 
@@ -362,7 +364,7 @@ def budget_report(dask_worker: Any = None) -> dict[str, Any]:
     (:func:`run_reserved`);
     ``peak_process``: the driver's figure for this process at its highest (what nvidia-smi
     lists: the pool, the context, kernel modules, cuBLAS workspaces), from
-    :func:`dask_gpuchunk.process_memory.watch`, ``None`` where it cannot be read.
+    :func:`dask_gpuchunk.runtime.process_memory.watch`, ``None`` where it cannot be read.
     ``dask_worker``: as for :func:`stored_limit` (``Client.run(budget_report)`` reports each
     worker's)."""
 
