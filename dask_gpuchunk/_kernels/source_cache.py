@@ -17,10 +17,10 @@ import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
-import marshal
 import os
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -177,6 +177,31 @@ def _kernel_file(source: str, file_key: str) -> Path | None:
     return path
 
 
+def _code_bytes(code: types.CodeType) -> bytes:
+    """What a function's code does, as bytes that are the same in every process: its bytecode,
+    names and constants (nested code the same way). ``marshal.dumps`` is not: its bytes depend
+    on objects' reference counts, and code compiled from the source marshals otherwise than the
+    same code read back from its ``.pyc``, so the first process after a file's edit and the
+    next ones named the same function differently (a second compile where bytecode is written,
+    as by default)."""
+    parts = [code.co_code, repr((code.co_names, code.co_varnames, code.co_freevars,
+                                 code.co_cellvars, code.co_argcount, code.co_flags)).encode()]
+    for const in code.co_consts:
+        parts.append(_code_bytes(const) if isinstance(const, types.CodeType)
+                     else _stable_repr(const).encode())
+    return b"\0".join(parts)
+
+
+def _stable_repr(value: Any) -> str:
+    """``repr`` of a constant, sets in sorted order (their order follows string hashing, which
+    differs between processes)."""
+    if isinstance(value, frozenset):
+        return "frozenset(" + repr(sorted(_stable_repr(v) for v in value)) + ")"
+    if isinstance(value, tuple):
+        return "(" + ",".join(_stable_repr(v) for v in value) + ",)"
+    return repr(value)
+
+
 def function_stamp(func: Callable) -> str | None:
     """What identifies ``func``'s code for a cache on disk, as numba's ``cache=True`` does:
     its source file (path, size, modification time), qualified name, first line and a hash of
@@ -199,7 +224,7 @@ def function_stamp(func: Callable) -> str | None:
     st = os.stat(code.co_filename)
     # The code itself too: a process may still run the function as it was before its file
     # was edited (and the file's stamp would then name the old code).
-    digest = hashlib.sha256(marshal.dumps(code)).hexdigest()[:16]
+    digest = hashlib.sha256(_code_bytes(code)).hexdigest()[:16]
     return (f"{os.path.abspath(code.co_filename)}:{st.st_size}:{st.st_mtime_ns}:"
             f"{getattr(func, '__qualname__', '')}:{code.co_firstlineno}:{digest}")
 

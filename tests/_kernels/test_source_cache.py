@@ -55,6 +55,9 @@ def _run_cached(tmp_path, device, body):
         (moddir / "userfunc.py").write_text(source)
     env = {**os.environ, "DASK_GPUCHUNK__CACHE_DIR": str(tmp_path / "cache")}
     env.pop("NUMBA_CACHE_DIR", None)
+    # Bytecode written, as by default: the second process reads the function from its .pyc
+    # (a stamp from marshal.dumps then differed from the first's and nothing loaded).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     done = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT.format(moddir=str(moddir), device=device)],
                           capture_output=True, text=True, env=env, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -175,3 +178,29 @@ def test_kernel_files_are_written_private_and_one_others_could_change_is_refused
         source_cache._kernel_modules.clear()  # as a later process would find it
         with pytest.warns(UserWarning, match="does not load the cached kernel"):
             assert source_cache.load_kernel(source, {}, "private-test") is None
+
+
+def test_a_functions_code_names_it_alike_compiled_or_read_from_its_pyc(tmp_path):
+    # marshal.dumps of the code compiled from the source and of the same code read back from
+    # its .pyc differ: the first process after an edit and the next ones had other stamps.
+    import marshal
+    import py_compile
+    import types
+
+    source = tmp_path / "stamped.py"
+    source.write_text("def f(a, b):\n    return a * b + (1.5 if a in {'x', 'y', 'z'} else -2)\n")
+    compiled = compile(source.read_text(), str(source), "exec", dont_inherit=True)
+    pyc = py_compile.compile(str(source), cfile=str(tmp_path / "stamped.pyc"), doraise=True)
+    with open(pyc, "rb") as f:
+        f.seek(16)  # the header: magic, flags, the source's time and size
+        loaded = marshal.load(f)
+
+    def function_code(module_code):
+        return next(c for c in module_code.co_consts if isinstance(c, types.CodeType))
+
+    assert (source_cache._code_bytes(function_code(compiled))
+            == source_cache._code_bytes(function_code(loaded)))
+    edited = compile(source.read_text().replace("-2", "-3"), str(source), "exec",
+                     dont_inherit=True)
+    assert (source_cache._code_bytes(function_code(edited))
+            != source_cache._code_bytes(function_code(compiled)))
