@@ -78,6 +78,7 @@ _moved.keep_old_paths(__name__, {name: f"runtime.{name}" for name in (
 _moved.keep_old_paths(__name__, {"fingerprint_jobs": "jobs.fingerprints"})
 _moved.keep_old_paths(__name__, {name: f"distributed.{name}" for name in (
     "alias_tasks", "cluster", "joining", "replicas", "spilling", "worker")})
+_moved.keep_old_paths(__name__, {"partials": "io.partials"})
 
 #: Names of one release ago: dask's map_blocks and gufunc mean other things.
 _RENAMED = {"map_blocks": "map_kernel", "gufunc": "gufunc_op"}

@@ -25,7 +25,8 @@ from dask_gpuchunk.bits import selection as selection_module
                                              "process_memory", "resident", "staging")),
     ("fingerprint_jobs", "jobs.fingerprints"),
     *((name, f"distributed.{name}") for name in ("alias_tasks", "cluster", "joining",
-                                                 "replicas", "spilling", "worker"))])
+                                                 "replicas", "spilling", "worker")),
+    ("partials", "io.partials")])
 def test_each_old_path_imports_and_warns_on_use(old, new):
     moved = importlib.import_module(f"dask_gpuchunk.{old}")
     module = importlib.import_module(f"dask_gpuchunk.{new}")

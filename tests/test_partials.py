@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.cli import main
-from dask_gpuchunk.partials import (
+from dask_gpuchunk.io.partials import (
     Writer,
     _host_tag,
     _start_time,

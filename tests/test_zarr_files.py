@@ -12,7 +12,7 @@ from helpers import DTYPES, bit_products, random_array, random_bits
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.jobs import gram_files, multiply_files
-from dask_gpuchunk.partials import Writer, partials_in
+from dask_gpuchunk.io.partials import Writer, partials_in
 from dask_gpuchunk.io.zarr_files import ZarrFormatError
 
 zarr = pytest.importorskip("zarr")

@@ -16,7 +16,7 @@ from ..bits.gram_blocks import METHODS
 from ..io.fingerprint_files import FINGERPRINT_KINDS
 from ..jobs import gram_job, multiply_job, similarity_job
 from ..distributed.joining import write_credentials
-from ..partials import partials_in, remove_partials
+from ..io.partials import partials_in, remove_partials
 from .app import main
 from .running import _CLUSTER_DEFAULTS, _cluster_options, _cluster_options_given, _run_job
 

@@ -2,7 +2,7 @@
 
 ``to_npy`` first checks that the target's file system has room for it, then writes the header
 of the whole array into a temporary file next to the target (``.<name>.dgc-<writer>.partial``,
-:mod:`dask_gpuchunk.partials`), then every chunk into its region of that file from the worker
+:mod:`dask_gpuchunk.io.partials`), then every chunk into its region of that file from the worker
 that computed it (``pwrite`` of its contiguous runs; CuPy chunks land in a pinned buffer and are
 written from there), and renames the file onto the target only when every chunk is written.
 Writes go through the page cache like ``np.save``'s; the file is not synced to disk. A failure
@@ -36,7 +36,7 @@ from ..arrays import asarray
 from ..runtime.backend import ChunkWork, run_chunk
 from ..config import map_blocks_prefix
 from ..devices import distributed_client_active
-from ..partials import remove_stale, temporary_name
+from .partials import remove_stale, temporary_name
 from ..runtime.staging import copy_to_host, pinned_pool
 from .files import (
     create_exclusive,
@@ -376,7 +376,7 @@ def _file_in_place(target: Path, dtype: np.dtype, shape: tuple[int, ...], overwr
 @contextlib.contextmanager
 def temporary_output(target: Path) -> Iterator[tuple[Path, int, tuple[int, int, int]]]:
     """A new, empty file beside ``target`` under a name recording this process
-    (:func:`dask_gpuchunk.partials.temporary_name`; earlier ones whose writer is gone
+    (:func:`dask_gpuchunk.io.partials.temporary_name`; earlier ones whose writer is gone
     removed first), made exclusively and not through a symlink: ``(its path, a descriptor open
     for writing, its key)`` (:func:`dask_gpuchunk.io.files.file_key`). The descriptor is closed
     when the block ends; the file is removed if anything raises, a Ctrl-C too, unless another

@@ -38,7 +38,7 @@ from dask.base import tokenize
 from ..arrays import asarray
 from ..runtime.backend import ChunkWork, run_chunk
 from ..config import map_blocks_prefix
-from ..partials import remove_stale, temporary_name
+from .partials import remove_stale, temporary_name
 from .files import InputChangedError
 from .npy_reading import checked_chunks, in_flight, inputs_of
 from .npy_writing import check_output_directory, check_space, run_writes
