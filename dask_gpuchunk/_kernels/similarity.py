@@ -44,7 +44,8 @@ from .compiled import compiled_once
 __all__ = ["ASYMMETRIC_METRICS", "COUNTED_POPCOUNTS", "CUDA_TOP_K_MAX", "FLOAT_METRICS", "METRICS",
            "METRIC_CODES", "Metric", "NO_PAIR", "RANK_SOURCE", "TANIMOTO_WEIGHTS",
            "cuda_metric_code", "best_keys_cuda", "decode_indices", "decode_scores",
-           "kept_popcount_order", "merged_sorted_keys", "pairs_at_least_cuda", "popcount_order", "rank_limit",
+           "kept_popcount_order", "merged_sorted_keys", "pairs_at_least_cuda", "popcount_order",
+           "rank_limit",
            "same_ids", "swapped_pairs", "lower_is_better", "pair_rows_cols_scores",
            "pairs_at_least", "rank_keys", "row_popcounts", "score_dtype", "scores",
            "smallest_keys", "sorted_pairs"]

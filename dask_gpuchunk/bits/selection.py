@@ -39,10 +39,10 @@ from .gram import (
 )
 from ..progress import blocks_done
 
-__all__ = ["BLOCK_ARGS", "CHUNK_ARGS", "SCORING_BYTES_PER_PAIR", "SEEDED_FIRST_ROWS", "SELECT_COUNTS_BYTES",
-           "Selection", "WGMMA_SELECTIONS", "block_bytes", "chain_rounds", "compile_selection_ahead", "cross_block",
-           "dense_block", "first_state", "gathered", "merged_chain_states",
-           "next_states_of_blocks", "popcounts", "state_of", "upper_block"]
+__all__ = ["BLOCK_ARGS", "CHUNK_ARGS", "SCORING_BYTES_PER_PAIR", "SEEDED_FIRST_ROWS",
+           "SELECT_COUNTS_BYTES", "Selection", "WGMMA_SELECTIONS", "block_bytes", "chain_rounds",
+           "compile_selection_ahead", "cross_block", "dense_block", "first_state", "gathered",
+           "merged_chain_states", "next_states_of_blocks", "popcounts", "state_of", "upper_block"]
 
 _SHIFT, _LOW = np.uint64(32), np.uint64(0xFFFF_FFFF)
 

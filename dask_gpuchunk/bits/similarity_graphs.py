@@ -165,12 +165,12 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
                                    *(TaskRef((first, i)) for i in range(chunks_x)),
                                    _data_producer=True)
             latest.append({i: ((begin, c), i) for i in range(chunks_x)})
-    next_task = functools.partial(next_states_of_blocks, **opts)
     if device != "cpu" and gpu_available():  # rounds several to a task
         for c in range(chains):
             _add_chain_tasks(dsk, step, rounds, c, chains, latest[c], all_pairs, opts,
                              (words_x, pops_x, starts_x), (words_y, pops_y, starts_y))
     else:  # a round in tasks of at most CPU_BLOCKS_PER_TASK blocks
+        next_task = functools.partial(next_states_of_blocks, **opts)
         for r, blocks in enumerate(rounds):
             held = latest[r % chains]
             tasks = -(-len(blocks) // CPU_BLOCKS_PER_TASK)
