@@ -2,9 +2,9 @@
 ``munmap``.
 
 Python's :class:`mmap.mmap` refuses to close while any buffer over it is alive (distributed's
-profiler keeps frames that hold arrays over one), and cannot be advised before it is filled.
-The package maps ``.npy`` regions read-only for the GPU to copy from (:mod:`dask_gpuchunk.io`)
-and anonymous memory for its page-locked buffers (:mod:`dask_gpuchunk.runtime.staging`) through these
+profiler keeps frames that hold arrays over one), and cannot be advised before it is filled. The
+package maps ``.npy`` regions read-only for the GPU to copy from (:mod:`dask_gpuchunk.io`) and
+anonymous memory for its page-locked buffers (:mod:`dask_gpuchunk.runtime.staging`) through these
 instead. Each call releases the GIL while the kernel works.
 """
 

@@ -20,11 +20,10 @@ its workers.
     40 GB Gram output: 16 writers at once drained the page cache at 2 GB/s, one sequential
     writer at 3 GB/s.
 ``gpuchunk.resolve-aliases`` (default ``True``)
-    Inside :func:`dask_gpuchunk.local_cluster` (and after :func:`dask_gpuchunk.connect`),
-    dask arrays' graphs go to the cluster without dask's ``Alias`` tasks, which distributed
-    runs as tasks of their own (:mod:`dask_gpuchunk.distributed.alias_tasks`): on 4 x H200 the Gram's
-    ``C.sum()`` ran 13-19 % faster on one GPU and 4-15 % on four. ``False``: dask's graphs as
-    dask makes them.
+    Inside :func:`dask_gpuchunk.local_cluster` (and after :func:`dask_gpuchunk.connect`), dask
+    arrays' graphs go to the cluster without dask's ``Alias`` tasks, which distributed runs as tasks
+    of their own (:mod:`dask_gpuchunk.distributed.alias_tasks`): on 4 x H200 the Gram's ``C.sum()``
+    ran 13-19 % faster on one GPU and 4-15 % on four. ``False``: dask's graphs as dask makes them.
 ``gpuchunk.no-workers-timeout`` (default ``300``)
     Seconds a job waits for a cluster without workers to get one again before giving up (the
     CLI's ``--worker-timeout``).
@@ -60,12 +59,13 @@ does and why its value:
     Results of the GPU path land in page-locked memory (the package's pinned pool): one host
     copy less per chunk. ``False`` allocates them pageable.
 ``pinned-allocation`` (default ``"register"``)
-    How the pinned pool makes a page-locked buffer: anonymous memory that the kernel fills
-    (in huge pages where it gives them) before CUDA locks it (``"register"``,
-    :class:`dask_gpuchunk.runtime.staging.RegisteredMemory`), or ``cudaHostAlloc`` (``"host-alloc"``).
-    On 2 x H200, a 128 MiB buffer took 28-40 ms registered, during which the process's copies
-    to its GPU waited at most 6 ms, against 55-134 ms allocated, during which they all waited
-    (``tools/pinned_alloc_probe.py`` at 93972b0). Where CUDA refuses a registration, the pool allocates.
+    How the pinned pool makes a page-locked buffer: anonymous memory that the kernel fills (in huge
+    pages where it gives them) before CUDA locks it (``"register"``,
+    :class:`dask_gpuchunk.runtime.staging.RegisteredMemory`), or ``cudaHostAlloc``
+    (``"host-alloc"``). On 2 x H200, a 128 MiB buffer took 28-40 ms registered, during which the
+    process's copies to its GPU waited at most 6 ms, against 55-134 ms allocated, during which they
+    all waited (``tools/pinned_alloc_probe.py`` at 93972b0). Where CUDA refuses a registration, the
+    pool allocates.
 ``gram-mirror`` (default ``"transpose"``)
     How ``dg.gram`` of words read straight from a ``.npy`` (outside dask's array query
     planning) makes its blocks below the diagonal: the transpose of the block above, a view on
@@ -73,11 +73,11 @@ does and why its value:
     every block then one task with no other dependency than the source. On 2 x H200, one run
     each: 1.83 x from one GPU to two with ``"recompute"``, 1.64 x without.
 ``read-ahead`` (default ``True``)
-    Where ``dg.gram`` (and its CLI job) reads its words straight from a ``.npy``, each process
-    reads the row chunks its blocks will want on a thread of its own once its first block has
-    asked, for as long as they fit where it keeps them (:mod:`dask_gpuchunk.runtime.resident`), instead
-    of each block waiting on the file in its task's thread. ``False``: blocks read what they
-    need when they need it.
+    Where ``dg.gram`` (and its CLI job) reads its words straight from a ``.npy``, each process reads
+    the row chunks its blocks will want on a thread of its own once its first block has asked, for
+    as long as they fit where it keeps them (:mod:`dask_gpuchunk.runtime.resident`), instead of each
+    block waiting on the file in its task's thread. ``False``: blocks read what they need when they
+    need it.
 ``register-reads`` (default ``False``)
     Where ``dg.gram`` (and its CLI job) keeps a ``.npy``'s words on the GPU, let the GPU copy
     each chunk straight out of the page cache (the file's pages mapped and page-locked where

@@ -1,11 +1,11 @@
 """The user's own numba kernels over Dask arrays: ``dg.map_kernel`` and ``dg.gufunc_op``.
 
 :func:`map_kernel` runs a ``@cuda.jit`` kernel once per block: each NumPy block goes to the GPU
-through the package's pinned staging on the worker's stream, each CuPy block is used where it
-is, both within the device budget (:func:`dask_gpuchunk.runtime.backend.run_chunk`, as every operator's
+through the package's pinned staging on the worker's stream, each CuPy block is used where it is,
+both within the device budget (:func:`dask_gpuchunk.runtime.backend.run_chunk`, as every operator's
 chunks); a CPU twin (``cpu=``) runs where there is no GPU. :func:`gufunc_op` runs a numba
-``@guvectorize`` function over Dask arrays as :func:`dask.array.apply_gufunc` does, on NumPy
-blocks with the CPU gufunc and on CuPy blocks with the same function compiled for CUDA.
+``@guvectorize`` function over Dask arrays as :func:`dask.array.apply_gufunc` does, on NumPy blocks
+with the CPU gufunc and on CuPy blocks with the same function compiled for CUDA.
 """
 
 from __future__ import annotations

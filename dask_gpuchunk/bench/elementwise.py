@@ -94,13 +94,13 @@ def _sync_persist(x: Any) -> Any:
 
 class _DevicePeaks:
     """Wraps ``fn`` to record, per call from an emptied pool, the CuPy pool's high-water mark
-    (``pool``) and the driver's figure for this process (``process``: the pool's blocks plus
-    the context, kernel modules and cuBLAS workspaces; sampled by
-    :func:`dask_gpuchunk.runtime.process_memory.watch` and read at the end of the call; ``None`` where
-    the driver's per-process figure cannot be read). ``release``, where given, runs first: it
+    (``pool``) and the driver's figure for this process (``process``: the pool's blocks plus the
+    context, kernel modules and cuBLAS workspaces; sampled by
+    :func:`dask_gpuchunk.runtime.process_memory.watch` and read at the end of the call; ``None``
+    where the driver's per-process figure cannot be read). ``release``, where given, runs first: it
     drops what the previous call kept alive. ``keep_pool``: only the first call starts from an
-    emptied pool (its peaks are recorded); later calls find the pool as the one before left
-    it, as a loop of calls does."""
+    emptied pool (its peaks are recorded); later calls find the pool as the one before left it, as a
+    loop of calls does."""
 
     def __init__(self, fn: Callable[[], Any], release: Callable[[], Any] | None = None,
                  keep_pool: bool = False) -> None:

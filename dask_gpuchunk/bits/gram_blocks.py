@@ -120,10 +120,10 @@ def block_scratch_bytes(method: str, na: int, nb: int, words: int, diagonal: boo
 def _run_counts(inputs: list[Any], shape: tuple[int, int], method: str, device: str,
                 gpu_launch: Callable[[str], Any], on_cpu: Callable[[], Any],
                 scratch: Callable[[str], int] = lambda method: 0) -> Any:
-    """Counts of packed ``inputs`` (``uint64`` words) where :func:`dask_gpuchunk.runtime.backend.chunk_site`
-    says: CuPy chunks on their GPU, NumPy chunks on a GPU or the CPU. ``gpu_launch(method)``
-    makes the ``launch`` for the resolved method, which allocates ``scratch(method)`` bytes on
-    the device; ``on_cpu()`` computes on the CPU."""
+    """Counts of packed ``inputs`` (``uint64`` words) where
+    :func:`dask_gpuchunk.runtime.backend.chunk_site` says: CuPy chunks on their GPU, NumPy chunks
+    on a GPU or the CPU. ``gpu_launch(method)`` makes the ``launch`` for the resolved method,
+    which allocates ``scratch(method)`` bytes on the device; ``on_cpu()`` computes on the CPU."""
 
     def on_gpu() -> backend.DeviceLaunch:
         resolved = resolve_method(method, on_gpu=True)

@@ -6,15 +6,15 @@ above the diagonal computed, those below their transposes), or
 database), scored block by block. The rows' popcounts are computed once per input.
 
 Top-k, where small graphs are listed (:func:`dask_gpuchunk.config.listed_graphs`): a chain of
-*states* (each row's best ``k`` keys so far) per row chunk. A row chunk's first block (all
-pairs: its diagonal block; queries: the first database chunk) is computed and selected the
-plain way; then one task per further block updates the states of its row chunk and (all
-pairs) of its column chunk, in rounds of disjoint chunk pairs
-(:func:`dask_gpuchunk.bits.similarity_graphs.round_robin`), so that a round's tasks run at once and only states (``8 k`` bytes a row) move between them. On the 1-bit
-tensor cores the block is selected in the kernel's epilogue against the states
+*states* (each row's best ``k`` keys so far) per row chunk. A row chunk's first block (all pairs:
+its diagonal block; queries: the first database chunk) is computed and selected the plain way; then
+one task per further block updates the states of its row chunk and (all pairs) of its column chunk,
+in rounds of disjoint chunk pairs (:func:`dask_gpuchunk.bits.similarity_graphs.round_robin`), so
+that a round's tasks run at once and only states (``8 k`` bytes a row) move between them. On the
+1-bit tensor cores the block is selected in the kernel's epilogue against the states
 (:mod:`dask_gpuchunk._kernels.bmma_select`; on Hopper, of the ``wgmma`` kernel:
-:mod:`dask_gpuchunk._kernels.wgmma_select`): its counts never reach memory. Under dask's array
-query planning, one task per block keeps its best keys, merged per row chunk on the host.
+:mod:`dask_gpuchunk._kernels.wgmma_select`): its counts never reach memory. Under dask's array query
+planning, one task per block keeps its best keys, merged per row chunk on the host.
 
 Threshold: one task per block on or above the diagonal keeps its pairs (for all pairs also
 those of the transposed block), selected in the epilogue on the tensor cores, else from the

@@ -9,10 +9,11 @@ and ``dask cuda worker --scheduler-file`` (or ``dask worker``) on its nodes and 
 script connects through the same file.
 
 Kernels are compiled inside the workers, at their first chunk, once per process. The clients of
-:func:`local_cluster` and :func:`connect` register :class:`dask_gpuchunk.distributed.worker.WorkerSetup` (a
-``WorkerPlugin``) with every worker, present and to come: it imports the package and prepares the
-process before any task. ``--preload dask_gpuchunk.distributed.cluster`` (this module's :func:`dask_setup`)
-does the same where workers are started by hand for another client.
+:func:`local_cluster` and :func:`connect` register
+:class:`dask_gpuchunk.distributed.worker.WorkerSetup` (a ``WorkerPlugin``) with every worker,
+present and to come: it imports the package and prepares the process before any task. ``--preload
+dask_gpuchunk.distributed.cluster`` (this module's :func:`dask_setup`) does the same where workers
+are started by hand for another client.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def temporary_security() -> Any:
 
 def dask_setup(worker: Any) -> None:
     """Worker start-up hook of ``--preload dask_gpuchunk.distributed.cluster``
-    (:func:`dask_gpuchunk.distributed.worker.set_up_worker`), for workers whose clients do not register
-    :class:`dask_gpuchunk.distributed.worker.WorkerSetup`."""
+    (:func:`dask_gpuchunk.distributed.worker.set_up_worker`), for workers whose clients do not
+    register :class:`dask_gpuchunk.distributed.worker.WorkerSetup`."""
     from .worker import set_up_worker  # distributed: 0.35 s more for every import of the package
 
     set_up_worker(worker)
@@ -407,8 +408,8 @@ def _root_tasks_spared(threads: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def _resident_sources_kept() -> Iterator[None]:
     """While a local cluster starts: its scheduler's active memory manager keeps every replica
-    of a resident source (:mod:`dask_gpuchunk.distributed.replicas`), so that no worker reads a ``.npy``'s
-    words twice in one compute."""
+    of a resident source (:mod:`dask_gpuchunk.distributed.replicas`), so that no worker reads a
+    ``.npy``'s words twice in one compute."""
     import dask
 
     key = "distributed.scheduler.active-memory-manager.policies"
@@ -453,15 +454,14 @@ def connect(scheduler_file: str | os.PathLike | None = None, address: str | None
     beside its scheduler and join when they are up), at most ``worker_timeout`` seconds; ``log``
     hears how many have joined while it waits. Dask arrays computed inside ``with
     dg.resolving_aliases():`` reach the cluster without the ``Alias`` tasks that dask's fusion
-    leaves (:mod:`dask_gpuchunk.distributed.alias_tasks`; ``dg.local_cluster`` does this for its block);
-    nothing of this process's dask settings is changed.
+    leaves (:mod:`dask_gpuchunk.distributed.alias_tasks`; ``dg.local_cluster`` does this for its
+    block); nothing of this process's dask settings is changed.
 
-    Whoever controls the scheduler runs code in this process: the scheduler file must be a
-    small regular file of this user's (or root's) that no one else may write
-    (:func:`dask_gpuchunk.distributed.joining.read_scheduler_file`), and an address without TLS draws a
-    :class:`~dask_gpuchunk.distributed.joining.PlainTransportWarning`. ``security``: a
-    ``distributed.Security`` for a TLS cluster (Dask's ``distributed.comm.tls`` settings
-    otherwise).
+    Whoever controls the scheduler runs code in this process: the scheduler file must be a small
+    regular file of this user's (or root's) that no one else may write
+    (:func:`dask_gpuchunk.distributed.joining.read_scheduler_file`), and an address without TLS
+    draws a :class:`~dask_gpuchunk.distributed.joining.PlainTransportWarning`. ``security``: a
+    ``distributed.Security`` for a TLS cluster (Dask's ``distributed.comm.tls`` settings otherwise).
 
     Raises
     ------

@@ -27,16 +27,16 @@ __all__ = ["WorkerSetup", "set_up_worker"]
 def set_up_worker(worker: Any) -> None:
     """Prepare a worker before its first task.
 
-    A fresh worker otherwise imports the package, numba and CuPy when it unpickles its first
-    task (~1 s on the H200 machine, every task of a job waiting behind it), and, without a GPU,
+    A fresh worker otherwise imports the package, numba and CuPy when it unpickles its first task
+    (~1 s on the H200 machine, every task of a job waiting behind it), and, without a GPU,
     initialises numba's threading layer in its first CPU chunk
-    (:func:`dask_gpuchunk.runtime.backend.prepare_process`).
-    In a dask-cuda worker it also makes spilling hold the device budget
-    (:func:`dask_gpuchunk.distributed.spilling.hold_budget`) and, over UCX, chunks from other workers
-    arrive in CuPy's pool (:func:`dask_gpuchunk.distributed.spilling.receive_through_pool`); in a worker
-    with a GPU it samples the device
-    memory the driver counts for the process (:func:`dask_gpuchunk.runtime.process_memory.watch`).
-    Running it twice (plugin and preload) does nothing more.
+    (:func:`dask_gpuchunk.runtime.backend.prepare_process`). In a dask-cuda worker it also makes
+    spilling hold the device budget (:func:`dask_gpuchunk.distributed.spilling.hold_budget`) and,
+    over UCX, chunks from other workers arrive in CuPy's pool
+    (:func:`dask_gpuchunk.distributed.spilling.receive_through_pool`); in a worker with a GPU it
+    samples the device memory the driver counts for the process
+    (:func:`dask_gpuchunk.runtime.process_memory.watch`). Running it twice (plugin and preload) does
+    nothing more.
     """
     backend.prepare_process()
     hold_budget(worker)

@@ -197,8 +197,8 @@ def _largest_block_bytes(chunks: tuple[tuple[int, ...], ...], dtype: np.dtype) -
 def _check_chunk_fits(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],
                       out_dtypes: tuple[np.dtype, ...], on_device: bool) -> None:
     """Refuse, before any work, a result chunk that cannot fit this process's device budget
-    (:mod:`dask_gpuchunk.runtime.budget`) with its inputs: its outputs, and host inputs copied to the
-    device (device inputs are already there)."""
+    (:mod:`dask_gpuchunk.runtime.budget`) with its inputs: its outputs, and host inputs copied to
+    the device (device inputs are already there)."""
     nbytes = sum(_largest_block_bytes(chunks, dt) for dt in out_dtypes)
     if not on_device:
         nbytes += sum(_largest_block_bytes(a.chunks, a.dtype) for a in arrays

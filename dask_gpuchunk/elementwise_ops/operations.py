@@ -1,11 +1,10 @@
 """Elementwise operations over Dask arrays: ``dg.elementwise(func)`` and ``dg.multiply``.
 
-A scalar Python function becomes an operation on Dask arrays (NumPy and CuPy arrays and numbers
-are accepted too) with NumPy's broadcasting, and NumPy's result dtype and values for that
-function (the function is translated per dtype signature:
-:mod:`dask_gpuchunk.ufunc.translate`). Each chunk runs through
-:func:`dask_gpuchunk.runtime.backend.run_elementwise`: numba CUDA kernel on the GPU, numba parallel twin
-on the CPU, compiled lazily per dtype signature.
+A scalar Python function becomes an operation on Dask arrays (NumPy and CuPy arrays and numbers are
+accepted too) with NumPy's broadcasting, and NumPy's result dtype and values for that function (the
+function is translated per dtype signature: :mod:`dask_gpuchunk.ufunc.translate`). Each chunk runs
+through :func:`dask_gpuchunk.runtime.backend.run_elementwise`: numba CUDA kernel on the GPU, numba
+parallel twin on the CPU, compiled lazily per dtype signature.
 
 This module is the operator (:class:`ElementwiseOp`, :func:`elementwise`, ``multiply``); its
 operands are :mod:`dask_gpuchunk.elementwise_ops.operands`', its plans and graphs

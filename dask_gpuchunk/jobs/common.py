@@ -74,8 +74,8 @@ def _watch_if_gpu() -> bool:
 
 def watch_device_memory(client: Any | None) -> None:
     """Sample the device memory the driver counts for each process with a GPU: the workers of
-    ``client``, or this process where it is ``None`` (:func:`dask_gpuchunk.runtime.process_memory.watch`;
-    the summaries' ``peak_process``)."""
+    ``client``, or this process where it is ``None``
+    (:func:`dask_gpuchunk.runtime.process_memory.watch`; the summaries' ``peak_process``)."""
     if client is None:
         _watch_if_gpu()
     else:
@@ -402,8 +402,8 @@ def staged_by_workers(client: Any | None, since: dict[str, dict[str, float]] | N
                       ) -> dict[str, dict[str, float]]:
     """What host-fed chunks of each worker of ``client``'s cluster (or, without a client, of
     this process, as ``"this process"``) sent to its GPU and spent doing it
-    (:class:`~dask_gpuchunk.runtime.backend.StagingTotals`: bytes to and from the device, host copies,
-    waits for the device, time on it), less what it had at ``since`` (an earlier call).
+    (:class:`~dask_gpuchunk.runtime.backend.StagingTotals`: bytes to and from the device, host
+    copies, waits for the device, time on it), less what it had at ``since`` (an earlier call).
 
     Examples
     --------

@@ -50,10 +50,10 @@ __all__ = ["similarity_job"]
 def _similarity_words(x: Any, packed: bool, device: str, on_gpu: bool, selection: bool
                       ) -> Any:
     """A similarity job's input rows as the job computes on them: packed (unless ``packed``)
-    into whole-row chunks, on the GPUs where ``on_gpu``; for a ``selection`` (top-k or
-    threshold) of a ``.npy``'s words left as they are where graphs are listed, since its blocks
-    then read those themselves where they run, once per worker (:mod:`dask_gpuchunk.runtime.resident`):
-    none are sent between workers."""
+    into whole-row chunks, on the GPUs where ``on_gpu``; for a ``selection`` (top-k or threshold) of
+    a ``.npy``'s words left as they are where graphs are listed, since its blocks then read those
+    themselves where they run, once per worker (:mod:`dask_gpuchunk.runtime.resident`): none are
+    sent between workers."""
     if not packed:
         x = bitpack(x, device="cpu" if device == "cpu" else "auto")
     x = x.rechunk({1: -1})
@@ -120,13 +120,13 @@ def _warm_similarity(dtype: str, width: int, packed: bool, queries: bool, on_gpu
                      scheduler="sync")
 
 
-#: Rows per chunk of a similarity job on GPUs, halved while a block would not fit the workers'
-#: budget (:func:`dask_gpuchunk.bits.similarity.block_bytes`); 4,096 on the CPU. Measured on an H200 under an
-#: 8 GiB cap, the API on device words: all-pairs top-10 of 10**6 x 2048 bits in 2.8 s in
-#: 16,384-row chunks, 2.0 s in 32,768-row ones (threshold 0.7: 3.95 s, 1.63 s). A row chunk's
-#: first block, selected on the plain path, once held all its counts (4 GiB in 32,768-row
-#: chunks); its counts are now taken in slices. The job from a .npy in process (H100, 8 GiB
-#: cap): 6.4 s end to end in 32,768-row chunks, 8.3 s in 16,384-row ones.
+# : Rows per chunk of a similarity job on GPUs, halved while a block would not fit the workers' :
+# budget (:func:`dask_gpuchunk.bits.similarity.block_bytes`); 4,096 on the CPU. Measured on an H200
+# under an : 8 GiB cap, the API on device words: all-pairs top-10 of 10**6 x 2048 bits in 2.8 s in :
+# 16,384-row chunks, 2.0 s in 32,768-row ones (threshold 0.7: 3.95 s, 1.63 s). A row chunk's : first
+# block, selected on the plain path, once held all its counts (4 GiB in 32,768-row : chunks); its
+# counts are now taken in slices. The job from a .npy in process (H100, 8 GiB : cap): 6.4 s end to
+# end in 32,768-row chunks, 8.3 s in 16,384-row ones.
 SIMILARITY_CHUNK_ROWS = 32768
 
 

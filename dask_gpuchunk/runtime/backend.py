@@ -24,16 +24,17 @@ paths:
     directly, in the Dask thread that computes the chunk, with a share of the cores
     (:func:`cpu_threads`).
 
-``device="auto"`` sends CuPy chunks to their GPU; NumPy chunks of elementwise functions where
-the measured rule of :mod:`dask_gpuchunk.runtime.placement` says they run faster (``placed``), those of
+``device="auto"`` sends CuPy chunks to their GPU; NumPy chunks of elementwise functions where the
+measured rule of :mod:`dask_gpuchunk.runtime.placement` says they run faster (``placed``), those of
 other operations to a GPU where one is visible, unless the operation keeps them on the host
-(bitpack, transposes, file writes). Concurrency comes from Dask's own threads:
-several chunks in flight on their own streams overlap copies in both directions and kernels.
+(bitpack, transposes, file writes). Concurrency comes from Dask's own threads: several chunks in
+flight on their own streams overlap copies in both directions and kernels.
 
-This module is the dispatch (:func:`chunk_site`, :func:`run_chunk`, :func:`run_elementwise`)
-and gives the chunk runners' names: the CPU path is :mod:`dask_gpuchunk.runtime.cpu_runner`'s, the
-GPU paths :mod:`dask_gpuchunk.runtime.gpu_runners`', a kernel's launch on the device
-:mod:`dask_gpuchunk.runtime.device_launch`', and what they share :mod:`dask_gpuchunk.runtime.chunk_layout`'s.
+This module is the dispatch (:func:`chunk_site`, :func:`run_chunk`, :func:`run_elementwise`) and
+gives the chunk runners' names: the CPU path is :mod:`dask_gpuchunk.runtime.cpu_runner`'s, the GPU
+paths :mod:`dask_gpuchunk.runtime.gpu_runners`', a kernel's launch on the device
+:mod:`dask_gpuchunk.runtime.device_launch`', and what they share
+:mod:`dask_gpuchunk.runtime.chunk_layout`'s.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ def chunk_site(device: str, on_device: bool, gpu_here: bool, *, placed: bool = F
         Whether this process sees a GPU.
     placed
         Whether the operation measures where its NumPy chunks run faster
-        (:mod:`dask_gpuchunk.runtime.placement`); otherwise ``"auto"`` sends them to a GPU where there
-        is one.
+        (:mod:`dask_gpuchunk.runtime.placement`); otherwise ``"auto"`` sends them to a GPU where
+        there is one.
     stage
         Whether NumPy chunks may be copied to a GPU at all (not for work cheaper where the data
         is: a transpose, a file write).
@@ -280,8 +281,9 @@ def _tiny(inputs: Sequence[Any]) -> list[Any]:
 
 def _measure(kernels: ElementwiseKernels, out_dtype: Any, inputs: list[Any],
              dest: Any, key: tuple) -> tuple[dict[str, Any], Any]:
-    """Run a NumPy chunk both ways, timed (:func:`dask_gpuchunk.runtime.placement.estimate`'s inputs):
-    the record of the rule, and the result of the device it picks."""
+    """Run a NumPy chunk both ways, timed (the inputs of
+    :func:`dask_gpuchunk.runtime.placement.estimate`): the record of the rule, and the result of
+    the device it picks."""
     import numba
 
     shape = np.broadcast_shapes(*(np.shape(a) for a in inputs))

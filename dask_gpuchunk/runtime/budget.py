@@ -213,8 +213,8 @@ def _stored_in_budget(dask_worker: Any = None) -> int:
     return 0 if stored_results_yield else stored_bytes(dask_worker)
 
 
-#: Set by :func:`dask_gpuchunk.distributed.spilling.hold_budget` in a worker whose stored device results
-#: yield to allocations: the working budget then does not subtract them.
+# : Set by :func:`dask_gpuchunk.distributed.spilling.hold_budget` in a worker whose stored device
+# results : yield to allocations: the working budget then does not subtract them.
 stored_results_yield = False
 #: Stored results moved to the host because an allocation failed (see
 #: :mod:`dask_gpuchunk.distributed.spilling`).

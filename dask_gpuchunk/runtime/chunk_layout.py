@@ -25,9 +25,9 @@ def is_cupy(x: Any) -> bool:
 
 
 class StagingTotals:
-    """What :func:`run_staged` (and the chunks that :mod:`dask_gpuchunk.runtime.resident` keeps on a GPU,
-    and the Gram blocks it returns from there) has moved and spent in this process, summed over
-    its threads:
+    """What :func:`run_staged` (and the chunks that :mod:`dask_gpuchunk.runtime.resident` keeps
+    on a GPU, and the Gram blocks it returns from there) has moved and spent in this process,
+    summed over its threads:
     ``chunks``; ``h2d_bytes`` and ``d2h_bytes`` (PCIe); ``host_copy_bytes`` and
     ``host_copy_seconds`` (copies into and out of pinned buffers); ``wait_seconds`` (waiting
     for a device slot and the budget); ``device_seconds`` (holding a slot: the copies and the

@@ -77,10 +77,10 @@ def _threadsafe_layer() -> bool:
 
 def prepare_process() -> None:
     """Initialise now what the first chunk of this process would otherwise wait for: where a
-    GPU is visible, the imports of CuPy and numba's CUDA module; else numba's threading layer
-    (its first parallel kernel). Workers of ``dg.local_cluster`` call it as they start
-    (:func:`dask_gpuchunk.distributed.cluster.dask_setup`). It creates no CUDA context: dask-cuda creates
-    each worker's, on its own device, after the preload (and warns if one exists already).
+    GPU is visible, the imports of CuPy and numba's CUDA module; else numba's threading layer (its
+    first parallel kernel). Workers of ``dg.local_cluster`` call it as they start
+    (:func:`dask_gpuchunk.distributed.cluster.dask_setup`). It creates no CUDA context: dask-cuda
+    creates each worker's, on its own device, after the preload (and warns if one exists already).
 
     A GPU worker starts numba's threading layer at its first CPU kernel, if it runs one: on
     this 2-core CI machine the layer took 0.9 s of a worker's setup and 0.5 s of its close

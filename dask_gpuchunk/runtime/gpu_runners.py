@@ -115,9 +115,10 @@ def run_staged(
     ``stage_seconds`` and ``staged_bytes`` (host copies into and out of pinned buffers),
     ``h2d_bytes``/``d2h_bytes`` (PCIe traffic) and ``kernel`` (seconds, CUDA events).
 
-    The chunk holds a reservation of the device budget (:func:`dask_gpuchunk.runtime.budget.reserve`)
-    for its inputs, its output and ``scratch_bytes`` (what ``launch`` allocates) while it holds
-    device memory; ``what`` names it in the error where it can never fit.
+    The chunk holds a reservation of the device budget
+    (:func:`dask_gpuchunk.runtime.budget.reserve`) for its inputs, its output and ``scratch_bytes``
+    (what ``launch`` allocates) while it holds device memory; ``what`` names it in the error where
+    it can never fit.
 
     Several outputs: ``out_dtype`` a tuple of dtypes, ``dest`` a tuple or ``None``; ``launch``
     gets the list of outputs and returns 0-d CuPy arrays (a chunk's reductions), and the

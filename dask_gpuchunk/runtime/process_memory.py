@@ -1,9 +1,9 @@
 """Device memory this process holds, as the driver counts it, and its high-water mark.
 
-CuPy's pool sees only what it allocated (:func:`dask_gpuchunk.runtime.budget.peak_bytes`); the driver
-also counts the CUDA context, loaded kernel modules, cuBLAS workspaces and anything allocated
-outside the pool (numba's allocator, for one). :func:`watch` starts a background thread that
-reads this process's figure every ``interval`` seconds, through NVML (``pynvml``, which dask-cuda
+CuPy's pool sees only what it allocated (:func:`dask_gpuchunk.runtime.budget.peak_bytes`); the
+driver also counts the CUDA context, loaded kernel modules, cuBLAS workspaces and anything allocated
+outside the pool (numba's allocator, for one). :func:`watch` starts a background thread that reads
+this process's figure every ``interval`` seconds, through NVML (``pynvml``, which dask-cuda
 installs) or, where that is missing, ``nvidia-smi``; :func:`peak_bytes` is the highest reading.
 
 Where the driver lists processes under other process ids than this one sees (a container with

@@ -21,8 +21,8 @@ threads were busy 4.58 s instead of 5.37, and ``C.sum()`` took 0.92 s instead of
 with 16 read threads, 0.93 s either way).
 
 What a device keeps is allocated from CuPy's pool, so the budget's admission
-(:func:`dask_gpuchunk.runtime.budget.reserve`) counts it as held outside the running chunks: blocks wait
-for room rather than run out of memory; a chunk that runs out all the same runs again alone
+(:func:`dask_gpuchunk.runtime.budget.reserve`) counts it as held outside the running chunks: blocks
+wait for room rather than run out of memory; a chunk that runs out all the same runs again alone
 after the kept chunks are dropped (:data:`dask_gpuchunk.runtime.budget.out_of_memory_hooks`).
 """
 
