@@ -49,5 +49,5 @@ def test_ci_runs_every_job_with_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     command = "python -m pytest -n auto --dist worksteal"
     assert command in readme
-    assert ci.count("python -m pytest -q -n auto --dist worksteal") == 3
+    assert ci.count("python -m pytest -q -n auto --dist worksteal") == 2
     assert "DASK_ARRAY__QUERY_PLANNING=True python -m pytest -q -n auto --dist worksteal" in ci
