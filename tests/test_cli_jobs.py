@@ -321,8 +321,9 @@ BAD = [
     ("zero chunk rows", ["gram", "bits.npy", "-o", "c.npy", "--chunk-rows", "0"], 2, "chunk-rows"),
     ("bad method", ["gram", "bits.npy", "-o", "c.npy", "--method", "magic"], 2, "method"),
     ("bad layout", ["gram", "bits.npy", "-o", "c.npy", "--layout", "cols"], 2, "layout"),
+    # In process: a worker's error reaching the command through a cluster is the case above.
     ("non-0/1 bits, row slabs", ["gram", "badbits.npy", "-o", "c.npy", "--layout", "rows",
-                                 "--chunk-rows", "2"], 3, "row 4, column 66"),
+                                 "--chunk-rows", "2", "--in-process"], 3, "row 4, column 66"),
     ("bad device", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--device", "tpu"], 2, "device"),
     ("both scheduler options", ["multiply", "a.npy", "b.npy", "-o", "c.npy", "--scheduler-file",
                                 "s.json", "--scheduler-address", "tcp://127.0.0.1:1"], 2, "not both"),
