@@ -197,6 +197,9 @@ class _Bench:
             except AssertionError as exc:  # reported as a wrong result, not timed
                 entry.skipped = f"WRONG RESULT: {exc}"
                 entry.seconds = None
+            except Exception as exc:  # a check that cannot run here (out of memory): said
+                entry.skipped = f"not checked: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+                entry.seconds = None
         return self.add(entry)
 
     def interleaved(self, table: str, fns: dict[str, Callable[[], Any]],

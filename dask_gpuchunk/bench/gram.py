@@ -208,13 +208,16 @@ def run(
         log("popcount ceiling ...")
         limits.update({f"popcount_ceiling_{key}": v for key, v in popcount_ceiling().items()})
     dev_words = cupy.asarray(words)
-    reference: list[Any] = []
+    # The first checked C, on the host: kept on the device beside each entry's own C and the
+    # words, it ran the bench out of memory under a 2 GiB cap.
+    reference: list[np.ndarray] = []
 
     def check(result: Any) -> None:
+        host = result if isinstance(result, np.ndarray) else cupy.asnumpy(result)
         if not reference:
-            _host_rows_check(words, result, sample)
-            reference.append(result)
-        elif not bool(cupy.array_equal(result, reference[0])):
+            _host_rows_check(words, host, sample)
+            reference.append(host)
+        elif not np.array_equal(host, reference[0]):
             raise AssertionError("gram: differs from the first checked result")
 
     _ours_dask(bench, table, dev_words, n, chunk_rows, check)
@@ -265,8 +268,10 @@ def _ours_dask(bench: _Bench, table: str, dev_words: Any, n: int, chunk_rows: Se
                 _sync()
                 held[:] = [g]
 
-            def check_held(held: list[Any] = held) -> None:
-                check(held[0].compute(scheduler="threads"))
+            def check_held(held: list[Any] = held) -> None:  # C joined on the host
+                check(held[0].map_blocks(cupy.asnumpy, dtype=held[0].dtype,
+                                         meta=np.empty((0, 0), held[0].dtype)
+                                         ).compute(scheduler="threads"))
 
             name = f"ours {method} (device-resident, {rows}-row chunks)"
             # CuPy's pool kept from run to run, as a user's loop of Grams has it (emptied
@@ -311,7 +316,7 @@ def _ours_kernels(bench: _Bench, table: str, dev_words: Any,
 
 
 def _peers(bench: _Bench, table: str, dev_words: Any, n: int, k: int, seed_rows: int,
-           check: Callable[[Any], None], reference: list[Any]) -> None:
+           check: Callable[[Any], None], reference: list[np.ndarray]) -> None:
     import cupy
 
     from .._kernels import gram as kernels
@@ -322,7 +327,7 @@ def _peers(bench: _Bench, table: str, dev_words: Any, n: int, k: int, seed_rows:
         seed_once, seed_c = _seed001(dev_words, rows)
         e = bench.timed(table, "peer byte-packed bit-loop kernel", seed_once, gpu=True, repeat=1)
         if e is not None and e.seconds is not None and reference and \
-                not bool(cupy.array_equal(seed_c, reference[0][:rows, :rows])):
+                not np.array_equal(cupy.asnumpy(seed_c), reference[0][:rows, :rows]):
             raise AssertionError("seed 001 peer: wrong result")
         _scaled(e, (n / rows) ** 2, rows)
         del seed_c

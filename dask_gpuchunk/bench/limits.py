@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available_host_memory", "host_bandwidth", "hbm_bandwidth", "pcie_bandwidth"]
+__all__ = ["available_host_memory", "copy_bytes", "host_bandwidth", "hbm_bandwidth",
+           "pcie_bandwidth"]
 
 
 def available_host_memory() -> int | None:
@@ -63,12 +64,41 @@ def _wall(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
+def copy_bytes(wanted: int, room: int | None) -> int:
+    """Bytes of each of a device measurement's two buffers: ``wanted``, or less where the
+    device has less ``room`` (CuPy's pool limit, a ``--device-budget``), so that both buffers
+    take at most half of it (whole MiB, at least one). Under a 2 GiB cap the HBM copy's two
+    4 GiB buffers ran the bench out of memory.
+
+    Examples
+    --------
+    >>> copy_bytes(4 << 30, None) == 4 << 30, copy_bytes(4 << 30, 2 << 30) == 512 << 20
+    (True, True)
+    >>> copy_bytes(1 << 30, 1000)
+    1048576
+    """
+    if room is None:
+        return wanted
+    return max(1 << 20, min(wanted, room // 4) >> 20 << 20)
+
+
+def _device_room() -> int | None:
+    """What CuPy's pool may hold on this device: its limit where one is set
+    (``CUPY_GPU_MEMORY_LIMIT``), else the device's free memory."""
+    import cupy
+
+    limit = cupy.get_default_memory_pool().get_limit()
+    return int(limit) if limit else int(cupy.cuda.runtime.memGetInfo()[0])
+
+
 def pcie_bandwidth(nbytes: int = 1 << 30, repeat: int = 5) -> dict[str, float]:
-    """Pinned H2D, D2H and simultaneous H2D+D2H bandwidth in bytes/s (best of ``repeat``)."""
+    """Pinned H2D, D2H and simultaneous H2D+D2H bandwidth in bytes/s (best of ``repeat``), over
+    buffers of ``nbytes`` or what the device has room for (:func:`copy_bytes`)."""
     import cupy
 
     from ..runtime.staging import copy_to_device, copy_to_host, empty_pinned
 
+    nbytes = copy_bytes(nbytes, _device_room())
     host_a = empty_pinned(nbytes, np.uint8)
     host_b = empty_pinned(nbytes, np.uint8)
     host_a[:] = 1
@@ -99,9 +129,12 @@ def pcie_bandwidth(nbytes: int = 1 << 30, repeat: int = 5) -> dict[str, float]:
 
 
 def hbm_bandwidth(nbytes: int = 4 << 30, repeat: int = 10) -> float:
-    """Device-to-device copy traffic in bytes/s (read + write counted), best of ``repeat``."""
+    """Device-to-device copy traffic in bytes/s (read + write counted), best of ``repeat``, over
+    buffers of ``nbytes`` or what the device has room for (:func:`copy_bytes`)."""
     import cupy
 
+    cupy.get_default_memory_pool().free_all_blocks()  # what earlier measurements left cached
+    nbytes = copy_bytes(nbytes, _device_room())
     src = cupy.ones(nbytes // 8)
     dst = cupy.empty_like(src)
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
@@ -113,4 +146,5 @@ def hbm_bandwidth(nbytes: int = 4 << 30, repeat: int = 10) -> float:
         stop.synchronize()
         best = min(best, cupy.cuda.get_elapsed_time(start, stop) / 1e3)
     del src, dst
+    cupy.get_default_memory_pool().free_all_blocks()
     return 2 * nbytes / best

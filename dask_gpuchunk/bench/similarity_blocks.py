@@ -52,8 +52,15 @@ def block_entries(bench: _Bench, table: str, words: np.ndarray, rows: int, k: in
 
     from .._kernels import bmma_select
     from .._kernels import similarity as kernels
-    from ..bits.gram import device_block_counts
+    from ..bits.gram import check_block_fits, device_block_counts
+    from ..runtime.budget import DeviceBudgetError
 
+    try:  # the states are made from the block's dense counts: 4 GiB at 32,768 rows
+        check_block_fits(((rows,), (words.shape[1],)), words.dtype.itemsize, methods[-1])
+    except DeviceBudgetError as exc:
+        bench.add(Entry(table, f"ours {label}: fused top-{k}", "ours",
+                        skipped=f"{type(exc).__name__}: {exc}".splitlines()[0][:300]))
+        return
     w = cupy.asarray(np.ascontiguousarray(words[:3 * rows])).view(np.uint64)
     a, b, c = w[:rows], w[rows:2 * rows], w[2 * rows:]
     pops = kernels.row_popcounts(w)
