@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
-import platform
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,10 +28,9 @@ import numpy as np
 from dask import persist
 
 from ..arrays import asarray
-from ..devices import gpu_available
 from ..elementwise_ops import elementwise, multiply
-from .report import report_of
-from .timing import Entry, time_entry
+from .report import machine_info, report_of
+from .timing import Bench, DevicePeaks, Entry, time_entry
 
 __all__ = ["rk4_step", "run"]
 
@@ -92,141 +88,6 @@ def _sync_persist(x: Any) -> Any:
     return result
 
 
-class _DevicePeaks:
-    """Wraps ``fn`` to record, per call from an emptied pool, the CuPy pool's high-water mark
-    (``pool``) and the driver's figure for this process (``process``: the pool's blocks plus the
-    context, kernel modules and cuBLAS workspaces; sampled by
-    :func:`dask_gpuchunk.runtime.process_memory.watch` and read at the end of the call; ``None``
-    where the driver's per-process figure cannot be read). ``release``, where given, runs first: it
-    drops what the previous call kept alive. ``keep_pool``: only the first call starts from an
-    emptied pool (its peaks are recorded); later calls find the pool as the one before left it, as a
-    loop of calls does."""
-
-    def __init__(self, fn: Callable[[], Any], release: Callable[[], Any] | None = None,
-                 keep_pool: bool = False) -> None:
-        from ..runtime import process_memory
-
-        process_memory.watch()
-        self.fn = fn
-        self.release = release
-        self.keep_pool = keep_pool
-        self.pool: list[int] = []
-        self.process: list[int] = []
-
-    def __call__(self) -> Any:
-        import cupy
-
-        from ..runtime import process_memory
-
-        if self.release is not None:
-            self.release()
-        if self.keep_pool and self.pool:
-            return self.fn()
-        pool = cupy.get_default_memory_pool()
-        pool.free_all_blocks()
-        process_memory.reset_peak()
-        result = self.fn()
-        self.pool.append(int(pool.total_bytes()))  # the pool keeps its blocks until freed
-        seen = process_memory.peak_bytes()
-        if seen is not None:
-            self.process.append(seen)
-        return result
-
-    def record(self, entry: Entry | None) -> None:
-        """Put the peaks seen into ``entry.extra`` (``peak_device_bytes``,
-        ``peak_process_bytes``)."""
-        if entry is None:
-            return
-        if self.pool:
-            entry.extra["peak_device_bytes"] = max(self.pool)
-        if self.process:
-            entry.extra["peak_process_bytes"] = max(self.process)
-
-
-def _machine() -> dict[str, Any]:
-    import dask
-    import numba
-
-    info: dict[str, Any] = {
-        "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-        "numpy": np.__version__, "numba": numba.__version__, "dask": dask.__version__,
-    }
-    if gpu_available():
-        import cupy
-
-        props = cupy.cuda.runtime.getDeviceProperties(0)
-        info.update(gpu=props["name"].decode(), gpu_memory=int(props["totalGlobalMem"]),
-                    cupy=cupy.__version__)
-        limit = int(cupy.get_default_memory_pool().get_limit())
-        if limit:  # --device-budget, or CUPY_GPU_MEMORY_LIMIT: run as on a card of this size
-            info["device_budget"] = limit
-    return info
-
-
-class _Bench:
-    """Collects entries; knows the repeat count, what to skip and whether a GPU is here."""
-
-    def __init__(self, repeat: int, skip: tuple[str, ...], log: Callable[[str], None]) -> None:
-        self.entries: list[Entry] = []
-        self.repeat = repeat
-        self.skip = skip
-        self.log = log
-        self.has_gpu = gpu_available()
-
-    def want(self, name: str) -> bool:
-        return not any(s and s in name for s in self.skip)
-
-    def add(self, entry: Entry) -> Entry:
-        self.entries.append(entry)
-        shown = f"{entry.seconds:.4f} s" if entry.seconds is not None else f"skipped: {entry.skipped}"
-        self.log(f"  {entry.table:8s} {entry.name:40s} {shown}")
-        return entry
-
-    def timed(self, table: str, name: str, fn: Callable[[], Any], *, gpu: bool = False,
-              check: Callable[[], None] | None = None, **kw: Any) -> Entry | None:
-        if not self.want(name):
-            return None
-        kind = "ours" if name.startswith("ours") else "peer"
-        if gpu and not self.has_gpu:
-            return self.add(Entry(table, name, kind, skipped="no CUDA GPU visible"))
-        kw.setdefault("repeat", self.repeat)
-        entry = time_entry(table, name, kind, fn, **kw)
-        if check is not None and entry.skipped is None:
-            try:
-                check()
-            except AssertionError as exc:  # reported as a wrong result, not timed
-                entry.skipped = f"WRONG RESULT: {exc}"
-                entry.seconds = None
-            except Exception as exc:  # a check that cannot run here (out of memory): said
-                entry.skipped = f"not checked: {type(exc).__name__}: {exc}".splitlines()[0][:300]
-                entry.seconds = None
-        return self.add(entry)
-
-    def interleaved(self, table: str, fns: dict[str, Callable[[], Any]],
-                    check: Callable[[], None], repeat: int | None = None) -> list[Entry]:
-        """Time several ways of doing the same work round-robin, so that drifts in the
-        machine's state (clocks, memory placement, other load) fall on all of them alike.
-
-        On the H200 host the same numba kernel took 0.10 to 0.15 s in different runs."""
-        fns = {name: fn for name, fn in fns.items() if self.want(name)}
-        entries = {name: Entry(table, name, "ours" if name.startswith("ours") else "peer")
-                   for name in fns}
-        for name, fn in fns.items():  # warm-up: compilation, calibration
-            t0 = time.perf_counter()
-            fn()
-            entries[name].first_run = time.perf_counter() - t0
-            check()
-        for _ in range(repeat or self.repeat):
-            for name, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                entries[name].runs.append(time.perf_counter() - t0)
-        for e in entries.values():
-            e.seconds = float(np.median(e.runs))
-            self.add(e)
-        return list(entries.values())
-
-
 #: Arrays of the product table's shape alive at once: the two inputs, the output, the expected
 #: result, NumPy's and the peers' temporaries; with a GPU also three pinned copies (inputs,
 #: output) and a host copy of the device-resident result.
@@ -266,7 +127,7 @@ def run(
 ) -> dict[str, Any]:
     """Run the tables and return the report (see :mod:`dask_gpuchunk.bench.report`); with
     ``loop_sizes`` and a GPU, seed 002's loop too (:mod:`dask_gpuchunk.bench.loop`)."""
-    bench = _Bench(repeat, skip, log)
+    bench = Bench(repeat, skip, log)
     chunk_rows = max(1, int(chunk_mb * 1e6 // (cols * 8)))
     log("limits ...")
     from .limits import hbm_bandwidth, host_bandwidth, pcie_bandwidth
@@ -286,7 +147,7 @@ def run(
                    chunk_rows=chunk_rows)
 
 
-def _table(bench: _Bench, table: str, scalar_op: Callable, op: Any, shape: tuple[int, int],
+def _table(bench: Bench, table: str, scalar_op: Callable, op: Any, shape: tuple[int, int],
            chunk_rows: int, rng: np.random.Generator) -> None:
     """One table: the same ``out = op(a, b)`` through every path, then the peers."""
     log = bench.log
@@ -320,9 +181,9 @@ def _table(bench: _Bench, table: str, scalar_op: Callable, op: Any, shape: tuple
     kernel(a[:2], b[:2], out[:2])  # compile
     trio = {"ours cpu": ours("cpu"), "ours auto (pageable host arrays)": ours("auto"),
             "peer numba parallel (CPU)": lambda: kernel(a, b, out)}
-    peak: _DevicePeaks | None = None
+    peak: DevicePeaks | None = None
     if bench.has_gpu:
-        peak = _DevicePeaks(ours("gpu"))
+        peak = DevicePeaks(ours("gpu"))
         trio = {"ours gpu (pageable host arrays)": peak, **trio}
     else:
         bench.timed(table, "ours gpu (pageable host arrays)", lambda: None, gpu=True)
@@ -341,7 +202,7 @@ def _table(bench: _Bench, table: str, scalar_op: Callable, op: Any, shape: tuple
 
         pa, pb, pc = (empty_pinned(shape, np.float64) for _ in range(3))
         pa[...], pb[...], pc[...] = a, b, np.nan
-        pinned = _DevicePeaks(lambda: op(asarray(pa, chunks), asarray(pb, chunks), device="gpu",
+        pinned = DevicePeaks(lambda: op(asarray(pa, chunks), asarray(pb, chunks), device="gpu",
                                        out=pc))
         e = bench.timed(table, "ours gpu (pinned host arrays)", pinned, gpu=True,
                         check=lambda: check(pc))
@@ -391,11 +252,11 @@ CUPY_ROW = "peer cupy a*b (device arrays)"
 CUPY_LOOP_ROW = f"peer cupy a*b, {LOOP_STEPS}-step loop (per step)"
 
 
-def _device_rows(bench: _Bench, table: str, op: Any, a: np.ndarray, b: np.ndarray,
+def _device_rows(bench: Bench, table: str, op: Any, a: np.ndarray, b: np.ndarray,
                  check: Callable[[np.ndarray], None]) -> None:
     """Ours on persisted CuPy chunks, and CuPy's own ``a * b``, on the same device arrays.
 
-    All rows of the table are timed interleaved, round by round (:meth:`_Bench.interleaved`),
+    All rows of the table are timed interleaved, round by round (:meth:`Bench.interleaved`),
     so that the ratios to CuPy compare runs made under the same conditions.
     """
     import cupy
@@ -600,4 +461,4 @@ def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> 
             if floor:
                 e.extra["vs_floor"] = e.seconds / floor
         _versus_cupy(rows)
-    return report_of("elementwise", entries, _machine(), workload, limits, floors)
+    return report_of("elementwise", entries, machine_info(), workload, limits, floors)

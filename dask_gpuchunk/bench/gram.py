@@ -32,9 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from .elementwise import _Bench, _DevicePeaks, _machine
-from .report import machine_line, report_of
-from .timing import Entry
+from .report import machine_info, machine_line, report_of
+from .timing import Bench, DevicePeaks, Entry
 
 __all__ = ["popcount_ceiling", "run"]
 
@@ -187,7 +186,7 @@ def run(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the gram table and return the report (see :func:`dask_gpuchunk.bench.report.save`)."""
-    bench = _Bench(repeat, skip, log)
+    bench = Bench(repeat, skip, log)
     table = "gram"
     rng = np.random.default_rng(1)
     m = -(-k // 64)
@@ -227,7 +226,7 @@ def run(
     return _report(bench.entries, limits, n=n, k=k, chunk_rows=list(chunk_rows))
 
 
-def _cpu_rows(bench: _Bench, table: str, words: np.ndarray, n: int) -> None:
+def _cpu_rows(bench: Bench, table: str, words: np.ndarray, n: int) -> None:
     from ..bits.gram import gram
 
     rows = words.shape[0]
@@ -249,7 +248,7 @@ def _methods_here() -> tuple[str, ...]:
     return ("popcount", "int8", "bmma", *hopper, "auto")
 
 
-def _ours_dask(bench: _Bench, table: str, dev_words: Any, n: int, chunk_rows: Sequence[int],
+def _ours_dask(bench: Bench, table: str, dev_words: Any, n: int, chunk_rows: Sequence[int],
                check: Callable[[Any], None]) -> None:
     import cupy
     from dask import persist
@@ -276,13 +275,13 @@ def _ours_dask(bench: _Bench, table: str, dev_words: Any, n: int, chunk_rows: Se
             name = f"ours {method} (device-resident, {rows}-row chunks)"
             # CuPy's pool kept from run to run, as a user's loop of Grams has it (emptied
             # before each run, every run paid cudaFree and cudaMalloc of its C anew).
-            peaks = _DevicePeaks(once, release=held.clear, keep_pool=True)
+            peaks = DevicePeaks(once, release=held.clear, keep_pool=True)
             peaks.record(bench.timed(table, name, peaks, gpu=True, check=check_held))
             held.clear()
             cupy.get_default_memory_pool().free_all_blocks()
 
 
-def _ours_kernels(bench: _Bench, table: str, dev_words: Any,
+def _ours_kernels(bench: Bench, table: str, dev_words: Any,
                   tiles: Sequence[tuple[int, int, int, int, int]], check: Callable[[Any], None]) -> None:
     import cupy
 
@@ -315,7 +314,7 @@ def _ours_kernels(bench: _Bench, table: str, dev_words: Any,
     row("ours int8 kernels alone (unpack + 3 GEMMs)", lambda: kernels.int8_cuda(dev_words, None, c))
 
 
-def _peers(bench: _Bench, table: str, dev_words: Any, n: int, k: int, seed_rows: int,
+def _peers(bench: Bench, table: str, dev_words: Any, n: int, k: int, seed_rows: int,
            check: Callable[[Any], None], reference: list[np.ndarray]) -> None:
     import cupy
 
@@ -369,7 +368,7 @@ def _peers(bench: _Bench, table: str, dev_words: Any, n: int, k: int, seed_rows:
         held.clear()
 
 
-def _no_room(bench: _Bench, table: str, names: Sequence[str], exc: Exception) -> None:
+def _no_room(bench: Bench, table: str, names: Sequence[str], exc: Exception) -> None:
     """Rows whose operands do not fit the device (a capped pool): skipped, with the reason."""
     for name in names:
         if bench.want(name):
@@ -377,7 +376,7 @@ def _no_room(bench: _Bench, table: str, names: Sequence[str], exc: Exception) ->
                             skipped=f"its operands do not fit the device: {exc}".splitlines()[0]))
 
 
-def _torch_peers(bench: _Bench, table: str, unpacked: Any, check: Callable[[Any], None]) -> None:
+def _torch_peers(bench: Bench, table: str, unpacked: Any, check: Callable[[Any], None]) -> None:
     try:
         import torch
     except Exception as exc:
@@ -425,7 +424,7 @@ def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> 
             e.extra["x_seed001"] = seed / e.seconds
         if best:
             e.extra["vs_best"] = e.seconds / best
-    return report_of("gram", entries, _machine(), {**workload, "bit_macs": macs}, limits)
+    return report_of("gram", entries, machine_info(), {**workload, "bit_macs": macs}, limits)
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_table", "machine_line", "report_of", "save"]
+import numpy as np
+
+from ..devices import gpu_available
+
+__all__ = ["format_table", "machine_info", "machine_line", "report_of", "save"]
 
 
 def _gbps(x: float) -> str:
@@ -30,6 +36,27 @@ def report_of(benchmark: str, entries: Sequence[Any], machine: dict[str, Any],
         "floors": floors or {},
         "entries": [e.as_dict() for e in entries],
     }
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a report was measured on: host, CPUs, versions, the GPU and its budget."""
+    import dask
+    import numba
+
+    info: dict[str, Any] = {
+        "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "numpy": np.__version__, "numba": numba.__version__, "dask": dask.__version__,
+    }
+    if gpu_available():
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        info.update(gpu=props["name"].decode(), gpu_memory=int(props["totalGlobalMem"]),
+                    cupy=cupy.__version__)
+        limit = int(cupy.get_default_memory_pool().get_limit())
+        if limit:  # --device-budget, or CUPY_GPU_MEMORY_LIMIT: run as on a card of this size
+            info["device_budget"] = limit
+    return info
 
 
 def machine_line(m: dict[str, Any]) -> str:

@@ -37,11 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from .elementwise import _Bench, _machine
-from .report import machine_line, report_of
+from .report import machine_info, machine_line, report_of
 from .similarity_blocks import block_entries
 from .similarity_peers import tanimoto_rows, time_peers
-from .timing import Entry
+from .timing import Bench, Entry
 
 __all__ = ["format_table", "make_fingerprints", "run"]
 
@@ -135,7 +134,7 @@ def run(
     from ..arrays import asarray
     from ..bits.similarity import similarity
 
-    bench = _Bench(repeat, skip, log)
+    bench = Bench(repeat, skip, log)
     table = "similarity"
     gpu = bench.has_gpu
     log(f"similarity: {n:,} fingerprints of {bits} bits at density {density}, "
@@ -279,7 +278,7 @@ def _report(entries: list[Entry], limits: dict[str, float], **workload: Any) -> 
             e.extra["vs_ceiling"] = e.extra["pairs_per_s"] / ceiling
         if dense is not None:
             e.extra["vs_dense"] = e.extra["pairs_per_s"] / dense
-    return report_of("similarity", entries, _machine(), workload, limits)
+    return report_of("similarity", entries, machine_info(), workload, limits)
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .elementwise import _Bench
-from .timing import Entry
+from .timing import Bench, Entry
 
 __all__ = ["block_entries"]
 
@@ -30,7 +29,7 @@ def _fused_methods() -> list[str]:
     return (["wgmma"] if wgmma_supported() else []) + (["bmma"] if bmma_supported() else [])
 
 
-def block_entries(bench: _Bench, table: str, words: np.ndarray, rows: int, k: int,
+def block_entries(bench: Bench, table: str, words: np.ndarray, rows: int, k: int,
                   threshold: float) -> None:
     """Time one ``rows`` x ``rows`` block of packed ``words`` (``uint8`` rows, at least
     ``3 * rows`` of them) in its parts, for every fused method this GPU has; each entry's

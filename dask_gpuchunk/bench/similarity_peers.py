@@ -22,8 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .elementwise import _Bench
-from .timing import Entry
+from .timing import Bench, Entry
 
 __all__ = ["tanimoto_rows", "time_peers"]
 
@@ -53,7 +52,7 @@ def tanimoto_rows(words: np.ndarray, rows: np.ndarray, of: np.ndarray | None = N
 
 
 
-def time_peers(bench: _Bench, table: str, words: np.ndarray, query_words: np.ndarray,
+def time_peers(bench: Bench, table: str, words: np.ndarray, query_words: np.ndarray,
            peer_rows: int, k: int, gpu: bool, threshold: float) -> None:
     db = words[:min(peer_rows, len(words))]
     q = query_words[:64] if len(query_words) else words[:64]
@@ -90,7 +89,7 @@ def _same(got: np.ndarray, want: np.ndarray, who: str) -> None:
         raise AssertionError(f"{who}: Tanimotos differ from the exact ones")
 
 
-def _cupy_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: int,
+def _cupy_peer(bench: Bench, table: str, db: np.ndarray, q: np.ndarray, k: int,
                truth: np.ndarray) -> None:
     """CuPy as a user would write it: unpack to float32, one GEMM per batch of
     ``CUPY_QUERY_BATCH`` queries (exact counts: every sum is below 2**24), the formula,
@@ -134,7 +133,7 @@ def _bit_vector(words: np.ndarray) -> Any:
     return v
 
 
-def _rdkit_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray,
+def _rdkit_peer(bench: Bench, table: str, db: np.ndarray, q: np.ndarray,
                 truth: np.ndarray) -> None:
     name = "peer RDKit BulkTanimotoSimilarity (CPU, one thread)"
     if not bench.want(name):
@@ -158,7 +157,7 @@ def _rdkit_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray,
         e.extra["pairs"] = float(len(queries)) * len(fps)
 
 
-def _fpsim2_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: int,
+def _fpsim2_peer(bench: Bench, table: str, db: np.ndarray, q: np.ndarray, k: int,
                  truth: np.ndarray, threshold: float, gpu: bool) -> None:
     """FPSim2 as chemists run it, over an FPSim2 database of the same fingerprints (written by
     :func:`dask_gpuchunk.io.fingerprint_files.write_fpsim2`): its CPU engine's ``top_k(query, k,
@@ -232,7 +231,7 @@ def _fpsim2_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: in
                 e.extra["pairs"] = float(len(queries)) * len(db)
 
 
-def _faiss_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: int,
+def _faiss_peer(bench: Bench, table: str, db: np.ndarray, q: np.ndarray, k: int,
                 gpu: bool) -> None:
     """FAISS's exact binary index: the ``k`` nearest by Hamming distance of each query, its
     distances checked against the exact ones (our ``metric="hamming"``). On a GPU,
@@ -275,7 +274,7 @@ def _faiss_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray, k: int
         _time_faiss(bench, table, name, index, queries, db, k, exact)
 
 
-def _time_faiss(bench: _Bench, table: str, name: str, index: Any, queries: np.ndarray,
+def _time_faiss(bench: Bench, table: str, name: str, index: Any, queries: np.ndarray,
                 db: np.ndarray, k: int, exact: np.ndarray) -> None:
     held: list[Any] = []
 
@@ -291,7 +290,7 @@ def _time_faiss(bench: _Bench, table: str, name: str, index: Any, queries: np.nd
         e.extra["pairs"] = float(len(queries)) * len(db)
 
 
-def _nvmolkit_peer(bench: _Bench, table: str, db: np.ndarray, q: np.ndarray,
+def _nvmolkit_peer(bench: Bench, table: str, db: np.ndarray, q: np.ndarray,
                    truth: np.ndarray, gpu: bool) -> None:
     """nvMolKit's dense cross Tanimoto (its 1-bit tensor-core kernel, float scores of every
     pair on the device) of the queries against the database, as ``uint32`` words. Called

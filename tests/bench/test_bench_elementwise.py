@@ -10,7 +10,6 @@ from dask_gpuchunk.bench import limits
 from dask_gpuchunk.bench.elementwise import (
     CUPY_LOOP_ROW,
     CUPY_ROW,
-    _Bench,
     _report,
     host_memory_needed,
     rows_that_fit,
@@ -76,29 +75,3 @@ def test_save_says_when_it_cannot_draw_the_png(tmp_path, monkeypatch):
     assert [p.name for p in written] == ["bench-x.json"]
     assert said and "matplotlib is not installed" in said[0] and "[bench]" in said[0]
 
-
-def test_a_check_that_cannot_run_is_said_and_the_bench_goes_on():
-    """A row whose check runs out of memory (a device cap) is reported unchecked, untimed; a
-    wrong result is reported as such; the rows after them still run."""
-    bench = _Bench(2, (), lambda line: None)
-
-    def out_of_memory() -> None:
-        raise MemoryError("Out of memory allocating 4,294,967,296 bytes")
-
-    def wrong() -> None:
-        raise AssertionError("row 3 differs")
-
-    no_room = bench.timed("t", "ours a", lambda: None, check=out_of_memory)
-    bad = bench.timed("t", "ours b", lambda: None, check=wrong)
-    fine = bench.timed("t", "ours c", lambda: None, check=lambda: None)
-    assert no_room.seconds is None and no_room.skipped == (
-        "not checked: MemoryError: Out of memory allocating 4,294,967,296 bytes")
-    assert bad.seconds is None and bad.skipped == "WRONG RESULT: row 3 differs"
-    assert fine.skipped is None and fine.seconds is not None and fine.seconds >= 0
-
-
-def test_device_copies_fit_a_capped_device():
-    assert limits.copy_bytes(4 << 30, 2 << 30) * 2 <= (2 << 30) // 2
-    assert limits.copy_bytes(1 << 30, 8 << 30) == 1 << 30
-    assert limits.copy_bytes(1 << 30, None) == 1 << 30
-    assert limits.copy_bytes(4 << 30, 3 << 30) % (1 << 20) == 0

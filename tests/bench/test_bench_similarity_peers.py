@@ -8,7 +8,7 @@ import types
 import numpy as np
 
 from dask_gpuchunk.bench import similarity_peers
-from dask_gpuchunk.bench.elementwise import _Bench
+from dask_gpuchunk.bench.timing import Bench
 from dask_gpuchunk.bench.similarity import make_fingerprints
 
 
@@ -47,7 +47,7 @@ def _fake_faiss(gpu_distances_wrong: bool) -> types.ModuleType:
 def _faiss_rows(monkeypatch, gpu_distances_wrong: bool) -> list:
     monkeypatch.setitem(sys.modules, "faiss", _fake_faiss(gpu_distances_wrong))
     monkeypatch.setattr("dask_gpuchunk.bits.gram_blocks.compute_capability", lambda: (9, 0))
-    bench = _Bench(repeat=1, skip=(), log=lambda s: None)
+    bench = Bench(repeat=1, skip=(), log=lambda s: None)
     db = make_fingerprints(300, 256, 0.1, seed=3)
     similarity_peers._faiss_peer(bench, "similarity", db, db[:20], 5, gpu=True)
     return bench.entries
