@@ -42,7 +42,7 @@ from .similarity_blocks import block_entries
 from .similarity_peers import tanimoto_rows, time_peers
 from .timing import Bench, Entry
 
-__all__ = ["format_table", "make_fingerprints", "run"]
+__all__ = ["check_top_k", "format_table", "make_fingerprints", "run"]
 
 #: Rows made or compared at a time on the device (a float32 copy of 10**6 x 2048 bits is 8 GB).
 PIECE = 65536
@@ -86,7 +86,7 @@ def make_fingerprints(n: int, bits: int, density: float, seed: int = 1, on_gpu: 
     return words
 
 
-def _check_top_k(indices: Any, scores: Any, truth: np.ndarray, sample: np.ndarray, k: int,
+def check_top_k(indices: Any, scores: Any, truth: np.ndarray, sample: np.ndarray, k: int,
                  exclude: np.ndarray | None) -> None:
     """Rows ``sample`` of a top-k against ``truth`` (their exact scores), stable tie rule."""
     got_i, got_s = (np.asarray(a.get() if hasattr(a, "get") else a)[sample]
@@ -176,19 +176,19 @@ def run(
     exclude = sample[:, None]
     rows = [  # name, pairs scored, what to compute, its check, whether it finds pairs
         (f"ours all-pairs top-{k} ({where})", all_pairs, computed(x, top_k=k),
-         lambda got: _check_top_k(*got, truth, sample, k, exclude), False),
+         lambda got: check_top_k(*got, truth, sample, k, exclude), False),
         (f"ours all-pairs threshold {threshold} ({where})", all_pairs,
          computed(x, threshold=threshold),
          lambda got: _check_pairs(got, truth, sample, threshold, exclude), True),
         (f"ours queries x database top-{k} ({where})", cross, computed(qx, x, top_k=k),
-         lambda got: _check_top_k(*got, q_truth, q_sample, k, None), False),
+         lambda got: check_top_k(*got, q_truth, q_sample, k, None), False),
         (f"ours queries x database threshold {threshold} ({where})", cross,
          computed(qx, x, threshold=threshold),
          lambda got: _check_pairs(got, q_truth, q_sample, threshold, None), True),
         # Hamming, best = nearest: beside FAISS's binary index (checked as negated scores)
         (f"ours queries x database Hamming top-{k} ({where})", cross,
          computed(qx, x, top_k=k, metric="hamming"),
-         lambda got: _check_top_k(got[0], -np.asarray(getattr(got[1], "get", lambda: got[1])()),
+         lambda got: check_top_k(got[0], -np.asarray(getattr(got[1], "get", lambda: got[1])()),
                                   -q_hamming, q_sample, k, None), False),
     ]
     for name, pairs, once, check, finds_pairs in rows:

@@ -12,7 +12,7 @@ from ..runtime.budget import cap_device_pool
 from ..devices import gpu_available
 from .app import main
 
-__all__ = ["bench", "bench_elementwise", "bench_gram", "bench_similarity"]
+__all__ = ["bench", "bench_elementwise", "bench_gram", "bench_scaling", "bench_similarity"]
 
 
 @main.group()
@@ -181,4 +181,50 @@ def bench_similarity(n: int, bits: int, density: float, queries: int, chunk_rows
                  log=lambda s: click.echo(s, err=True))
     click.echo(similarity_table(report))
     for path in save(report, out_dir, "bench-similarity", log=lambda s: click.echo(s, err=True)):
+        click.echo(f"wrote {path}", err=True)
+
+
+@bench.command("scaling")
+@click.option("--gpus", default="", help="Cluster sizes to run, as 1,2,4 (default: one GPU and "
+              "every visible GPU; where none is visible, 1 and 2 CPU workers).")
+@click.option("--protocol", type=click.Choice(["tls", "tcp", "ucx"]), default="tls",
+              show_default=True, help="How the workers talk: TLS on loopback (the clusters' "
+              "default), plain TCP, or UCX (distributed-ucxx installed).")
+@click.option("--rows", default=65536, show_default=True, help="Rows of the Gram's bits.")
+@click.option("--bits", default=262144, show_default=True, help="Bits per row of the Gram (a "
+              "multiple of 8).")
+@click.option("--chunk-rows", default=4096, show_default=True, help="Rows per chunk of the "
+              "Gram's .npy.")
+@click.option("--fingerprints", default=1_000_000, show_default=True, help="Fingerprints of "
+              "2048 bits for the top-k (0: leave it out).")
+@click.option("--top-k", "k", default=10, show_default=True, help="Neighbours per row.")
+@_run_options("scaling", repeat=3)
+def bench_scaling(gpus: str, protocol: str, rows: int, bits: int, chunk_rows: int,
+                  fingerprints: int, k: int, repeat: int, skip: tuple[str, ...], out_dir: str,
+                  device_budget: str | None) -> None:
+    """The Gram and the similarity top-k on one GPU and on every GPU of this node: speed-ups."""
+    try:
+        sizes = [int(g) for g in gpus.split(",") if g.strip()]
+    except ValueError:
+        raise click.BadParameter(f"--gpus takes cluster sizes as 1,2,4; got {gpus!r}") from None
+    if min(rows, bits, chunk_rows, k, repeat, *sizes) < 1 or fingerprints < 0:
+        raise click.BadParameter("sizes, --gpus, --top-k and --repeat must be positive")
+    if bits % 8:
+        raise click.BadParameter(f"--bits must be a multiple of 8, got {bits}")
+    if fingerprints and k >= fingerprints:
+        raise click.BadParameter(f"--top-k must be below --fingerprints ({fingerprints})")
+    _apply_device_budget(device_budget)
+    from ..bench.report import save
+    from ..bench.scaling import format_table as scaling_table
+    from ..bench.scaling import run
+
+    try:
+        report = run(gpus=sizes, rows=rows, bits=bits, chunk_rows=chunk_rows,
+                     fingerprints=fingerprints, k=k,
+                     protocol=None if protocol == "tls" else protocol, repeat=repeat,
+                     skip=skip, log=lambda s: click.echo(s, err=True))
+    except ValueError as exc:  # more GPUs asked for than are visible
+        raise click.BadParameter(str(exc)) from None
+    click.echo(scaling_table(report))
+    for path in save(report, out_dir, "bench-scaling", log=lambda s: click.echo(s, err=True)):
         click.echo(f"wrote {path}", err=True)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dask_gpuchunk.bench.similarity import (_check_pairs, _check_top_k, format_table,
+from dask_gpuchunk.bench.similarity import (_check_pairs, check_top_k, format_table,
                                             make_fingerprints, run, tanimoto_rows)
 from dask_gpuchunk.cli import main
 from dask_gpuchunk.devices import gpu_available
@@ -84,10 +84,10 @@ def test_the_checks_catch_a_wrong_neighbour_or_a_missing_pair():
     indices = np.zeros((400, 3), dtype=np.int64)
     best = np.zeros((400, 3), dtype=np.float32)
     indices[sample], best[sample] = order, np.take_along_axis(truth, order, axis=1)
-    _check_top_k(indices, best, truth, sample, 3, sample[:, None])
+    check_top_k(indices, best, truth, sample, 3, sample[:, None])
     indices[2, 1] = indices[2, 2]
     with pytest.raises(AssertionError, match="row 2"):
-        _check_top_k(indices, best, truth, sample, 3, sample[:, None])
+        check_top_k(indices, best, truth, sample, 3, sample[:, None])
     keep = truth >= 0.3
     keep[0, 1] = keep[1, 2] = False
     r, c = np.nonzero(keep)

@@ -1,0 +1,234 @@
+"""``dask-gpuchunk bench scaling``: the Gram and the similarity top-k on one GPU and on every
+GPU of this node, each size on a ``dg.local_cluster`` of its own, in one run, with each row's
+speed-up over the smallest size. Where no GPU is visible the same rows run on local clusters
+of CPU workers (the sizes then count workers): a check of the bench itself, not a figure.
+
+The inputs are written once into a temporary folder: random packed bits for the Gram, the
+similarity bench's fingerprints for the top-k. Rows, on every size:
+
+* ``gram, words on the GPUs``: the ``.npy``'s chunks moved to the GPUs and persisted over the
+  workers (untimed), then ``dg.gram(words, packed=True).sum()``;
+* ``gram from the .npy, kept on the device``: ``dg.gram(dg.from_npy(...), packed=True,
+  keep_on_device=True).sum()``;
+* ``gram from the .npy``: the same with C's blocks summed on the host (the default);
+* ``similarity top-k from the .npy``: ``dg.similarity(dg.from_npy(...), packed=True,
+  top_k=k)``, both results computed to this process.
+
+Timed: the compute alone, the median of ``repeat`` runs after one that compiles. Checked: the
+Gram's sum against the column counts (``sum(C)`` is the sum over bit columns of the square of
+the ones in each) and two of its rows against NumPy; the top-k's sampled rows against NumPy's
+exact Tanimotos. Throughput of the top-k is counted in unique pairs, ``n (n - 1) / 2``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .report import machine_info, machine_line, report_of
+from .similarity import check_top_k, make_fingerprints
+from .similarity_peers import tanimoto_rows
+from .timing import Bench, Entry
+
+__all__ = ["format_table", "gram_expectations", "run"]
+
+TABLE = "scaling"
+GRAM_ROWS = ("gram, words on the GPUs", "gram from the .npy, kept on the device",
+             "gram from the .npy")
+TOP_K_ROW = "similarity top-k from the .npy"
+
+
+def gram_expectations(packed: np.ndarray, sample: np.ndarray, slab: int = 1024
+                      ) -> tuple[int, np.ndarray]:
+    """What a Gram of the packed bits ``packed`` must give: the sum of every count (the ones in
+    each bit column, squared, summed; read ``slab`` rows at a time) and rows ``sample`` of C.
+
+    Examples
+    --------
+    >>> bits = np.random.default_rng(0).integers(0, 2, (9, 16), dtype=np.uint8)
+    >>> total, rows = gram_expectations(np.packbits(bits, axis=1), np.array([2]), slab=4)
+    >>> c = bits.astype(np.int64) @ bits.T
+    >>> total == int(c.sum()), bool((rows == c[[2]]).all())
+    (True, True)
+    """
+    ones = np.zeros(packed.shape[1] * 8, np.int64)
+    for start in range(0, len(packed), slab):
+        ones += np.unpackbits(packed[start:start + slab], axis=1).sum(axis=0, dtype=np.int64)
+    rows = np.stack([np.bitwise_count(packed & packed[r]).sum(axis=1, dtype=np.int64)
+                     for r in sample])
+    return int((ones * ones).sum()), rows
+
+
+def _to_device(block: np.ndarray) -> Any:
+    import cupy
+
+    return cupy.asarray(block)
+
+
+def _to_host(block: Any) -> np.ndarray:
+    return block.get() if hasattr(block, "get") else np.asarray(block)
+
+
+def _on_host(x: Any) -> Any:
+    """A dask array's blocks as NumPy, made where they are (a GPU's blocks leave it as bytes)."""
+    return x.map_blocks(_to_host, dtype=x.dtype, meta=np.empty((0,) * x.ndim, x.dtype))
+
+
+def _cluster_options(size: int, gpus: bool, protocol: str | None) -> dict[str, Any]:
+    """``dg.local_cluster``'s options for a cluster of ``size`` GPUs (or CPU workers) talking
+    ``protocol`` (``None``: its default, TLS; ``"tcp"``: plain TCP; ``"ucx"``)."""
+    options: dict[str, Any] = ({"gpus": size} if gpus
+                               else {"n_workers": size, "threads_per_worker": 1})
+    if protocol == "ucx":
+        options["protocol"] = "ucx"
+    elif protocol == "tcp":
+        options["secure"] = False
+    return options
+
+
+def _gram_rows(bench: Bench, client: Any, path: Path, chunk_rows: int, where: str,
+               expected: tuple[int, np.ndarray, np.ndarray]) -> None:
+    """The Gram's three rows on the cluster of ``client``, each checked."""
+    from distributed import wait
+
+    from ..bits.gram import gram
+    from ..io import from_npy
+
+    total, sample, rows = expected
+    for name in GRAM_ROWS:
+        full = f"{name}, {where}"
+        if not bench.want(full):
+            continue
+        if name != GRAM_ROWS[2] and not bench.has_gpu:
+            bench.add(Entry(TABLE, full, "ours", skipped="no CUDA GPU visible"))
+            continue
+        words = from_npy(path, chunks=(chunk_rows, -1))
+        if name == GRAM_ROWS[0]:
+            import cupy
+
+            words = client.persist(words.map_blocks(
+                _to_device, dtype=words.dtype, meta=cupy.empty((0, 0), words.dtype)))
+            wait(words)
+        c = gram(words, packed=True, keep_on_device=name == GRAM_ROWS[1])
+        held: list[Any] = []
+
+        def once(c: Any = c, held: list[Any] = held) -> None:
+            held[:] = [client.compute(c.sum(), sync=True)]
+
+        def check(c: Any = c, held: list[Any] = held) -> None:
+            if int(held[0]) != total:
+                raise AssertionError(f"sum of C {int(held[0])}, expected {total}")
+            got = client.compute(_on_host(c[sample]), sync=True)
+            if not np.array_equal(got, rows):
+                raise AssertionError("sampled rows of C differ from NumPy's")
+
+        entry = bench.timed(TABLE, full, once, check=check)
+        if entry is not None:
+            entry.extra.update(row=name, workers=where, c_row_blocks=list(c.chunks[0]))
+        del words, c
+
+
+def _top_k_row(bench: Bench, client: Any, path: Path, chunk_rows: int, k: int, where: str,
+               sample: np.ndarray, truth: np.ndarray) -> None:
+    from ..bits.similarity import similarity
+    from ..io import from_npy
+
+    name = f"{TOP_K_ROW}, {where}"
+    if not bench.want(name):
+        return
+    result = similarity(from_npy(path, chunks=(chunk_rows, -1)), packed=True, top_k=k)
+    held: list[Any] = []
+
+    def once() -> None:
+        held[:] = client.compute([_on_host(a) for a in result], sync=True)
+
+    entry = bench.timed(TABLE, name, once,
+                        check=lambda: check_top_k(*held, truth, sample, k, sample[:, None]))
+    if entry is not None:
+        n = len(truth[0])
+        entry.extra.update(row=TOP_K_ROW, workers=where, pairs=n * (n - 1) / 2)
+
+
+def run(gpus: Sequence[int] = (), rows: int = 65536, bits: int = 262144, chunk_rows: int = 4096,
+        fingerprints: int = 1_000_000, fingerprint_bits: int = 2048,
+        fingerprint_chunk_rows: int = 32768, k: int = 10, protocol: str | None = None,
+        repeat: int = 3, skip: tuple[str, ...] = (), workdir: str | None = None,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the scaling table on clusters of each size in ``gpus`` (default: one GPU and all
+    of them; two CPU workers where no GPU is visible) and return the report (see
+    :func:`dask_gpuchunk.bench.report.save`); ``fingerprints=0`` leaves the top-k out."""
+    from ..devices import gpu_count
+    from ..distributed.cluster import local_cluster
+
+    bench = Bench(repeat, skip, log)
+    visible = gpu_count() if bench.has_gpu else 0
+    sizes = sorted(set(gpus)) or ([1, visible] if visible > 1 else [1] if visible else [1, 2])
+    if min(sizes) < 1 or (visible and max(sizes) > visible):
+        raise ValueError(f"cluster sizes {sizes}: between 1 and the {visible or 'any'} "
+                         f"{'GPUs visible' if visible else 'CPU workers'}")
+    unit = "GPU" if visible else "CPU worker"
+    rng = np.random.default_rng(5)
+    with tempfile.TemporaryDirectory(prefix="dask-gpuchunk-scaling-", dir=workdir) as tmp:
+        bits_path, fps_path = Path(tmp) / "bits.npy", Path(tmp) / "fingerprints.npy"
+        log(f"scaling: {rows:,} x {bits:,} bits for the Gram, {fingerprints:,} fingerprints "
+            f"of {fingerprint_bits} bits, on {', '.join(map(str, sizes))} {unit}(s) ...")
+        packed = rng.integers(0, 256, size=(rows, bits // 8), dtype=np.uint8)
+        np.save(bits_path, packed)
+        sample = np.sort(rng.choice(rows, 2, replace=False))
+        total, sample_rows = gram_expectations(packed, sample)
+        del packed
+        if fingerprints:
+            words = make_fingerprints(fingerprints, fingerprint_bits, 0.075, seed=1,
+                                      on_gpu=bool(visible))
+            np.save(fps_path, words)
+            fp_sample = np.sort(rng.choice(fingerprints, 4, replace=False))
+            truth = tanimoto_rows(words, words[fp_sample])
+            del words
+        for size in sizes:
+            where = f"{size} {unit}{'s' if size > 1 else ''}"
+            with local_cluster(dashboard_address=None,
+                               **_cluster_options(size, bool(visible), protocol)) as client:
+                _gram_rows(bench, client, bits_path, chunk_rows, where,
+                           (total, sample, sample_rows))
+                if fingerprints:
+                    _top_k_row(bench, client, fps_path, fingerprint_chunk_rows, k, where,
+                               fp_sample, truth)
+    _speedups(bench.entries)
+    return report_of("scaling", bench.entries, machine_info(),
+                     {"sizes": sizes, "unit": unit, "protocol": protocol or "tls", "rows": rows,
+                      "bits": bits, "chunk_rows": chunk_rows, "fingerprints": fingerprints,
+                      "fingerprint_bits": fingerprint_bits,
+                      "fingerprint_chunk_rows": fingerprint_chunk_rows, "k": k}, {})
+
+
+def _speedups(entries: list[Entry]) -> None:
+    """Each timed row's speed-up over the same row on the smallest cluster (the first run)."""
+    first: dict[str, float] = {}
+    for e in entries:
+        if e.seconds is None or "row" not in e.extra:
+            continue
+        base = first.setdefault(e.extra["row"], e.seconds)
+        e.extra["speedup"] = base / e.seconds
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The scaling table as plain text: each row's seconds and speed-up."""
+    w = report["workload"]
+    lines = [machine_line(report["machine"]),
+             f"scaling over {w['protocol']}: gram of {w['rows']:,} x {w['bits']:,} bits in "
+             f"{w['chunk_rows']:,}-row chunks; top-{w['k']} of {w['fingerprints']:,} "
+             f"fingerprints (unique pairs/s)",
+             f"  {'':58s} {'seconds':>9s} {'speed-up':>8s}  note"]
+    for e in report["entries"]:
+        if e["seconds"] is None:
+            lines.append(f"  {e['name']:58s} {'-':>9s} {'':>8s}  skipped: {e['skipped']}")
+            continue
+        x = e["extra"]
+        note = f"{x['pairs'] / e['seconds']:.3g} pairs/s" if "pairs" in x else ""
+        lines.append(f"  {e['name']:58s} {e['seconds']:9.4f} {x.get('speedup', 1):8.2f}  "
+                     f"{note}")
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""The scaling bench: every row on clusters of each size, checked; its checks can fail."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from dask_gpuchunk.bench import scaling
+from dask_gpuchunk.cli import main
+from dask_gpuchunk.devices import gpu_available, gpu_count
+
+SMALL = dict(rows=300, bits=520, chunk_rows=64, fingerprints=700, fingerprint_bits=256,
+             fingerprint_chunk_rows=128, repeat=1)
+
+
+@pytest.mark.slow  # two local clusters
+def test_every_row_runs_on_each_size_and_passes_its_check(tmp_path):
+    sizes = [1] if gpu_available() and gpu_count() < 2 else [1, 2]
+    result = CliRunner().invoke(main, ["bench", "scaling", "--gpus", ",".join(map(str, sizes)),
+                                       "--rows", "300", "--bits", "520", "--chunk-rows", "64",
+                                       "--fingerprints", "700", "--repeat", "1", "--out-dir",
+                                       str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "bench-scaling.json").read_text())
+    entries = {e["name"]: e for e in report["entries"]}
+    unit = "GPU" if gpu_available() else "CPU worker"
+    for where in (f"1 {unit}", f"2 {unit}s")[:len(sizes)]:
+        for row in (*scaling.GRAM_ROWS, scaling.TOP_K_ROW):
+            e = entries[f"{row}, {where}"]
+            if not gpu_available() and row in scaling.GRAM_ROWS[:2]:
+                assert e["skipped"] == "no CUDA GPU visible"
+                continue
+            assert e["skipped"] is None and e["seconds"] > 0, e
+            assert e["extra"]["speedup"] == pytest.approx(
+                entries[f"{row}, 1 {unit}"]["seconds"] / e["seconds"])
+    assert report["workload"]["sizes"] == sizes and "speed-up" in result.output
+
+
+@pytest.mark.slow  # a local cluster
+def test_a_wrong_gram_or_top_k_is_reported_as_such(monkeypatch):
+    right = scaling.gram_expectations
+    monkeypatch.setattr(scaling, "gram_expectations",
+                        lambda packed, sample: (right(packed, sample)[0] + 1,
+                                                right(packed, sample)[1]))
+    exact = scaling.tanimoto_rows
+
+    def shuffled(words: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return exact(words, rows)[:, ::-1].copy()  # every row's scores on other columns
+
+    monkeypatch.setattr(scaling, "tanimoto_rows", shuffled)
+    report = scaling.run(gpus=[1], log=lambda line: None, **SMALL)
+    skipped = {e["extra"].get("row", e["name"]): e["skipped"] for e in report["entries"]}
+    assert skipped[scaling.GRAM_ROWS[2]].startswith("WRONG RESULT: sum of C")
+    assert skipped[scaling.TOP_K_ROW].startswith("WRONG RESULT: top-k of row")
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--gpus", "one"], "cluster sizes as 1,2,4"),
+    (["--gpus", "0"], "must be positive"),
+    (["--bits", "12"], "multiple of 8"),
+    (["--fingerprints", "5", "--top-k", "5"], "below --fingerprints"),
+    (["--gpus", "64"], "between 1 and"),
+])
+def test_bad_options_are_refused_before_any_work(args, match, tmp_path):
+    if args == ["--gpus", "64"] and not gpu_available():
+        args, match = ["--gpus", "64", "--rows", "0"], "must be positive"
+    result = CliRunner().invoke(main, ["bench", "scaling", *args, "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2 and match in result.output, result.output
+    assert not (tmp_path / "bench-scaling.json").exists()
