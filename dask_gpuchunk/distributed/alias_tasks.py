@@ -9,10 +9,11 @@ the old name kept for the tree of partial sums). :func:`optimize_arrays` is dask
 optimisation followed by :func:`resolve_aliases`: the tasks after an alias point at the task
 it names, and the alias goes. The results are the same; only the number of tasks changes.
 
-Measured on 4 x H200 machines, 8 GiB cap a GPU, ``tools/gram_scaling.py`` (65,536 x 262,144
-bits in 4,096-row chunks, ``C.sum()``, best of 4-5): on one machine 2.74 -> 1.47 -> 0.931 s on
-1, 2 and 4 GPUs with the aliases, 2.39 -> 1.38 -> 0.815 s without; on another 3.16 -> 1.73 ->
-1.01 s with, 2.56 -> 1.37 -> 0.861 s without (``the perf notes (git show 85dc246:docs/perf-notes.md)``, stop 48).
+Measured on 4 x H200 machines, 8 GiB cap a GPU, ``tools/gram_scaling.py`` at eefec16
+(65,536 x 262,144 bits in 4,096-row chunks, ``C.sum()``, best of 4-5): on one machine 2.74 ->
+1.47 -> 0.931 s on 1, 2 and 4 GPUs with the aliases, 2.39 -> 1.38 -> 0.815 s without; on
+another 3.16 -> 1.73 -> 1.01 s with, 2.56 -> 1.37 -> 0.861 s without (stop 48 of the perf
+notes: ``git show 85dc246:docs/perf-notes.md``).
 
 :func:`dask_gpuchunk.local_cluster` resolves them while its client is open, and
 :func:`dask_gpuchunk.connect` from then on (``gpuchunk.resolve-aliases``; an
