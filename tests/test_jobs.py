@@ -1,8 +1,9 @@
 """dask_gpuchunk.jobs in this process: the CLI's multiply, gram and similarity jobs without the
 CLI.
 
-tests/test_cli_jobs.py runs them through the command line, in processes with their own
-clusters; these run in every CI job (that file only in the first: its processes take minutes).
+tests/test_cli_jobs.py and tests/test_cli_failures.py run them through the command line, in
+processes with their own clusters; these run in every CI job (those files only in the first:
+their processes take minutes).
 """
 
 from __future__ import annotations

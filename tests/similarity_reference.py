@@ -1,0 +1,69 @@
+"""Brute-force references the similarity tests compare with: each metric's formula on exact
+counts, the top-k by a stable sort, the pairs over a threshold, test fingerprints with ties."""
+
+from __future__ import annotations
+
+import numpy as np
+from helpers import bit_products, random_bits
+
+__all__ = ["assert_pairs", "brute_top_k", "fingerprints", "reference"]
+
+
+def reference(x: np.ndarray, y: np.ndarray, metric: str, alpha: float = 1.0,
+              beta: float = 1.0) -> np.ndarray:
+    """The metric's formula (dask_gpuchunk._kernels.similarity) on exact int64 counts."""
+    c = bit_products(x, y)
+    a = x.sum(axis=1, dtype=np.int64)[:, None]
+    b = y.sum(axis=1, dtype=np.int64)[None, :]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if metric in ("tanimoto", "jaccard"):
+            s = np.float32(c) / np.float32(a + b - c)
+        elif metric == "dice":
+            s = np.float32(2 * c) / np.float32(a + b)
+        elif metric == "cosine":
+            s = (c / np.sqrt(a.astype(np.float64) * b)).astype(np.float32)
+        elif metric == "tversky":  # float32 products and sums, left to right
+            fc = np.float32(c)
+            den = (fc + np.float32(alpha) * np.float32(a - c)) + np.float32(beta) * np.float32(
+                b - c)
+            s = fc / den
+        elif metric == "hamming":
+            return (a + b - 2 * c).astype(np.int32)
+        else:
+            return c.astype(np.int32)
+    return np.where(np.isnan(s), np.float32(0), s).astype(np.float32)
+
+
+def brute_top_k(s: np.ndarray, k: int, lower: bool, exclude_self: bool):
+    """Best first, equal scores by the smaller column (a stable sort by score)."""
+    s = s.astype(np.float64)
+    if exclude_self:
+        np.fill_diagonal(s, np.inf if lower else -np.inf)
+    order = np.argsort(s if lower else -s, axis=1, kind="stable")[:, :k]
+    return order, np.take_along_axis(s, order, axis=1)
+
+
+def fingerprints(rng, n: int, bits: int) -> np.ndarray:
+    """0/1 rows at ~10 % density, with repeated rows (ties) and two empty rows."""
+    x = random_bits(rng, (n, bits), 0.1)
+    x[3] = x[1]
+    x[n - 2] = x[1]
+    x[5] = 0
+    x[n - 1] = 0
+    return x
+
+
+def assert_pairs(rows, cols, scores, s: np.ndarray, threshold: float, *, lower: bool = False,
+                 exclude_self: bool = True) -> int:
+    """The pairs of ``s`` scoring at least ``float32(threshold)`` (at most ``threshold``,
+    ``lower``), in row-then-column order, the diagonal left out with ``exclude_self``, equal to
+    ``rows``, ``cols`` and ``scores`` (NumPy or CuPy); returns how many there are."""
+    keep = s <= threshold if lower else s >= np.float32(threshold)
+    if exclude_self:
+        np.fill_diagonal(keep, False)
+    want_r, want_c = np.nonzero(keep)
+    got = [a if isinstance(a, np.ndarray) else a.get() for a in (rows, cols, scores)]
+    np.testing.assert_array_equal(got[0], want_r)
+    np.testing.assert_array_equal(got[1], want_c)
+    np.testing.assert_array_equal(got[2], s[want_r, want_c])
+    return len(want_r)
