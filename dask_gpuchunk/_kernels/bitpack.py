@@ -184,29 +184,30 @@ def _load_cuda() -> None:
         cuda = numba_cuda
 
 
-@compiled_once
-def _cpu_pack_kernel() -> Any:
-    import numba
+# numba is imported at first use: the kernels below name this global, which their builders
+# rebind to numba's prange before compiling them (numba reads a global's value when it
+# compiles), as _kernels/gram.py does. Compiled with cache=True (in the package's cache
+# directory): each process that packs (a job's workers, each command) loads them instead of
+# compiling them again, 1.5 s on a 2-core machine.
+_prange: Any = range
 
-    @numba.njit(parallel=True, cache=False)
-    def pack(x, out, bad_col):  # pragma: no cover - compiled
-        n, k = x.shape
-        m = out.shape[1]
-        for i in numba.prange(n):
-            bad_col[i] = -1
-            for w in range(m):
-                acc = np.uint64(0)
-                start = w * 64
-                stop = min(start + 64, k)
-                for c in range(start, stop):
-                    v = x[i, c]
-                    if v == 1:
-                        acc |= np.uint64(1) << np.uint64(c - start)
-                    elif v != 0 and bad_col[i] < 0:
-                        bad_col[i] = c
-                out[i, w] = acc
 
-    return pack
+def _pack_bits(x, out, bad_col):  # pragma: no cover - compiled
+    n, k = x.shape
+    m = out.shape[1]
+    for i in _prange(n):
+        bad_col[i] = -1
+        for w in range(m):
+            acc = np.uint64(0)
+            start = w * 64
+            stop = min(start + 64, k)
+            for c in range(start, stop):
+                v = x[i, c]
+                if v == 1:
+                    acc |= np.uint64(1) << np.uint64(c - start)
+                elif v != 0 and bad_col[i] < 0:
+                    bad_col[i] = c
+            out[i, w] = acc
 
 
 #: Multiplying 8 bytes of 0/1 (one uint64, byte j the bit of column j) by this gathers them in
@@ -215,41 +216,54 @@ _GATHER = 0x0102040810204080
 _LOW_BITS = 0x0101010101010101
 
 
+def _pack_bytes(x, out, bad_row):  # pragma: no cover - compiled
+    # One-byte data, 8 columns per multiply: 41-71 GB/s on the H200 host's 16 cores (9.3
+    # on 2), where _pack_bits's branch per byte made 3.0 (0.4 on 2) and np.packbits
+    # with a 0/1 check 3.8-4.8 on one core, holding the GIL.
+    n, k = x.shape
+    m = out.shape[1]
+    full = k // 8
+    gather = np.uint64(_GATHER)
+    for i in _prange(n):
+        seen = np.uint64(0)
+        for w in range(m):
+            acc = np.uint64(0)
+            for g in range(8):
+                b = w * 8 + g
+                if b < full:
+                    c = b * 8
+                    v = np.uint64(0)
+                    for j in range(8):
+                        v |= np.uint64(x[i, c + j]) << np.uint64(8 * j)
+                    seen |= v
+                    acc |= ((v * gather) >> np.uint64(56)) << np.uint64(8 * g)
+                elif b == full:
+                    for c in range(b * 8, k):
+                        v = np.uint64(x[i, c])
+                        seen |= v
+                        acc |= (v & np.uint64(1)) << np.uint64(c - w * 64)
+            out[i, w] = acc
+        bad_row[i] = (seen & ~np.uint64(_LOW_BITS)) != 0
+
+
+@compiled_once
+def _cpu_pack_kernel() -> Any:
+    return _cached_parallel(_pack_bits)
+
+
 @compiled_once
 def _cpu_pack_bytes_kernel() -> Any:
+    return _cached_parallel(_pack_bytes)
+
+
+def _cached_parallel(kernel: Any) -> Any:
     import numba
 
-    @numba.njit(parallel=True, cache=False)
-    def pack(x, out, bad_row):  # pragma: no cover - compiled
-        # One-byte data, 8 columns per multiply: 41-71 GB/s on the H200 host's 16 cores (9.3
-        # on 2), where _cpu_pack_kernel's branch per byte made 3.0 (0.4 on 2) and np.packbits
-        # with a 0/1 check 3.8-4.8 on one core, holding the GIL.
-        n, k = x.shape
-        m = out.shape[1]
-        full = k // 8
-        gather = np.uint64(_GATHER)
-        for i in numba.prange(n):
-            seen = np.uint64(0)
-            for w in range(m):
-                acc = np.uint64(0)
-                for g in range(8):
-                    b = w * 8 + g
-                    if b < full:
-                        c = b * 8
-                        v = np.uint64(0)
-                        for j in range(8):
-                            v |= np.uint64(x[i, c + j]) << np.uint64(8 * j)
-                        seen |= v
-                        acc |= ((v * gather) >> np.uint64(56)) << np.uint64(8 * g)
-                    elif b == full:
-                        for c in range(b * 8, k):
-                            v = np.uint64(x[i, c])
-                            seen |= v
-                            acc |= (v & np.uint64(1)) << np.uint64(c - w * 64)
-                out[i, w] = acc
-            bad_row[i] = (seen & ~np.uint64(_LOW_BITS)) != 0
+    from .source_cache import cached_njit
 
-    return pack
+    global _prange
+    _prange = numba.prange
+    return cached_njit(kernel, parallel=True)
 
 
 def _raise_bad(x: Any, row: int, col: int, origin: tuple[int, int]) -> None:
