@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..runtime.backend import to_host
 from .report import machine_info, machine_line, report_of
 from .similarity import check_top_k, make_fingerprints
 from .similarity_peers import tanimoto_rows
@@ -69,13 +70,9 @@ def _to_device(block: np.ndarray) -> Any:
     return cupy.asarray(block)
 
 
-def _to_host(block: Any) -> np.ndarray:
-    return block.get() if hasattr(block, "get") else np.asarray(block)
-
-
 def _on_host(x: Any) -> Any:
     """A dask array's blocks as NumPy, made where they are (a GPU's blocks leave it as bytes)."""
-    return x.map_blocks(_to_host, dtype=x.dtype, meta=np.empty((0,) * x.ndim, x.dtype))
+    return x.map_blocks(to_host, dtype=x.dtype, meta=np.empty((0,) * x.ndim, x.dtype))
 
 
 def _cluster_options(size: int, gpus: bool, protocol: str | None) -> dict[str, Any]:

@@ -8,7 +8,6 @@ diagonal are computed, a block below it is the transpose of its mirror.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import dask.array as da
@@ -88,7 +87,7 @@ def _resident_block(source: ResidentSource, rows_a: tuple[int, int], rows_b: tup
     a = rows_where_it_runs(source, *rows_a, device)
     b = a if diagonal else rows_where_it_runs(source, *rows_b, device)
     block = block_task(a, b, diagonal, method, device)
-    return _on_host(block) if backend.is_cupy(block) and not keep_on_device else block
+    return backend.to_host(block) if backend.is_cupy(block) and not keep_on_device else block
 
 
 def resident_gram_slab(source: ResidentSource, rows_a: tuple[int, int],
@@ -111,22 +110,7 @@ def resident_gram_slab(source: ResidentSource, rows_a: tuple[int, int],
     a = rows_where_it_runs(source, *rows_a, device)
     slab = gram_slab(a, [rows_where_it_runs(source, *rows, device) for rows in others],
                      method, device)
-    return _on_host(slab) if backend.is_cupy(slab) else slab
-
-
-def _on_host(block: Any) -> np.ndarray:
-    """A CuPy block copied to host memory (pinned, as the staged path's results are)."""
-    import cupy
-
-    from ..runtime.staging import copy_to_host
-
-    host = backend.host_result(block.shape, block.dtype)
-    t0 = time.perf_counter()
-    stream = cupy.cuda.get_current_stream()
-    copy_to_host(host, block, stream)
-    stream.synchronize()
-    backend.staging_totals.add(d2h_bytes=int(block.nbytes), device_seconds=time.perf_counter() - t0)
-    return host
+    return backend.to_host(slab) if backend.is_cupy(slab) else slab
 
 
 def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta: Any,

@@ -59,6 +59,7 @@ from .gpu_runners import (
     run_gpu_on_device,
     run_on_device,
     run_staged,
+    to_host,
 )
 
 __all__ = [
@@ -81,6 +82,7 @@ __all__ = [
     "run_on_device",
     "run_staged",
     "staging_totals",
+    "to_host",
     "total_dtypes",
     "DeviceCall",
     "device_call",

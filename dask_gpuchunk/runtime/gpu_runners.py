@@ -19,7 +19,8 @@ from .staging import copy_to_device, copy_to_host, device_slot, h2d_slot, is_pin
 from .chunk_layout import _as_plan, _host_inputs, _scalars_by_value, is_cupy, staging_totals
 from .device_launch import _launch, _partials_bytes, _pass_launch, device_call
 
-__all__ = ["host_result", "run_gpu_from_host", "run_gpu_on_device", "run_on_device", "run_staged"]
+__all__ = ["host_result", "run_gpu_from_host", "run_gpu_on_device", "run_on_device", "run_staged",
+           "to_host"]
 
 def run_gpu_on_device(
     kernels: ElementwiseKernels, out_dtype: Any, inputs: Sequence[Any], dest: Any = None,
@@ -87,6 +88,32 @@ def host_result(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     if config.flag("pinned-results") and int(np.prod(shape)):
         return pinned_pool.lend(shape, dtype)
     return np.empty(shape, dtype=dtype)
+
+
+def to_host(block: Any) -> np.ndarray:
+    """``block`` as a NumPy array: a CuPy block copied into a :func:`host_result` on the
+    current stream (its bytes and time counted in ``staging_totals``), any other returned as
+    NumPy without a copy where it is one. A task that hands a device's result to another
+    process or to a file calls it where the block is: what leaves the worker is then plain
+    bytes, and the receiver needs no GPU.
+
+    Examples
+    --------
+    >>> to_host(np.arange(3))
+    array([0, 1, 2])
+    """
+    if not is_cupy(block):
+        return np.asarray(block)
+    import cupy
+
+    block = cupy.ascontiguousarray(block)
+    host = host_result(block.shape, block.dtype)
+    t0 = time.perf_counter()
+    stream = cupy.cuda.get_current_stream()
+    copy_to_host(host, block, stream)
+    stream.synchronize()
+    staging_totals.add(d2h_bytes=int(block.nbytes), device_seconds=time.perf_counter() - t0)
+    return host
 
 
 def run_staged(
