@@ -88,7 +88,24 @@ def cupy_stream(stream: Any) -> Any:
 
     ptr = stream if isinstance(stream, int) else int(stream.handle)
     # 0 and CU_STREAM_LEGACY (1, numba's handle of the legacy default stream): CuPy's null one.
-    return cupy.cuda.Stream.null if ptr in (0, 1) else cupy.cuda.ExternalStream(ptr)
+    if ptr in (0, 1):
+        return cupy.cuda.Stream.null
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:  # CuPy before 14
+        return cupy.cuda.ExternalStream(ptr)
+    # CuPy 14 deprecates ExternalStream for this, which takes the CUDA stream protocol.
+    return from_external(_StreamHandle(ptr))
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` with the CUDA stream protocol (``__cuda_stream__``: version 0,
+    the handle), as CuPy 14's ``Stream.from_external`` takes streams of other libraries."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
 
 
 #: False once :func:`fall_back_to_numba` found that this process cannot launch directly.
