@@ -26,7 +26,7 @@ from .distributed.cluster import connect, local_cluster, placement_decisions
 from .devices import GPUNotAvailableError, gpu_available, gpu_count
 from .elementwise_ops import ElementwiseOp, elementwise, multiply
 from .bits.gram import bitpack, gram
-from .io import from_npy, to_npy
+from .io import from_npy, to_npy, to_npz
 from .io.zarr_files import from_zarr, to_zarr
 from .bits.similarity import Neighbours, Pairs, similarity
 from .user_kernels import GufuncOp, gufunc_op, map_kernel
@@ -58,6 +58,7 @@ __all__ = [
     "Neighbours",
     "Pairs",
     "to_npy",
+    "to_npz",
     "to_zarr",
 ]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import math
 import os
 import stat
@@ -47,7 +48,7 @@ from .files import (
 )
 from .npy_reading import NpyHeader, _each_run, _log, _native, _region_runs, in_flight, inputs_of
 
-__all__ = ["NoSpaceError", "NoWorkersError", "SchedulerLostError", "check_output_directory", "check_space", "check_target", "no_workers_timeout", "npy_bytes", "npy_in_place", "run_writes", "temporary_output", "to_npy", "write_region"]
+__all__ = ["NoSpaceError", "NoWorkersError", "SchedulerLostError", "check_output_directory", "check_space", "check_target", "no_workers_timeout", "npy_bytes", "npy_header_bytes", "npy_in_place", "run_writes", "temporary_output", "to_npy", "write_region"]
 
 class NoSpaceError(OSError):
     """The output's file system has too little room for it (checked before any work)."""
@@ -116,21 +117,35 @@ def npy_bytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
     return 128 + math.prod(shape) * np.dtype(dtype).itemsize
 
 
+def npy_header_bytes(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """The header of a C-order ``.npy`` of ``dtype`` and ``shape``: version 1.0, or 2.0 where
+    it would be longer than 64 KiB (a very long shape or dtype), as ``np.save`` writes it.
+
+    Examples
+    --------
+    >>> len(npy_header_bytes(np.dtype(np.float32), (3, 4)))
+    128
+    """
+    fmt = np.lib.format
+    header = {"descr": fmt.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+              "shape": tuple(int(n) for n in shape)}
+    buffer = io.BytesIO()
+    try:
+        fmt.write_array_header_1_0(buffer, header)
+    except ValueError:
+        buffer = io.BytesIO()
+        fmt.write_array_header_2_0(buffer, header)
+    return buffer.getvalue()
+
+
 def _write_header(fd: int, dtype: np.dtype, shape: tuple[int, ...]) -> NpyHeader:
     """Write a C-order ``.npy`` header into the new, empty file ``fd`` and extend the file to
     its full size (sparse, unwritten): the header. ``fd`` stays open."""
-    fmt = np.lib.format
-    header = {"descr": fmt.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
+    header = npy_header_bytes(dtype, shape)
     with open(fd, "wb", closefd=False) as f:
-        try:
-            fmt.write_array_header_1_0(f, header)
-        except ValueError:  # a header longer than 64 KiB (a very long shape or dtype)
-            f.seek(0)
-            f.truncate()
-            fmt.write_array_header_2_0(f, header)
-        offset = f.tell()
-        f.truncate(offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-    return NpyHeader(tuple(shape), dtype, False, offset)
+        f.write(header)
+        f.truncate(len(header) + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    return NpyHeader(tuple(shape), dtype, False, len(header))
 
 
 def write_region(block: Any, path: str, header: NpyHeader, region: tuple[slice, ...],
@@ -199,22 +214,25 @@ def no_workers_timeout() -> float:
 
 
 def run_writes(written: da.Array | list[Any],
-               progress: Callable[[int, int], None] | None) -> None:
+               progress: Callable[[int, int], None] | None, results: bool = False) -> Any:
     """Compute every write task of ``written``: an array with one element per write, or a list
-    of ``dask.delayed`` writes; on a distributed client, report ``progress(done, total)`` as
-    each write finishes (``distributed.as_completed``), and give up with
-    :class:`NoWorkersError` once the cluster has had no workers for
-    :func:`no_workers_timeout` seconds."""
+    of such arrays or of ``dask.delayed`` writes; on a distributed client, report
+    ``progress(done, total)`` as each write finishes (``distributed.as_completed``), and give
+    up with :class:`NoWorkersError` once the cluster has had no workers for
+    :func:`no_workers_timeout` seconds. With ``results``, returns what the writes returned,
+    as ``dask.compute(written)[0]`` would (else ``None``)."""
     if not distributed_client_active():
-        total = len(written) if isinstance(written, list) else math.prod(written.numblocks)
-        dask.compute(written)
+        total = sum(math.prod(w.numblocks) if isinstance(w, da.Array) else 1
+                    for w in (written if isinstance(written, list) else [written]))
+        (result,) = dask.compute(written)
         if progress is not None:
             progress(total, total)
-        return
+        return result if results else None
     from distributed import as_completed, default_client, futures_of
 
     client = default_client()
-    futures = futures_of(client.persist(written))
+    persisted = client.persist(written)
+    futures = futures_of(persisted)
     total, done = len(futures), 0
     completed = as_completed(futures)
     deserted, lost = threading.Event(), threading.Event()
@@ -261,6 +279,8 @@ def run_writes(written: da.Array | list[Any],
                 f"the cluster has had no workers for {no_workers_timeout():g} s (the last one "
                 f"left or died) with {total - done} of {total} chunks to go; nothing was written")
         client.gather(futures)  # raises what a failed chunk raised
+        # The writes' small results, from their futures.
+        result = dask.compute(persisted)[0] if results else None
     except BaseException:
         # Released, not cancelled: Client.cancel trips an assertion in distributed's scheduler
         # (stimulus_cancel, "assert ts.who_wants") for wanted keys whose dependents nobody
@@ -272,6 +292,7 @@ def run_writes(written: da.Array | list[Any],
         raise
     finally:
         finished.set()
+    return result
 
 
 def to_npy(x: Any, path: str | os.PathLike, *, overwrite: bool = False,

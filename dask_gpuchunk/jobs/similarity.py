@@ -19,10 +19,11 @@ from ..arrays import asarray
 from ..config import listed_graphs
 from ..devices import distributed_client_active
 from ..bits.gram import bitpack
-from ..io import npy_bytes, npy_reader_of, temporary_output
-from ..io.files import publish
+from ..io import npy_bytes, npy_reader_of
+from ..io.npz_writing import npz_bytes, write_npz
 from ..io.zarr_files import is_zarr_path
 from ..progress import BlockProgress
+from ..runtime.backend import to_host
 from .common import (
     InputError,
     Job,
@@ -63,8 +64,9 @@ def _similarity_words(x: Any, packed: bool, device: str, on_gpu: bool, selection
 
 
 def _on_host_all(result: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A top-k's or threshold's arrays with NumPy blocks (:func:`_on_host`)."""
-    return tuple(a.map_blocks(_on_host, dtype=a.dtype, meta=np.empty((0,) * a.ndim, a.dtype))
+    """A top-k's or threshold's arrays with NumPy blocks, made on the worker that holds each
+    (:func:`dask_gpuchunk.runtime.backend.to_host`)."""
+    return tuple(a.map_blocks(to_host, dtype=a.dtype, meta=np.empty((0,) * a.ndim, a.dtype))
                  for a in result)
 
 
@@ -136,21 +138,6 @@ def _on_device(block: Any) -> Any:
     import cupy
 
     return cupy.asarray(block)
-
-
-def _on_host(block: Any) -> np.ndarray:
-    """A result chunk as NumPy, made on the worker that holds it: the job's process then
-    receives plain bytes and needs no GPU of its own to read them."""
-    return block if isinstance(block, np.ndarray) else block.get()
-
-
-def _save_arrays(target: Path, arrays: dict[str, np.ndarray], overwrite: bool) -> None:
-    """``np.savez`` of ``arrays`` into a temporary file beside ``target``, published onto it
-    when complete (never half-written; an existing file replaced only with ``overwrite``)."""
-    with temporary_output(target) as (tmp, fd, key):
-        with open(fd, "wb", closefd=False) as f:
-            np.savez(f, **arrays)
-        publish(tmp, target, key, overwrite)
 
 
 def _check_similarity_inputs(paths: list[Any], headers: list[Any], packed: bool,
@@ -241,8 +228,9 @@ def similarity_job(
         raise OutputError(f"output {out}: top-k and threshold results go to a .npz file")
     dtype = score_dtype(metric)
     output = _output_options(out, compression, zarr_format) if dense else {}
-    nbytes = (npy_bytes(dtype, (n, m)) if dense
-              else n * int(top_k) * 12 if top_k is not None else 0)
+    nbytes = (npy_bytes(dtype, (n, m)) if dense else npz_bytes({
+        "indices": _ArrayInfo((n, int(top_k)), np.dtype(np.int64)),
+        "scores": _ArrayInfo((n, int(top_k)), np.dtype(dtype))}) if top_k is not None else 0)
     target = _check_output(out, paths, overwrite, nbytes, output)
 
     def words_of(i: int, rows: int, on_gpu: bool) -> Any:
@@ -293,17 +281,17 @@ def similarity_job(
                       if progress is not None else None)
             watching = (contextlib.nullcontext() if report is None
                         else BlockProgress(blocks, report))
-            with job_errors(), watching:
-                computed = dask.compute(*_on_host_all(result))
             names = ("indices", "scores") if top_k is not None else ("rows", "cols", "scores")
-            arrays = dict(zip(names, computed))
+            arrays = dict(zip(names, result))
             # The molecules' ids of .fps inputs: indices, cols index ids; rows query_ids.
             if len(paths) - 1 in fps:
                 arrays["ids"] = fps[len(paths) - 1].ids
             if queries is not None and 0 in fps:
                 arrays["query_ids"] = fps[0].ids
-            _save_arrays(target, arrays, overwrite)
-            pairs_found = None if top_k is not None else int(computed[0].shape[0])
+            # Each worker writes its row chunks into the .npz: no result passes through here.
+            with job_errors(), watching:
+                shapes = write_npz(target, arrays, overwrite)
+            pairs_found = None if top_k is not None else int(shapes["rows"][0])
             if report is not None:
                 report(blocks, blocks)
         seconds = time.perf_counter() - t0
