@@ -35,6 +35,9 @@ def test_top_k_of_a_npy_reads_its_chunks_where_the_blocks_run(rng, tmp_path, que
     graph = dict(indices.__dask_graph__())
     assert any(str(key).startswith("resident-words") for key in graph)
     assert not any(str(key).startswith("from-npy") for key in graph)  # no task reads for others
+    # Every worker's chains meet every chunk: its source reads them all ahead.
+    sources = [task for key, task in graph.items() if str(key).startswith("resident-words-x")]
+    assert [task[-1] for task in sources] == [((0, 60), (60, 61), (61, 151), (151, 230))]
     s = reference(x, x if wy is None else x[::-3], "dice")
     want_i, want_s = brute_top_k(s, 6, False, not queries)
     got_i, got_s = dask.compute(indices, scores)
@@ -231,6 +234,9 @@ def test_threshold_of_a_npy_reads_its_chunks_where_the_blocks_run(rng, tmp_path,
         # listed: no task reads a chunk for the blocks of others; else blockwise's from-npy
         assert any(str(key).startswith("resident-words") for key in graph) == listed
         assert any(key_split(key) == "from-npy" for key in graph) != listed
+        # A block of its own a task: no read-ahead of chunks a worker may never meet.
+        assert all(len(task) == 3 for key, task in graph.items()
+                   if str(key).startswith("resident-words"))
         rows, cols, scores = dask.compute(rows, cols, scores)
     s = reference(x, y, "dice")
     assert 0 < assert_pairs(rows, cols, scores, s, 0.3, exclude_self=not queries) < s.size // 4
