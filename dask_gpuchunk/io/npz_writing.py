@@ -203,12 +203,14 @@ def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
 
 
 def _write_rows(block: Any, path: str, key: tuple[int, int, int], data_offset: int,
-                row_bytes: int, member_dtype: np.dtype, block_info: dict) -> np.ndarray:
+                row_bytes: int, row_starts: tuple[int, ...], member_dtype: np.dtype,
+                block_info: dict) -> np.ndarray:
     """Write one chunk (whole rows, from the host or a GPU) at its rows' place in the archive
-    ``path`` (opened only where it is still the file ``key`` names); return its CRC-32 as a
-    one-element array of the block's rank (the writes then form an array)."""
-    location = block_info[0]["array-location"]
-    start = location[0][0] if location else 0
+    ``path`` (opened only where it is still the file ``key`` names; ``row_starts``: each
+    chunk's first row); return its CRC-32 as a one-element array of the block's rank (the
+    writes then form an array)."""
+    location = block_info[0]["chunk-location"]
+    start = row_starts[location[0]] if location else 0
     host = np.ascontiguousarray(to_host(block), dtype=member_dtype)
     raw = host.reshape(-1).view(np.uint8) if host.size and member_dtype.itemsize else b""
     crc = zlib.crc32(raw)
@@ -222,17 +224,43 @@ def _write_rows(block: Any, path: str, key: tuple[int, int, int], data_offset: i
     return np.full((1,) * host.ndim, crc, dtype=np.int64)
 
 
-def _whole_rows(x: Any) -> Any:
+def _whole_rows(name: str, x: Any) -> Any:
     """``x`` as a Dask array whose chunks hold whole rows (each a contiguous run of bytes in
-    C order), in native byte order; its chunk sizes computed (and its chunks kept where they
-    are) where they are not known."""
+    C order), in native byte order."""
     x = asarray(x)
+    if any(math.isnan(n) for n in x.shape[1:]):
+        raise ValueError(f"{name!r} has rows of unknown length ({x.shape}); only the number "
+                         "of rows may be unknown")
     dtype = _native(np.dtype(x.dtype))
     if x.dtype != dtype:
         x = x.astype(dtype)
     if x.ndim > 1 and any(len(c) > 1 for c in x.chunks[1:]):
         x = x.rechunk({axis: -1 for axis in range(1, x.ndim)})
     return x
+
+
+def _rows_of(block: Any) -> np.ndarray:
+    return np.array([len(block)], dtype=np.int64)
+
+
+def _rows_per_chunk(xs: list[Any]) -> list[tuple[int, ...]]:
+    """Each array's rows per chunk (``(1,)`` for a 0-d one). Arrays whose counts are not known
+    (a threshold's pairs) are computed and kept where they are first (``persist``, in the list
+    in place), then their chunks' lengths computed where they are: none of their rows moves.
+    ``compute_chunk_sizes`` would do the same, but dask's array query planning lacks it."""
+    unknown = [i for i, x in enumerate(xs) if x.ndim and any(math.isnan(n) for n in x.chunks[0])]
+    if unknown:
+        persisted = dask.persist(*(xs[i] for i in unknown))
+        for i, x in zip(unknown, persisted):
+            xs[i] = x
+        counts = dask.compute(*(
+            x.map_blocks(_rows_of, dtype=np.int64, chunks=((1,) * x.numblocks[0],),
+                         drop_axis=list(range(1, x.ndim)), meta=np.empty((0,), np.int64))
+            for x in persisted))
+    found = dict(zip(unknown, counts)) if unknown else {}
+    return [tuple(int(n) for n in found[i]) if i in found
+            else tuple(int(n) for n in x.chunks[0]) if x.ndim else (1,)
+            for i, x in enumerate(xs)]
 
 
 def write_npz(target: Path, arrays: dict[str, Any], overwrite: bool = False,
@@ -250,34 +278,30 @@ def write_npz(target: Path, arrays: dict[str, Any], overwrite: bool = False,
             raise ValueError(f"member name {name!r}: give a file name without a folder")
     check_target(target, overwrite)  # before anything is computed; the room once sizes are known
     names = list(arrays)
-    xs = [_whole_rows(arrays[name]) for name in names]
-    unknown = [i for i, x in enumerate(xs) if any(math.isnan(n) for c in x.chunks for n in c)]
-    if unknown:
-        persisted = dask.persist(*(xs[i] for i in unknown))
-        for i, x in zip(unknown, persisted):
-            xs[i] = x.compute_chunk_sizes()
-    infos = [_native_array_info(x) for x in xs]
+    xs = [_whole_rows(name, arrays[name]) for name in names]
+    rows = _rows_per_chunk(xs)
+    infos = [_ArrayInfo((sum(r), *x.shape[1:]) if x.ndim else (), np.dtype(x.dtype))
+             for x, r in zip(xs, rows)]
     check_target(target, overwrite, npz_bytes(dict(zip(names, infos))))
     members, directory = _layout(names, infos)
     readers = [reader for x in xs for reader in inputs_of(x)]
     with temporary_output(target) as (tmp, fd, key):
         writes = []
-        for x, info, member in zip(xs, infos, members):
+        row_bytes = [math.prod(info.shape[1:]) * info.dtype.itemsize for info in infos]
+        for x, info, member, counts, size in zip(xs, infos, members, rows, row_bytes):
             _pwrite_all(fd, member.npy_header, member.data_offset - len(member.npy_header))
-            row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
             writes.append(x.map_blocks(
                 _write_rows, dtype=np.int64, meta=np.empty((0,) * x.ndim, np.int64),
                 chunks=tuple((1,) * n for n in x.numblocks), **map_blocks_prefix("to-npz"),
-                path=str(tmp), key=key, data_offset=member.data_offset, row_bytes=row_bytes,
+                path=str(tmp), key=key, data_offset=member.data_offset, row_bytes=size,
+                row_starts=tuple(np.cumsum((0, *counts[:-1])).tolist()),
                 member_dtype=info.dtype))
         written = run_writes(writes, progress, results=True)
         crcs = []
-        for x, member, block_crcs in zip(xs, members, written):
+        for member, counts, size, block_crcs in zip(members, rows, row_bytes, written):
             crc = zlib.crc32(member.npy_header)
-            row_bytes = math.prod(x.shape[1:]) * x.dtype.itemsize
-            rows = x.chunks[0] if x.ndim else (1,)
-            for rows_in_block, block_crc in zip(rows, np.ravel(block_crcs)):
-                crc = crc32_combine(crc, int(block_crc), int(rows_in_block) * row_bytes)
+            for rows_in_block, block_crc in zip(counts, np.ravel(block_crcs)):
+                crc = crc32_combine(crc, int(block_crc), rows_in_block * size)
             crcs.append(crc)
         headers, central = _zip_records(members, crcs, directory)
         for offset, header in headers:
@@ -337,7 +361,7 @@ def to_npz(path: str | os.PathLike, *, overwrite: bool = False,
     >>> import tempfile, os
     >>> import dask.array as da
     >>> path = os.path.join(tempfile.mkdtemp(), "nn.npz")
-    >>> x = da.arange(12, chunks=5).reshape(4, 3)
+    >>> x = da.from_array(np.arange(12).reshape(4, 3), chunks=(3, 3))
     >>> _ = to_npz(path, indices=x, scores=(x / 2).astype(np.float32))
     >>> with np.load(path) as f:
     ...     f["indices"][1], f["scores"][3]
