@@ -87,7 +87,7 @@ def _resident_block(source: ResidentSource, rows_a: tuple[int, int], rows_b: tup
     a = rows_where_it_runs(source, *rows_a, device)
     b = a if diagonal else rows_where_it_runs(source, *rows_b, device)
     block = block_task(a, b, diagonal, method, device)
-    return backend.to_host(block) if backend.is_cupy(block) and not keep_on_device else block
+    return block if keep_on_device else backend.to_host(block)
 
 
 def resident_gram_slab(source: ResidentSource, rows_a: tuple[int, int],
@@ -110,7 +110,7 @@ def resident_gram_slab(source: ResidentSource, rows_a: tuple[int, int],
     a = rows_where_it_runs(source, *rows_a, device)
     slab = gram_slab(a, [rows_where_it_runs(source, *rows, device) for rows in others],
                      method, device)
-    return backend.to_host(slab) if backend.is_cupy(slab) else slab
+    return backend.to_host(slab)
 
 
 def _resident_graph(words: da.Array, reader: Any, method: str, device: str, meta: Any,

@@ -143,8 +143,11 @@ def npz_bytes(arrays: dict[str, Any]) -> int:
     >>> npz_bytes(arrays)  # 120 + 60 bytes of rows, two .npy headers, the zip's records
     824
     """
-    names = list(arrays)
-    members, directory = _layout(names, [_native_array_info(a) for a in arrays.values()])
+    return _archive_bytes(*_layout(list(arrays), [_native_array_info(a) for a in arrays.values()]))
+
+
+def _archive_bytes(members: list[_Member], directory: int) -> int:
+    """The archive's size: its members, then the central directory from ``directory``."""
     entries = sum(struct.calcsize(_CENTRAL_FMT) + len(m.name) + struct.calcsize(_CENTRAL_EXTRA)
                   for m in members)
     return (directory + entries + struct.calcsize(_END64_FMT) + struct.calcsize(_LOCATOR64_FMT)
@@ -282,8 +285,8 @@ def write_npz(target: Path, arrays: dict[str, Any], overwrite: bool = False,
     rows = _rows_per_chunk(xs)
     infos = [_ArrayInfo((sum(r), *x.shape[1:]) if x.ndim else (), np.dtype(x.dtype))
              for x, r in zip(xs, rows)]
-    check_target(target, overwrite, npz_bytes(dict(zip(names, infos))))
     members, directory = _layout(names, infos)
+    check_target(target, overwrite, _archive_bytes(members, directory))
     readers = [reader for x in xs for reader in inputs_of(x)]
     with temporary_output(target) as (tmp, fd, key):
         writes = []
