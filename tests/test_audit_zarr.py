@@ -135,6 +135,54 @@ def test_a_store_swapped_as_it_is_made_is_never_written_through(job, monkeypatch
     _assert_nothing_written_through(code, err, d, victim, swapped)
 
 
+@pytest.mark.parametrize("when", ["made", "kept open", "written", "published", "renamed"])
+def test_a_store_moved_away_and_not_yet_replaced_exits_4(job, monkeypatch, when):
+    # The attacker's rename and plant are two steps: a job that looks in between finds no
+    # store at its name, which is the same refusal (exit 4), whichever step of the job meets it.
+    from dask_gpuchunk.io import files, zarr_files, zarr_store
+
+    d, a, b = job
+    real_open, real_publish = os.open, zarr_store.publish_store
+    real_rename = files.rename_noreplace
+    moved: list[Path] = []
+    opens = {"made": 1, "kept open": 2, "written": 3}
+
+    def move_away(root: Path) -> None:
+        if not moved:
+            root.rename(d / "stolen")
+            moved.append(root)
+
+    def open_then_move(path, flags, *args, **kwargs):
+        name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else ""
+        if name.endswith(".partial") and ".c.zarr." in name:
+            opens[when] -= 1
+            if opens[when] == 0:
+                move_away(Path(name))
+        return real_open(path, flags, *args, **kwargs)
+
+    def publish_moved(target, dest, overwrite):
+        move_away(Path(target.root))
+        return real_publish(target, dest, overwrite)
+
+    def rename_moved(src, dst):
+        move_away(Path(src))
+        return real_rename(src, dst)
+
+    if when in opens:
+        monkeypatch.setattr(os, "open", open_then_move)
+    elif when == "published":
+        monkeypatch.setattr(zarr_files, "publish_store", publish_moved)
+    else:  # between the publish's check of the name and its rename
+        monkeypatch.setattr(files, "rename_noreplace", rename_moved)
+    code, err = _run_in(d, monkeypatch, "multiply", "a.zarr", "b.npy", "-o", "c.zarr",
+                        "--chunk-size", "2kB")
+    monkeypatch.setattr(os, "open", real_open)
+    assert moved
+    assert code == 4, err
+    assert "the job's temporary" in err and "\n" not in err, err
+    assert not (d / "c.zarr").exists()
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
                     reason="needs root, to run the attacker as another user")
 def test_another_user_swapping_the_store_of_a_root_job(rng, request_cleanup):

@@ -115,6 +115,30 @@ def test_a_file_swapped_in_between_the_check_and_the_rename_is_taken_back(tmp_pa
     assert not (tmp_path / "out.npy").exists()
 
 
+
+@pytest.mark.parametrize("when", ["before the check", "between the check and the rename"])
+def test_a_temporary_file_moved_away_is_refused_not_missing(tmp_path, monkeypatch, when):
+    # A neighbour's rename caught before they plant anything: the same refusal as a swap
+    # (the jobs' exit 4), not a bare FileNotFoundError (exit 1).
+    tmp, ident = _made(tmp_path, ".out.npy.partial")
+    if when == "before the check":
+        os.rename(tmp, tmp_path / "moved away")
+    else:
+        real_lstat = os.lstat
+
+        def move_after_the_check(path, *args, **kwargs):
+            st = real_lstat(path, *args, **kwargs)
+            if os.fspath(path) == os.fspath(tmp):
+                os.rename(tmp, tmp_path / "moved away")
+            return st
+
+        monkeypatch.setattr(files.os, "lstat", move_after_the_check)
+    with pytest.raises(FileReplacedError, match="nothing was published"):
+        files.publish(tmp, tmp_path / "out.npy", ident, overwrite=False)
+    monkeypatch.undo()
+    assert not (tmp_path / "out.npy").exists()
+    assert (tmp_path / "moved away").read_bytes() == b"result"
+
 def test_a_temporary_file_replaced_by_another_file_is_refused(tmp_path):
     # (Moved away rather than removed: a removed file's inode number may go to the next new
     # file at once; the key's owner tells another user's file apart then.)

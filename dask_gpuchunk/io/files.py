@@ -37,6 +37,7 @@ __all__ = [
     "publish",
     "refuse_unless_regular",
     "rename_noreplace",
+    "rename_own",
 ]
 
 
@@ -193,6 +194,29 @@ def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
 _RENAME_EXCHANGE = 2
 
 
+
+def rename_own(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
+    """:func:`rename_noreplace` of a job's temporary ``tmp`` onto ``target``:
+    :class:`FileReplacedError` where ``tmp`` was moved away meanwhile (a neighbour's rename
+    caught before they put anything in its place), not a bare ``FileNotFoundError``.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> rename_own(d / ".out.partial", d / "out")
+    Traceback (most recent call last):
+    ...
+    dask_gpuchunk.io.files.FileReplacedError: [Errno 116] ... moved away as it was published; ...
+    """
+    try:
+        rename_noreplace(tmp, target)
+    except FileNotFoundError:
+        if os.path.lexists(tmp):
+            raise  # target's directory is gone: an error of its own
+        raise FileReplacedError(errno.ESTALE, f"the job's temporary {os.fspath(tmp)} was moved "
+                                "away as it was published; nothing was published") from None
+
 def exchange(a: str | os.PathLike, b: str | os.PathLike) -> None:
     """Swap the names ``a`` and ``b`` (both must exist) in one step where the file system has
     ``renameat2(RENAME_EXCHANGE)``; elsewhere in three renames through a third name beside
@@ -226,16 +250,19 @@ def publish(tmp: str | os.PathLike, target: str | os.PathLike, key: tuple[int, i
     appeared meanwhile). With it, replaces only a regular file, whose permission bits the new
     file takes; a directory, device node, FIFO or symlink at ``target`` is refused.
     """
-    st = os.lstat(tmp)
-    if file_key(st) != tuple(key) or not stat.S_ISREG(st.st_mode):
+    try:
+        st = os.lstat(tmp)
+    except FileNotFoundError:  # moved away, nothing (yet) in its place
+        st = None
+    if st is None or file_key(st) != tuple(key) or not stat.S_ISREG(st.st_mode):
         raise FileReplacedError(errno.ESTALE, f"the job's temporary file {os.fspath(tmp)} was "
-                                "replaced; nothing was published")
+                                "removed or replaced; nothing was published")
     try:
         old = os.lstat(target) if overwrite else None
     except FileNotFoundError:
         old = None
     if old is None:
-        rename_noreplace(tmp, target)  # appeared meanwhile: still only a regular file replaced
+        rename_own(tmp, target)  # appeared meanwhile: still only a regular file replaced
     else:
         refuse_unless_regular(target, old)
         os.chmod(tmp, stat.S_IMODE(old.st_mode), follow_symlinks=False)

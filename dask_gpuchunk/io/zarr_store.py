@@ -34,8 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._kernels.gram import c_ordered
-from .files import (FileReplacedError, check_published, exchange, file_key,
-                    rename_noreplace)
+from .files import FileReplacedError, check_published, exchange, file_key, rename_own
 
 __all__ = ["COMPRESSIONS", "WRITER_ATTRIBUTE", "StoreTarget", "check_compression",
            "check_replaceable", "chunk_key_parser", "create_store", "open_store",
@@ -229,18 +228,25 @@ def _write_all(fd: int, pieces: list[memoryview]) -> None:
             written = 0
 
 
+
+def _open_directory(root: str | os.PathLike, consequence: str) -> int:
+    """The job's temporary store ``root`` opened as a directory, not through a symlink:
+    :class:`FileReplacedError` (saying ``consequence``) where its name no longer holds a
+    directory (moved away, removed, a symlink or a file in its place)."""
+    try:
+        return os.open(root, _DIR_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+            raise FileReplacedError(exc.errno, f"the job's temporary store {root} was removed "
+                                    "or replaced (the job failed or was stopped, or someone "
+                                    f"moved it); {consequence}") from None
+        raise
+
 @contextlib.contextmanager
 def _opened(target: StoreTarget) -> Iterator[int]:
     """The store's directory, opened without following a symlink and checked to be the one
     the job made (:class:`FileReplacedError` otherwise: nothing is written)."""
-    try:
-        fd = os.open(target.root, _DIR_FLAGS)
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-            raise FileReplacedError(exc.errno, f"the job's temporary store {target.root} was "
-                                    "removed or replaced (the job failed or was stopped, or "
-                                    "someone moved it); this chunk is not written") from None
-        raise
+    fd = _open_directory(target.root, "this chunk is not written")
     try:
         if file_key(os.fstat(fd)) != tuple(target.key):
             raise FileReplacedError(errno.ESTALE, f"the job's temporary store {target.root} was "
@@ -258,7 +264,8 @@ def create_store(tmp: Path, shape: tuple[int, ...], chunks: tuple[int, ...], dty
     """Make the temporary store ``tmp`` (mode 0700, which must not exist) with its metadata:
     the :class:`StoreTarget` the writing tasks take."""
     os.mkdir(tmp, 0o700)
-    fd = os.open(tmp, _DIR_FLAGS)
+    # Moved away between the mkdir and the open: what is left there is not the job's.
+    fd = _open_directory(tmp, "nothing is written into it")
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or st.st_mode & 0o077 or os.listdir(fd):
@@ -335,13 +342,16 @@ def publish_store(target: StoreTarget, dest: Path, overwrite: bool) -> None:
     (:func:`check_replaceable`), swapped in one step where the file system can, the old store
     then removed."""
     root = Path(target.root)
-    st = os.lstat(root)
-    if file_key(st) != tuple(target.key) or not stat.S_ISDIR(st.st_mode):
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:  # moved away, nothing (yet) in its place
+        st = None
+    if st is None or file_key(st) != tuple(target.key) or not stat.S_ISDIR(st.st_mode):
         raise FileReplacedError(errno.ESTALE, f"the job's temporary store {root} was replaced; "
                                 "nothing was published")
     os.chmod(root, 0o777 & ~_umask(), follow_symlinks=False)  # as a new directory's
     if not overwrite or not os.path.lexists(dest):
-        rename_noreplace(root, dest)
+        rename_own(root, dest)
         check_published(root, dest, target.key)
         return
     check_replaceable(dest)
@@ -360,7 +370,7 @@ def open_store(target: StoreTarget) -> int:
     """A descriptor of the store's directory, checked to be the one the job made: kept by the
     job while it writes, so that :func:`remove_store` finds its entries wherever the directory
     is moved."""
-    fd = os.open(target.root, _DIR_FLAGS)
+    fd = _open_directory(target.root, "nothing is written into it")
     if file_key(os.fstat(fd)) != tuple(target.key):
         os.close(fd)
         raise FileReplacedError(errno.ESTALE, f"the job's temporary store {target.root} was "
