@@ -533,16 +533,22 @@ CHUNK_ARGS = 5
 
 
 def chain_rounds(*args: Any, rounds: tuple, symmetric: bool, selection: Selection,
-                 method: str, device: str) -> tuple:
+                 method: str, device: str, firsts: tuple = ()) -> tuple:
     """Consecutive rounds of one top-k chain in one task: ``args`` holds ``CHUNK_ARGS`` for
     each chunk taking part (words, popcounts, first row, and its state so far as ``previous,
     slot``; ``None, 0`` for a database chunk, which has none), ``rounds`` each round's
-    blocks as pairs of places in that list. Each round runs as a task of
+    blocks as pairs of places in that list. ``firsts``: pairs of places ``(a, b)`` whose
+    chunk ``a`` begins its state here, by :func:`first_state` against ``b`` (itself: its
+    diagonal block), before the rounds. Each round runs as a task of
     :func:`next_states_of_blocks` would, on the states the rounds before left; returns each
     chunk's last state (``None`` where it has none), in the order of ``args``."""
     chunks = [args[i:i + CHUNK_ARGS] for i in range(0, len(args), CHUNK_ARGS)]
     states = [None if previous is None else previous[slot]
               for _, _, _, previous, slot in chunks]
+    for a, b in firsts:
+        (words_a, pops_a, first_a), (words_b, pops_b, first_b) = chunks[a][:3], chunks[b][:3]
+        states[a] = first_state(words_a, words_b, pops_a, pops_b, first_a, first_b, a == b,
+                                selection=selection, method=method, device=device)[0]
     for blocks in rounds:
         call: list[Any] = []
         for a, b in blocks:

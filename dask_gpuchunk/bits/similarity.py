@@ -9,7 +9,7 @@ Top-k, where small graphs are listed (:func:`dask_gpuchunk.config.listed_graphs`
 *states* (each row's best ``k`` keys so far) per row chunk. A row chunk's first block (all pairs:
 its diagonal block; queries: the first database chunk) is computed and selected the plain way; then
 one task per further block updates the states of its row chunk and (all pairs) of its column chunk,
-in rounds of disjoint chunk pairs (:func:`dask_gpuchunk.bits.similarity_graphs.round_robin`), so
+in rounds of disjoint chunk pairs (:func:`dask_gpuchunk.bits.top_k_tiles.round_robin`), so
 that a round's tasks run at once and only states (``8 k`` bytes a row) move between them. On the
 1-bit tensor cores the block is selected in the kernel's epilogue against the states
 (:mod:`dask_gpuchunk._kernels.bmma_select`; on Hopper, of the ``wgmma`` kernel:

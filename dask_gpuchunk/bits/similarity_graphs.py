@@ -16,9 +16,11 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import List, Task, TaskRef
 
+from .. import config
 from .._kernels import similarity as kernels
 from ..devices import cluster_workers, gpu_available
 from ..io import npy_reader_of
+from ..runtime.budget import working_budget
 from ..runtime.resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 from .selection import (
     Selection,
@@ -32,9 +34,10 @@ from .selection import (
     state_of,
     upper_block,
 )
+from .top_k_tiles import add_tile_tasks, chunk_groups, round_robin, tile_groups
 
 __all__ = ["CPU_BLOCKS_PER_TASK", "GPU_BLOCKS_PER_TASK", "chains_for", "merged_keys",
-           "merged_pairs", "round_robin", "threshold_pairs", "top_k_chain"]
+           "merged_pairs", "threshold_pairs", "top_k_chain"]
 
 #: Blocks a task of the top-k chain computes at most on GPUs, in whole rounds one after the
 #: other (at least a round). On a cluster a task waits for a trip through the scheduler before
@@ -59,21 +62,6 @@ def chains_for(workers: int, rounds: int) -> int:
     (1, 4, 2, 1)
     """
     return max(1, min(workers, rounds))
-
-
-def round_robin(count: int) -> list[tuple[int, int]]:
-    """Every pair ``i < j`` of ``count`` chunks once, in rounds where each chunk meets one
-    other (the circle method): a round's blocks update disjoint states, so they run at once."""
-    players = list(range(count)) + ([None] if count % 2 else [])
-    size = len(players)
-    order = []
-    for _ in range(size - 1):
-        for p in range(size // 2):
-            i, j = players[p], players[size - 1 - p]
-            if i is not None and j is not None:
-                order.append((min(i, j), max(i, j)))
-        players = [players[0], players[-1], *players[1:-1]]
-    return order
 
 
 def _resident_popcounts(source: ResidentSource, start: int, stop: int, device: str) -> Any:
@@ -131,7 +119,11 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     begins from every first state, gathered by a task that distributed hands to a worker of
     its own (a data producer: a root task, which goes where a thread is free, not where its
     dependencies are), and takes the rounds ``r`` with ``r % chains == c``, which follow it
-    there; a chunk's states of the chains merge at the end (:func:`merged_chain_states`)."""
+    there; a chunk's states of the chains merge at the end (:func:`merged_chain_states`).
+
+    Where the tuned choice ``top-k-schedule`` is ``"tiles"`` (:mod:`dask_gpuchunk.config`),
+    all pairs on GPUs run in tiles of row-chunk groups instead
+    (:mod:`dask_gpuchunk.bits.top_k_tiles`): one state per row chunk, nothing merged."""
     k = selection.k
     chunks_x, chunks_y = len(wx.chunks[0]), len(wy.chunks[0])
     if all_pairs:  # rounds of disjoint chunk pairs
@@ -140,8 +132,10 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
         rounds = [order[r:r + per_round] for r in range(0, len(order), per_round)]
     else:  # a round per database chunk: each query chunk's state once
         rounds = [[(i, j) for i in range(chunks_x)] for j in range(1, chunks_y)]
-    chains = chains_for(cluster_workers(), len(rounds))
-    token = tokenize(wx, wy, selection, method, device, chains)
+    tiles = (all_pairs and device != "cpu" and gpu_available()
+             and config.get("top-k-schedule") == "tiles")
+    chains = 1 if tiles else chains_for(cluster_workers(), len(rounds))
+    token = tokenize(wx, wy, selection, method, device, chains, tiles)
     name, first, begin, step = (f"similarity-top-k-{token}", f"similarity-first-{token}",
                                 f"similarity-begin-{token}", f"similarity-step-{token}")
     starts_x = [start for start, _ in row_bounds(wx.chunks[0])]
@@ -152,45 +146,20 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     # first states had not (2.5 s against 2.1 s in one process for 10**7 rows).
     words_x, pops_x, words_y, pops_y, needs = _chunk_refs_of_both(wx, wy, pop_x, pop_y, device,
                                                                  dsk, token, read_ahead=True)
-    # Read from a .npy, a first block's only dependency is the words' source: marked a data
-    # producer, it goes to a worker with a free thread, not where the source was made.
-    first_task = functools.partial(first_state, **opts)
-    for i in range(chunks_x):
-        j = i if all_pairs else 0
-        dsk[(first, i)] = Task((first, i), first_task, words_x[i], words_y[j], pops_x[i],
-                               pops_y[j], starts_x[i], starts_y[j], all_pairs,
-                               _data_producer=not needs)
-    # latest[c][i]: the task and slot holding chain c's state of row chunk i so far.
-    if chains == 1:
-        latest = [{i: ((first, i), 0) for i in range(chunks_x)}]
+    if tiles:  # each row chunk's first state in its group's own task
+        groups = chunk_groups(chunks_x, tile_groups(
+            chunks_x, wx.shape[0], wx.shape[1] * wx.dtype.itemsize, k, working_budget(),
+            cluster_workers()))
+        latest = [add_tile_tasks(dsk, step, groups, opts, (words_x, pops_x, starts_x),
+                                 not needs)]
     else:
-        latest = []
-        for c in range(chains):
-            dsk[(begin, c)] = Task((begin, c), gathered,
-                                   *(TaskRef((first, i)) for i in range(chunks_x)),
-                                   _data_producer=True)
-            latest.append({i: ((begin, c), i) for i in range(chunks_x)})
-    if device != "cpu" and gpu_available():  # rounds several to a task
-        for c in range(chains):
-            _add_chain_tasks(dsk, step, rounds, c, chains, latest[c], all_pairs, opts,
-                             (words_x, pops_x, starts_x), (words_y, pops_y, starts_y))
-    else:  # a round in tasks of at most CPU_BLOCKS_PER_TASK blocks
-        next_task = functools.partial(next_states_of_blocks, **opts)
-        for r, blocks in enumerate(rounds):
-            held = latest[r % chains]
-            tasks = -(-len(blocks) // CPU_BLOCKS_PER_TASK)
-            for t in range(tasks):
-                key = (step, r, t)
-                args: list[Any] = []
-                mine = blocks[t * len(blocks) // tasks:(t + 1) * len(blocks) // tasks]
-                for i, j in mine:
-                    args += [words_x[i], words_y[j], pops_x[i], pops_y[j], starts_x[i],
-                             starts_y[j], *_ref(held[i]), *_ref(held[j] if all_pairs else None)]
-                dsk[key] = Task(key, next_task, *args)
-                for b, (i, j) in enumerate(mine):
-                    held[i] = (key, 2 * b)
-                    if all_pairs:
-                        held[j] = (key, 2 * b + 1)
+        x, y = (words_x, pops_x, starts_x), (words_y, pops_y, starts_y)
+        latest = _first_states(dsk, first, begin, chains, all_pairs, opts, not needs, x, y)
+        if device != "cpu" and gpu_available():  # rounds several to a task
+            for c in range(chains):
+                _add_chain_tasks(dsk, step, rounds, c, chains, latest[c], all_pairs, opts, x, y)
+        else:
+            _add_cpu_rounds(dsk, step, rounds, latest, all_pairs, opts, x, y)
     for i in range(chunks_x):
         key = (name, i, 0)
         if chains == 1:
@@ -200,6 +169,57 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
                             *(part for held in latest for part in _ref(held[i])))
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=needs)
     return da.Array(graph, name, (wx.chunks[0], (k,)), dtype=np.uint64, meta=meta)
+
+
+def _first_states(dsk: dict, first: str, begin: str, chains: int, all_pairs: bool, opts: dict,
+                  producer: bool, x: tuple, y: tuple) -> list[dict[int, tuple[Any, int]]]:
+    """Each row chunk's first block into ``dsk`` (all pairs: its diagonal block; else against
+    the first database chunk), and, for several chains, each chain's beginning gathering them
+    all: where each chain's state of each row chunk begins, ``[{chunk: (task, slot)}]``.
+    ``producer``: the words come from a ``.npy`` source, a first block's only dependency;
+    marked a data producer, it goes to a worker with a free thread, not where the source was
+    made."""
+    (words_x, pops_x, starts_x), (words_y, pops_y, starts_y) = x, y
+    first_task = functools.partial(first_state, **opts)
+    for i in range(len(words_x)):
+        j = i if all_pairs else 0
+        dsk[(first, i)] = Task((first, i), first_task, words_x[i], words_y[j], pops_x[i],
+                               pops_y[j], starts_x[i], starts_y[j], all_pairs,
+                               _data_producer=producer)
+    if chains == 1:
+        return [{i: ((first, i), 0) for i in range(len(words_x))}]
+    latest = []
+    for c in range(chains):
+        dsk[(begin, c)] = Task((begin, c), gathered,
+                               *(TaskRef((first, i)) for i in range(len(words_x))),
+                               _data_producer=True)
+        latest.append({i: ((begin, c), i) for i in range(len(words_x))})
+    return latest
+
+
+def _add_cpu_rounds(dsk: dict, step: str, rounds: list[list[tuple[int, int]]],
+                    latest: list[dict], all_pairs: bool, opts: dict, x: tuple, y: tuple
+                    ) -> None:
+    """The chains' tasks on the CPU: each round ``r`` (chain ``r % chains``) in tasks of at
+    most :data:`CPU_BLOCKS_PER_TASK` blocks; ``latest`` (each chain's ``{chunk: (task,
+    slot)}``) follows them."""
+    (words_x, pops_x, starts_x), (words_y, pops_y, starts_y) = x, y
+    next_task = functools.partial(next_states_of_blocks, **opts)
+    for r, blocks in enumerate(rounds):
+        held = latest[r % len(latest)]
+        tasks = -(-len(blocks) // CPU_BLOCKS_PER_TASK)
+        for t in range(tasks):
+            key = (step, r, t)
+            args: list[Any] = []
+            mine = blocks[t * len(blocks) // tasks:(t + 1) * len(blocks) // tasks]
+            for i, j in mine:
+                args += [words_x[i], words_y[j], pops_x[i], pops_y[j], starts_x[i],
+                         starts_y[j], *_ref(held[i]), *_ref(held[j] if all_pairs else None)]
+            dsk[key] = Task(key, next_task, *args)
+            for b, (i, j) in enumerate(mine):
+                held[i] = (key, 2 * b)
+                if all_pairs:
+                    held[j] = (key, 2 * b + 1)
 
 
 def _add_chain_tasks(dsk: dict, step: str, rounds: list[list[tuple[int, int]]], chain: int,

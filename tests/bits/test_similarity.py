@@ -244,7 +244,7 @@ def test_dense_scores_agree_with_scipy_on_non_empty_rows(rng):
 
 @pytest.mark.parametrize("count", [1, 2, 5, 8])
 def test_round_robin_meets_every_pair_once_in_rounds_of_disjoint_chunks(count):
-    from dask_gpuchunk.bits.similarity_graphs import round_robin
+    from dask_gpuchunk.bits.top_k_tiles import round_robin
 
     order = round_robin(count)
     assert sorted(order) == [(i, j) for i in range(count) for j in range(i + 1, count)]

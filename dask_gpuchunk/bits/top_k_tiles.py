@@ -1,0 +1,150 @@
+"""The top-k of all pairs on GPUs in tiles of row-chunk groups, one state per row chunk.
+
+The row chunks are cut into groups of consecutive chunks. A group's first task computes each
+of its chunks' first state (the chunk against itself) and then every block between two of its
+chunks; then the groups meet in rounds of disjoint pairs (the circle method,
+:func:`round_robin`), a task per pair of groups running
+every block between a chunk of one and a chunk of the other, in rounds of disjoint chunk pairs
+(:func:`bipartite_rounds`), on the states the groups' previous tasks left. A task holds the
+words and states of its two groups only, so the groups are cut for the device's budget
+(:func:`tile_groups`); the tasks of a round are independent, so a cluster's workers take them
+side by side. Against the chains of :func:`~dask_gpuchunk.bits.similarity_graphs.top_k_chain`
+(a chain per worker, each holding every row's state, merged at the end): each row has one
+state, which has seen every block before it; no chain's beginning is gathered, nothing is
+merged; a task's memory is bounded by its two groups. Which of the two schedules the package
+runs is the tuned choice ``top-k-schedule`` (:mod:`dask_gpuchunk.config`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+from dask.task_spec import Task, TaskRef
+
+from .selection import chain_rounds
+
+__all__ = ["TILE_CHUNKS", "add_tile_tasks", "bipartite_rounds", "chunk_groups",
+           "round_robin", "tile_groups"]
+
+#: Row chunks a group takes at most: a task between two groups then runs at most
+#: ``TILE_CHUNKS ** 2`` blocks, as a task of the chains takes up to
+#: :data:`~dask_gpuchunk.bits.similarity_graphs.GPU_BLOCKS_PER_TASK` (1024).
+TILE_CHUNKS = 32
+#: Part of the device's working budget a task's two groups may take (their words and
+#: popcounts, their states before and after): the rest is for the states the other groups'
+#: tasks hold, the source's kept chunks and the blocks' scratch.
+TILE_BUDGET_FRACTION = 1 / 3
+
+
+def tile_groups(chunks: int, rows: int, row_bytes: int, k: int, budget: int,
+                workers: int) -> int:
+    """How many groups ``chunks`` row chunks of ``rows`` rows in all (``row_bytes`` bytes of
+    words each) are cut into for a top-``k`` in tiles: enough that two groups' words,
+    popcounts and states (before and after) fit :data:`TILE_BUDGET_FRACTION` of ``budget``,
+    that no group has more than :data:`TILE_CHUNKS` chunks, and, on a cluster of ``workers``,
+    a multiple of twice the workers (each round then has as many tasks for each); at most one
+    group a chunk.
+
+    Examples
+    --------
+    >>> tile_groups(306, 10**7, 256, 10, 7 << 30, 1)  # 10**7 rows, 8 GiB cap: by chunk count
+    10
+    >>> tile_groups(306, 10**7, 256, 10, 7 << 30, 2)  # two workers: a multiple of four
+    12
+    >>> tile_groups(306, 10**7, 256, 10, 1800 << 20, 1)  # 2 GiB cap: by memory
+    14
+    >>> tile_groups(3, 30, 256, 10, 7 << 30, 4)
+    3
+    """
+    per_row = row_bytes + 4 + 2 * 8 * k
+    by_memory = math.ceil(2 * rows * per_row / max(budget * TILE_BUDGET_FRACTION, 1))
+    groups = max(by_memory, math.ceil(chunks / TILE_CHUNKS), 1)
+    if workers > 1:
+        groups = max(groups, 2 * workers)
+        groups = -(-groups // (2 * workers)) * 2 * workers
+    return max(1, min(groups, chunks))
+
+
+def chunk_groups(chunks: int, groups: int) -> list[range]:
+    """``chunks`` row chunks cut into ``groups`` runs of consecutive chunks, their sizes
+    differing by one at most.
+
+    Examples
+    --------
+    >>> chunk_groups(7, 3)
+    [range(0, 2), range(2, 4), range(4, 7)]
+    """
+    return [range(g * chunks // groups, (g + 1) * chunks // groups) for g in range(groups)]
+
+
+def round_robin(count: int) -> list[tuple[int, int]]:
+    """Every pair ``i < j`` of ``count`` chunks once, in rounds where each chunk meets one
+    other (the circle method): a round's blocks update disjoint states, so they run at once."""
+    players = list(range(count)) + ([None] if count % 2 else [])
+    size = len(players)
+    order = []
+    for _ in range(size - 1):
+        for p in range(size // 2):
+            i, j = players[p], players[size - 1 - p]
+            if i is not None and j is not None:
+                order.append((min(i, j), max(i, j)))
+        players = [players[0], players[-1], *players[1:-1]]
+    return order
+
+
+def bipartite_rounds(a: list[Any], b: list[Any]) -> list[list[tuple[Any, Any]]]:
+    """Every pair of an item of ``a`` and one of ``b`` once, in rounds where each item is in
+    one pair at most: as many rounds as the longer list has items.
+
+    Examples
+    --------
+    >>> bipartite_rounds([0, 1], [5, 6, 7])
+    [[(0, 5), (1, 6)], [(0, 6), (1, 7)], [(0, 7), (1, 5)]]
+    >>> bipartite_rounds([0, 1, 2], [9])
+    [[(0, 9)], [(1, 9)], [(2, 9)]]
+    """
+    short, long_ = (a, b) if len(a) <= len(b) else (b, a)
+    rounds = []
+    for shift in range(len(long_)):
+        pairs = [(s, long_[(t + shift) % len(long_)]) for t, s in enumerate(short)]
+        rounds.append(pairs if short is a else [(p, q) for q, p in pairs])
+    return rounds
+
+
+def add_tile_tasks(dsk: dict, step: str, groups: list[range], opts: dict, chunk_args: tuple,
+                   data_producer: bool) -> dict[int, tuple[Any, int]]:
+    """The tasks of the tiles into ``dsk`` (keys ``(step, g, h)``): each group's own task,
+    then a task for each pair of groups, in the order of their rounds (:func:`round_robin`);
+    all pairs, symmetric. ``chunk_args``: the chunks' words, popcounts and first rows
+    (lists). Returns where each row chunk's last state is: ``{chunk: (task, slot)}``.
+    ``data_producer``: the groups' own tasks need nothing but the words' source, and go where
+    a thread is free."""
+    words, pops, starts = chunk_args
+    held: dict[int, tuple[Any, int]] = {}
+
+    def add(key: tuple, members: list[int], firsts: tuple, rounds: list, producer: bool) -> None:
+        place = {chunk: p for p, chunk in enumerate(members)}
+        args: list[Any] = []
+        for chunk in members:
+            state = (None, 0) if chunk not in held else (TaskRef(held[chunk][0]),
+                                                         held[chunk][1])
+            args += [words[chunk], pops[chunk], starts[chunk], *state]
+        plan = tuple(tuple((place[i], place[j]) for i, j in blocks) for blocks in rounds)
+        dsk[key] = Task(key, functools.partial(
+            chain_rounds, rounds=plan, firsts=tuple((place[c], place[c]) for c in firsts),
+            symmetric=True, **opts), *args, _data_producer=producer)
+        for chunk, p in place.items():
+            held[chunk] = (key, p)
+
+    for g, members in enumerate(groups):
+        own = list(members)
+        order = [(own[i], own[j]) for i, j in round_robin(len(own))]
+        per_round = max(len(own) // 2, 1)
+        rounds = [order[r:r + per_round] for r in range(0, len(order), per_round)]
+        add((step, g, g), own, tuple(own), rounds, data_producer)
+    for g, h in round_robin(len(groups)):
+        add((step, g, h), [*groups[g], *groups[h]], (),
+            bipartite_rounds(list(groups[g]), list(groups[h])), False)
+    return held

@@ -1,0 +1,138 @@
+"""The top-k of all pairs in tiles of row-chunk groups (``top-k-schedule: tiles``): the pair
+schedules, the groups' count, the graph as on GPUs run here against a brute force, and on a
+cluster the tasks of a round side by side with only states moving."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask.utils import key_split
+from similarity_reference import brute_top_k, fingerprints, reference
+
+import dask_gpuchunk as dg
+from dask_gpuchunk import config
+from dask_gpuchunk.bits.top_k_tiles import (TILE_BUDGET_FRACTION, bipartite_rounds,
+                                            chunk_groups, tile_groups)
+
+QUERY_PLANNING = type(da.ones(1)).__module__.startswith("dask.array._array_expr")
+TILES = {"top-k-schedule": "tiles"}
+
+
+@pytest.mark.parametrize("a, b", [(1, 1), (2, 3), (3, 2), (4, 4), (5, 1), (7, 9)])
+def test_bipartite_rounds_meet_every_pair_once_in_rounds_of_disjoint_items(a, b):
+    left, right = list(range(a)), list(range(100, 100 + b))
+    rounds = bipartite_rounds(left, right)
+    assert len(rounds) == max(a, b)
+    pairs = [pair for blocks in rounds for pair in blocks]
+    assert sorted(pairs) == sorted(itertools.product(left, right))  # each once, left first
+    for blocks in rounds:
+        items = [item for pair in blocks for item in pair]
+        assert len(items) == len(set(items))
+
+
+@pytest.mark.parametrize("chunks, rows, budget, workers", [
+    (306, 10**7, 7 << 30, 1), (306, 10**7, 1800 << 20, 2), (40, 10**6, 64 << 20, 3),
+    (5, 5000, 7 << 30, 4), (1, 10, 7 << 30, 2), (1000, 10**8, 7 << 30, 8)])
+def test_tile_groups_fit_the_budget_and_share_the_workers(chunks, rows, budget, workers):
+    groups = tile_groups(chunks, rows, 256, 10, budget, workers)
+    assert 1 <= groups <= chunks
+    cut = chunk_groups(chunks, groups)
+    assert [c for g in cut for c in g] == list(range(chunks))
+    assert max(map(len, cut)) - min(map(len, cut)) <= 1
+    if groups < chunks:  # two groups' words, popcounts and states fit the task's share
+        biggest = 2 * -(-rows // groups) * (256 + 4 + 160)
+        assert biggest <= budget * TILE_BUDGET_FRACTION * 1.01 or groups * 32 >= chunks
+        if workers > 1:
+            assert groups % (2 * workers) == 0
+
+
+def _tile_steps(indices) -> list:
+    return [key for key in dict(indices.__dask_graph__())
+            if isinstance(key, tuple) and key_split(key) == "similarity-step"]
+
+
+@pytest.mark.skipif(QUERY_PLANNING, reason="the top-k is listed where graphs are listed")
+@pytest.mark.parametrize("workers, most", [(1, 4), (2, 3), (3, 32)])
+@pytest.mark.parametrize("metric", ["tanimoto", "hamming"])
+def test_top_k_in_tiles_matches_numpy(xp, rng, monkeypatch, workers, most, metric):
+    # The graph as on GPUs (run here): a task per group and per pair of groups, every row's
+    # one state, nothing merged; uneven chunks.
+    graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
+    for name in ("dask_gpuchunk.bits.similarity_graphs", "dask_gpuchunk.bits.similarity"):
+        monkeypatch.setattr(importlib.import_module(name), "cluster_workers", lambda: workers)
+    monkeypatch.setattr(graphs, "gpu_available", lambda: True)
+    monkeypatch.setattr(graphs, "working_budget", lambda: 1 << 40)  # sized by chunk count
+    monkeypatch.setattr("dask_gpuchunk.bits.top_k_tiles.TILE_CHUNKS", most)
+    host = (lambda a: a) if xp is np else (lambda a: a.get())
+    x = fingerprints(rng, 230, 90)
+    chunks = (10,) * 8 + (7, 12, 1) + (10,) * 13  # 24 chunks
+    with config.internal_values(TILES):
+        indices, scores = dg.similarity(dg.asarray(xp.asarray(x), chunks=(chunks, -1)),
+                                        metric=metric, top_k=4)
+    graph = dict(indices.__dask_graph__())
+    assert not any(key_split(key) in ("similarity-first", "similarity-begin")
+                   for key in graph if isinstance(key, tuple))
+    groups = len({key[1] for key in _tile_steps(indices) if key[1] == key[2]})
+    assert groups == tile_groups(24, 230, 90 // 8 + 1, 4, 1 << 40, workers)
+    assert len(_tile_steps(indices)) == groups * (groups + 1) // 2
+    want_i, want_s = brute_top_k(reference(x, x, metric), 4, metric == "hamming", True)
+    got_i, got_s = map(host, dask.compute(indices, scores, scheduler="sync"))
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_s, want_s.astype(got_s.dtype))
+
+
+@pytest.mark.skipif(QUERY_PLANNING, reason="the top-k is listed where graphs are listed")
+def test_a_tile_task_takes_only_its_two_groups_chunks(rng, monkeypatch):
+    graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
+    monkeypatch.setattr(graphs, "gpu_available", lambda: True)
+    monkeypatch.setattr(graphs, "working_budget", lambda: 1 << 40)  # sized by chunk count
+    monkeypatch.setattr("dask_gpuchunk.bits.top_k_tiles.TILE_CHUNKS", 5)
+    x = fingerprints(rng, 230, 90)
+    with config.internal_values(TILES):
+        indices, _ = dg.similarity(dg.asarray(x, chunks=(10, -1)), top_k=3)
+    graph = dict(indices.__dask_graph__())
+    groups = chunk_groups(23, 5)
+    for key in _tile_steps(indices):
+        g, h = key[1], key[2]
+        members = len(groups[g]) + (len(groups[h]) if g != h else 0)
+        assert len(graph[key].args) == 5 * members  # words, popcounts, first row, state
+
+
+@pytest.mark.skipif(QUERY_PLANNING, reason="the top-k is listed where graphs are listed")
+def test_top_k_in_tiles_of_a_npy_on_four_workers_moves_only_states(rng, tmp_path,
+                                                                   monkeypatch):
+    # Four workers: eight groups, each round's four tasks side by side; between the workers
+    # only states move (8 k bytes a row), never words (1 KiB a row here).
+    from distributed import Client, LocalCluster, get_task_stream
+
+    from dask_gpuchunk.jobs import sent_by_workers
+
+    graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
+    monkeypatch.setattr(graphs, "gpu_available", lambda: True)
+    monkeypatch.setattr(graphs, "working_budget", lambda: 1 << 40)  # sized by chunk count
+    x = fingerprints(rng, 16 * 30, 8192)
+    np.save(tmp_path / "x.npy", np.packbits(x, axis=1))
+    want = brute_top_k(reference(x, x, "tanimoto"), 2, False, True)
+    with dask.config.set({"distributed.scheduler.work-stealing": False}), \
+            LocalCluster(n_workers=4, threads_per_worker=1, processes=False,
+                         dashboard_address=None) as cluster, Client(cluster) as client, \
+            config.internal_values(TILES):
+        wx = dg.from_npy(tmp_path / "x.npy", chunks=(30, -1))
+        indices, scores = dg.similarity(wx, packed=True, top_k=2)
+        assert len(_tile_steps(indices)) == 8 + 28
+        before = sent_by_workers(client)
+        with get_task_stream(client) as stream:
+            got = client.compute([indices, scores], sync=True)
+        sent = sent_by_workers(client, before)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1].astype(np.float32))
+    where = {t["key"]: t["worker"] for t in stream.data}
+    own = [w for key, w in where.items()
+           if key_split(key) == "similarity-step" and key[1] == key[2]]
+    assert len(set(own)) == 4  # the groups' own tasks spread over the workers
+    assert 0 < sum(sent.values()) < len(x) * 8192 // 8 // 2, sent
