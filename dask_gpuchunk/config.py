@@ -90,9 +90,10 @@ does and why its value:
     How the top-k of all pairs runs on GPUs: a chain of rounds per worker, each holding every
     row's state, merged at the end (``"chains"``,
     :func:`dask_gpuchunk.bits.similarity_graphs.top_k_chain`), or tiles of row-chunk groups,
-    one state per row, a task holding two groups' words and states
-    (``"tiles"``, :mod:`dask_gpuchunk.bits.top_k_tiles`). Tiles are built and tested, not yet
-    measured on a GPU: the chains stay the choice until they are.
+    one state per row, a task holding two groups' words and states, left in host memory
+    between tasks where every row's would not fit the device (``"tiles"``,
+    :mod:`dask_gpuchunk.bits.top_k_tiles`). Tiles are built and tested, not yet measured on a
+    GPU: the chains stay the choice until they are.
 """
 
 from __future__ import annotations

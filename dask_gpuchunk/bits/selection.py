@@ -27,7 +27,7 @@ from .._kernels.bmma_select import (
 )
 from .._kernels.top_k_overflow import REDONE_TARGETS, redo_overflows
 from .._kernels.similarity_cpu import best_keys_of_columns, best_keys_of_rows, pairs_at_least_cpu
-from ..runtime.backend import is_cupy, run_cpu_kernel
+from ..runtime.backend import is_cupy, run_cpu_kernel, to_host
 from ..runtime.budget import run_reserved, working_budget
 from ..devices import gpu_available
 from .gram import (
@@ -533,7 +533,8 @@ CHUNK_ARGS = 5
 
 
 def chain_rounds(*args: Any, rounds: tuple, symmetric: bool, selection: Selection,
-                 method: str, device: str, firsts: tuple = ()) -> tuple:
+                 method: str, device: str, firsts: tuple = (), host_states: bool = False
+                 ) -> tuple:
     """Consecutive rounds of one top-k chain in one task: ``args`` holds ``CHUNK_ARGS`` for
     each chunk taking part (words, popcounts, first row, and its state so far as ``previous,
     slot``; ``None, 0`` for a database chunk, which has none), ``rounds`` each round's
@@ -541,7 +542,9 @@ def chain_rounds(*args: Any, rounds: tuple, symmetric: bool, selection: Selectio
     chunk ``a`` begins its state here, by :func:`first_state` against ``b`` (itself: its
     diagonal block), before the rounds. Each round runs as a task of
     :func:`next_states_of_blocks` would, on the states the rounds before left; returns each
-    chunk's last state (``None`` where it has none), in the order of ``args``."""
+    chunk's last state (``None`` where it has none), in the order of ``args``: in host memory
+    with ``host_states`` (where every row's state would not fit the device beside the
+    work), each moved to the device by its first block of the next task."""
     chunks = [args[i:i + CHUNK_ARGS] for i in range(0, len(args), CHUNK_ARGS)]
     states = [None if previous is None else previous[slot]
               for _, _, _, previous, slot in chunks]
@@ -561,6 +564,8 @@ def chain_rounds(*args: Any, rounds: tuple, symmetric: bool, selection: Selectio
             states[a] = done[2 * place]
             if symmetric:
                 states[b] = done[2 * place + 1]
+    if host_states:
+        return tuple(None if state is None else to_host(state) for state in states)
     return tuple(states)
 
 

@@ -20,6 +20,7 @@ from .. import config
 from .._kernels import similarity as kernels
 from ..devices import cluster_workers, gpu_available
 from ..io import npy_reader_of
+from ..runtime.backend import is_cupy
 from ..runtime.budget import working_budget
 from ..runtime.resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 from .selection import (
@@ -34,7 +35,8 @@ from .selection import (
     state_of,
     upper_block,
 )
-from .top_k_tiles import add_tile_tasks, chunk_groups, round_robin, tile_groups
+from .top_k_tiles import (add_tile_tasks, chunk_groups, final_state, host_states,
+                          round_robin, tile_groups)
 
 __all__ = ["CPU_BLOCKS_PER_TASK", "GPU_BLOCKS_PER_TASK", "chains_for", "merged_keys",
            "merged_pairs", "threshold_pairs", "top_k_chain"]
@@ -147,11 +149,13 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     words_x, pops_x, words_y, pops_y, needs = _chunk_refs_of_both(wx, wy, pop_x, pop_y, device,
                                                                  dsk, token, read_ahead=True)
     if tiles:  # each row chunk's first state in its group's own task
+        budget = working_budget()
         groups = chunk_groups(chunks_x, tile_groups(
-            chunks_x, wx.shape[0], wx.shape[1] * wx.dtype.itemsize, k, working_budget(),
+            chunks_x, wx.shape[0], wx.shape[1] * wx.dtype.itemsize, k, budget,
             cluster_workers()))
+        on_host = host_states(wx.shape[0], k, budget)
         latest = [add_tile_tasks(dsk, step, groups, opts, (words_x, pops_x, starts_x),
-                                 not needs)]
+                                 not needs, on_host)]
     else:
         x, y = (words_x, pops_x, starts_x), (words_y, pops_y, starts_y)
         latest = _first_states(dsk, first, begin, chains, all_pairs, opts, not needs, x, y)
@@ -162,7 +166,9 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
             _add_cpu_rounds(dsk, step, rounds, latest, all_pairs, opts, x, y)
     for i in range(chunks_x):
         key = (name, i, 0)
-        if chains == 1:
+        if tiles:
+            dsk[key] = Task(key, final_state, *_ref(latest[0][i]), is_cupy(meta))
+        elif chains == 1:
             dsk[key] = Task(key, state_of, *_ref(latest[0][i]))
         else:
             dsk[key] = Task(key, merged_chain_states, k,

@@ -23,10 +23,11 @@ from typing import Any
 
 from dask.task_spec import Task, TaskRef
 
+from ..runtime.backend import is_cupy
 from .selection import chain_rounds
 
-__all__ = ["TILE_CHUNKS", "add_tile_tasks", "bipartite_rounds", "chunk_groups",
-           "round_robin", "tile_groups"]
+__all__ = ["DEVICE_STATES_FRACTION", "TILE_CHUNKS", "add_tile_tasks", "bipartite_rounds",
+           "chunk_groups", "final_state", "host_states", "round_robin", "tile_groups"]
 
 #: Row chunks a group takes at most: a task between two groups then runs at most
 #: ``TILE_CHUNKS ** 2`` blocks, as a task of the chains takes up to
@@ -36,6 +37,24 @@ TILE_CHUNKS = 32
 #: popcounts, their states before and after): the rest is for the states the other groups'
 #: tasks hold, the source's kept chunks and the blocks' scratch.
 TILE_BUDGET_FRACTION = 1 / 3
+#: Part of the working budget every row's state may take on the device between tasks; beyond
+#: it (the top-10 of 10**8 rows holds 8 GB of states) the tasks leave their states in host
+#: memory (:func:`host_states`).
+DEVICE_STATES_FRACTION = 1 / 4
+
+
+def host_states(rows: int, k: int, budget: int) -> bool:
+    """Whether the tiles' tasks leave their states in host memory: where the states of all
+    ``rows`` (``8 k`` bytes a row) exceed :data:`DEVICE_STATES_FRACTION` of ``budget``.
+    Each task then moves its two groups' states to the device and back, 16 k bytes a row,
+    against its blocks' ``rows`` squared pairs.
+
+    Examples
+    --------
+    >>> host_states(10**7, 10, 7 << 30), host_states(10**7, 10, 1800 << 20)
+    (False, True)
+    """
+    return rows * 8 * k > budget * DEVICE_STATES_FRACTION
 
 
 def tile_groups(chunks: int, rows: int, row_bytes: int, k: int, budget: int,
@@ -114,13 +133,14 @@ def bipartite_rounds(a: list[Any], b: list[Any]) -> list[list[tuple[Any, Any]]]:
 
 
 def add_tile_tasks(dsk: dict, step: str, groups: list[range], opts: dict, chunk_args: tuple,
-                   data_producer: bool) -> dict[int, tuple[Any, int]]:
+                   data_producer: bool, on_host: bool = False) -> dict[int, tuple[Any, int]]:
     """The tasks of the tiles into ``dsk`` (keys ``(step, g, h)``): each group's own task,
     then a task for each pair of groups, in the order of their rounds (:func:`round_robin`);
     all pairs, symmetric. ``chunk_args``: the chunks' words, popcounts and first rows
     (lists). Returns where each row chunk's last state is: ``{chunk: (task, slot)}``.
     ``data_producer``: the groups' own tasks need nothing but the words' source, and go where
-    a thread is free."""
+    a thread is free. ``on_host``: the tasks leave their states in host memory
+    (:func:`host_states`)."""
     words, pops, starts = chunk_args
     held: dict[int, tuple[Any, int]] = {}
 
@@ -134,7 +154,7 @@ def add_tile_tasks(dsk: dict, step: str, groups: list[range], opts: dict, chunk_
         plan = tuple(tuple((place[i], place[j]) for i, j in blocks) for blocks in rounds)
         dsk[key] = Task(key, functools.partial(
             chain_rounds, rounds=plan, firsts=tuple((place[c], place[c]) for c in firsts),
-            symmetric=True, **opts), *args, _data_producer=producer)
+            symmetric=True, host_states=on_host, **opts), *args, _data_producer=producer)
         for chunk, p in place.items():
             held[chunk] = (key, p)
 
@@ -148,3 +168,14 @@ def add_tile_tasks(dsk: dict, step: str, groups: list[range], opts: dict, chunk_
         add((step, g, h), [*groups[g], *groups[h]], (),
             bipartite_rounds(list(groups[g]), list(groups[h])), False)
     return held
+
+
+def final_state(previous: tuple, slot: int, on_device: bool) -> Any:
+    """A row chunk's last state, out of the task that left it: on the device where the
+    result's chunks are CuPy's (``on_device``), though the tiles left it in host memory."""
+    state = previous[slot]
+    if on_device and not is_cupy(state):
+        import cupy
+
+        return cupy.asarray(state)
+    return state

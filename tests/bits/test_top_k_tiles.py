@@ -136,3 +136,31 @@ def test_top_k_in_tiles_of_a_npy_on_four_workers_moves_only_states(rng, tmp_path
            if key_split(key) == "similarity-step" and key[1] == key[2]]
     assert len(set(own)) == 4  # the groups' own tasks spread over the workers
     assert 0 < sum(sent.values()) < len(x) * 8192 // 8 // 2, sent
+
+
+@pytest.mark.skipif(QUERY_PLANNING, reason="the top-k is listed where graphs are listed")
+def test_tiles_leave_their_states_in_host_memory_where_all_would_not_fit(xp, rng, monkeypatch):
+    # A budget a few rows' states: a group a chunk, every task's states back in host memory,
+    # the result's chunks where the input's are (CuPy's on the device).
+    from dask.local import get_sync as get
+
+    from dask_gpuchunk.bits.top_k_tiles import host_states
+
+    graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
+    monkeypatch.setattr(graphs, "gpu_available", lambda: True)
+    monkeypatch.setattr(graphs, "working_budget", lambda: 4000)
+    assert host_states(230, 3, 4000)
+    x = fingerprints(rng, 230, 90)
+    with config.internal_values(TILES):
+        indices, scores = dg.similarity(dg.asarray(xp.asarray(x), chunks=(30, -1)), top_k=3)
+    steps = _tile_steps(indices)
+    assert len(steps) == 8 * 9 // 2  # eight groups of a chunk each
+    graph = dict(indices.__dask_graph__())
+    states = get(graph, steps[-1])
+    assert all(type(state) is np.ndarray for state in states)
+    want_i, want_s = brute_top_k(reference(x, x, "tanimoto"), 3, False, True)
+    got_i, got_s = dask.compute(indices, scores, scheduler="sync")
+    assert type(got_i) is type(xp.asarray(x))
+    host = (lambda a: a) if xp is np else (lambda a: a.get())
+    np.testing.assert_array_equal(host(got_i), want_i)
+    np.testing.assert_array_equal(host(got_s), want_s.astype(got_s.dtype))
