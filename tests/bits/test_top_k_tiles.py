@@ -164,3 +164,46 @@ def test_tiles_leave_their_states_in_host_memory_where_all_would_not_fit(xp, rng
     host = (lambda a: a) if xp is np else (lambda a: a.get())
     np.testing.assert_array_equal(host(got_i), want_i)
     np.testing.assert_array_equal(host(got_s), want_s.astype(got_s.dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(QUERY_PLANNING, reason="the top-k is listed where graphs are listed")
+@pytest.mark.parametrize("budget", [None, 3 << 20])
+def test_tiles_on_a_gpu_equal_the_chains_with_seeded_first_states(rng, tmp_path, monkeypatch,
+                                                                   budget):
+    # Chunks of 8,192 rows and more begin their states by the seeded path, the rest by the
+    # fused kernels: the tiles' result is the chains', key for key; a 3 MiB budget cuts a
+    # group a chunk and leaves the states in host memory between tasks.
+    import cupy
+
+    if budget is not None:
+        graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
+        monkeypatch.setattr(graphs, "working_budget", lambda: budget)
+    monkeypatch.setattr("dask_gpuchunk.bits.top_k_tiles.TILE_CHUNKS", 2)
+    x = fingerprints(rng, 41_000, 512)
+    np.save(tmp_path / "x.npy", np.packbits(x, axis=1))
+    results = {}
+    for schedule in ("chains", "tiles"):
+        with config.internal_values({"top-k-schedule": schedule}):
+            for source in ("npy", "device"):
+                w = (dg.from_npy(tmp_path / "x.npy", chunks=(8192, -1)) if source == "npy"
+                     else dg.asarray(cupy.asarray(np.packbits(x, axis=1)), chunks=(8192, -1)))
+                indices, scores = dg.similarity(w, packed=True, top_k=7)
+                if schedule == "tiles":
+                    steps = _tile_steps(indices)
+                    groups = sum(key[1] == key[2] for key in steps)
+                    assert len(steps) == groups * (groups + 1) // 2
+                    assert groups == (len(indices.chunks[0]) if budget else
+                                      -(-len(indices.chunks[0]) // 2))
+                got = dask.compute(indices, scores)
+                results[schedule, source] = [getattr(a, "get", lambda a=a: a)() for a in got]
+    for source in ("npy", "device"):
+        for want, got in zip(results["chains", source], results["tiles", source]):
+            np.testing.assert_array_equal(got, want)
+    sample = np.sort(rng.choice(len(x), 5, replace=False))
+    s = reference(x[sample], x, "tanimoto").astype(np.float64)
+    s[np.arange(len(sample)), sample] = -np.inf  # each row's own id left out
+    want_i, want_s = brute_top_k(s, 7, False, False)
+    np.testing.assert_array_equal(results["tiles", "npy"][0][sample], want_i)
+    np.testing.assert_array_equal(results["tiles", "npy"][1][sample],
+                                  want_s.astype(np.float32))
