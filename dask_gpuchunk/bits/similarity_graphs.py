@@ -137,7 +137,14 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     tiles = (all_pairs and device != "cpu" and gpu_available()
              and config.get("top-k-schedule") == "tiles")
     chains = 1 if tiles else chains_for(cluster_workers(), len(rounds))
-    token = tokenize(wx, wy, selection, method, device, chains, tiles)
+    if tiles:  # the groups and where the states stay, from the device's budget
+        budget = working_budget()
+        groups = chunk_groups(chunks_x, tile_groups(
+            chunks_x, wx.shape[0], wx.shape[1] * wx.dtype.itemsize, k, budget,
+            cluster_workers()))
+        on_host = host_states(wx.shape[0], k, budget)
+    token = tokenize(wx, wy, selection, method, device, chains,
+                     (len(groups), on_host) if tiles else None)
     name, first, begin, step = (f"similarity-top-k-{token}", f"similarity-first-{token}",
                                 f"similarity-begin-{token}", f"similarity-step-{token}")
     starts_x = [start for start, _ in row_bounds(wx.chunks[0])]
@@ -149,11 +156,6 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     words_x, pops_x, words_y, pops_y, needs = _chunk_refs_of_both(wx, wy, pop_x, pop_y, device,
                                                                  dsk, token, read_ahead=True)
     if tiles:  # each row chunk's first state in its group's own task
-        budget = working_budget()
-        groups = chunk_groups(chunks_x, tile_groups(
-            chunks_x, wx.shape[0], wx.shape[1] * wx.dtype.itemsize, k, budget,
-            cluster_workers()))
-        on_host = host_states(wx.shape[0], k, budget)
         latest = [add_tile_tasks(dsk, step, groups, opts, (words_x, pops_x, starts_x),
                                  not needs, on_host)]
     else:
