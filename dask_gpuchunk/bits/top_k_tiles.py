@@ -3,9 +3,9 @@
 The row chunks are cut into groups of consecutive chunks. A group's first task computes each
 of its chunks' first state (the chunk against itself) and then every block between two of its
 chunks; then the groups meet in rounds of disjoint pairs (the circle method,
-:func:`round_robin`), a task per pair of groups running
-every block between a chunk of one and a chunk of the other, in rounds of disjoint chunk pairs
-(:func:`bipartite_rounds`), on the states the groups' previous tasks left. A task holds the
+:func:`round_robin`), a task per pair of groups running every block between a chunk of one and
+a chunk of the other, in rounds of disjoint chunk pairs (:func:`bipartite_rounds`), on the
+states the groups' previous tasks left. A task holds the
 words and states of its two groups only, so the groups are cut for the device's budget
 (:func:`tile_groups`); the tasks of a round are independent, so a cluster's workers take them
 side by side. Against the chains of :func:`~dask_gpuchunk.bits.similarity_graphs.top_k_chain`
@@ -100,7 +100,13 @@ def chunk_groups(chunks: int, groups: int) -> list[range]:
 
 def round_robin(count: int) -> list[tuple[int, int]]:
     """Every pair ``i < j`` of ``count`` chunks once, in rounds where each chunk meets one
-    other (the circle method): a round's blocks update disjoint states, so they run at once."""
+    other (the circle method): a round's blocks update disjoint states, so they run at once.
+
+    Examples
+    --------
+    >>> round_robin(4)  # three rounds of two
+    [(0, 3), (1, 2), (0, 2), (1, 3), (0, 1), (2, 3)]
+    """
     players = list(range(count)) + ([None] if count % 2 else [])
     size = len(players)
     order = []
