@@ -5,10 +5,9 @@ of its chunks' first state (the chunk against itself) and then every block betwe
 chunks; then the groups meet in rounds of disjoint pairs (the circle method,
 :func:`round_robin`), a task per pair of groups running every block between a chunk of one and
 a chunk of the other, in rounds of disjoint chunk pairs (:func:`bipartite_rounds`), on the
-states the groups' previous tasks left. A task holds the
-words and states of its two groups only, so the groups are cut for the device's budget
-(:func:`tile_groups`); the tasks of a round are independent, so a cluster's workers take them
-side by side. Against the chains of :func:`~dask_gpuchunk.bits.similarity_graphs.top_k_chain`
+states the groups' previous tasks left. A task holds the words and states of its two groups
+only, so the groups are cut for the device's budget (:func:`tile_groups`); the tasks of a
+round are independent, so a cluster's workers take them side by side. Against the chains of :func:`~dask_gpuchunk.bits.similarity_graphs.top_k_chain`
 (a chain per worker, each holding every row's state, merged at the end): each row has one
 state, which has seen every block before it; no chain's beginning is gathered, nothing is
 merged; a task's memory is bounded by its two groups. Which of the two schedules the package
