@@ -194,7 +194,6 @@ def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
 _RENAME_EXCHANGE = 2
 
 
-
 def rename_own(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
     """:func:`rename_noreplace` of a job's temporary ``tmp`` onto ``target``:
     :class:`FileReplacedError` where ``tmp`` was moved away meanwhile (a neighbour's rename
@@ -216,6 +215,7 @@ def rename_own(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
             raise  # target's directory is gone: an error of its own
         raise FileReplacedError(errno.ESTALE, f"the job's temporary {os.fspath(tmp)} was moved "
                                 "away as it was published; nothing was published") from None
+
 
 def exchange(a: str | os.PathLike, b: str | os.PathLike) -> None:
     """Swap the names ``a`` and ``b`` (both must exist) in one step where the file system has

@@ -228,7 +228,6 @@ def _write_all(fd: int, pieces: list[memoryview]) -> None:
             written = 0
 
 
-
 def _open_directory(root: str | os.PathLike, consequence: str) -> int:
     """The job's temporary store ``root`` opened as a directory, not through a symlink:
     :class:`FileReplacedError` (saying ``consequence``) where its name no longer holds a
@@ -242,15 +241,24 @@ def _open_directory(root: str | os.PathLike, consequence: str) -> int:
                                     f"moved it); {consequence}") from None
         raise
 
+
+def _open_own(target: StoreTarget, consequence: str) -> int:
+    """:func:`_open_directory` of the job's store, checked to be the directory the job made
+    (its key): :class:`FileReplacedError` (saying ``consequence``) otherwise."""
+    fd = _open_directory(target.root, consequence)
+    if file_key(os.fstat(fd)) != tuple(target.key):
+        os.close(fd)
+        raise FileReplacedError(errno.ESTALE, f"the job's temporary store {target.root} was "
+                                f"replaced by another directory; {consequence}")
+    return fd
+
+
 @contextlib.contextmanager
 def _opened(target: StoreTarget) -> Iterator[int]:
     """The store's directory, opened without following a symlink and checked to be the one
     the job made (:class:`FileReplacedError` otherwise: nothing is written)."""
-    fd = _open_directory(target.root, "this chunk is not written")
+    fd = _open_own(target, "this chunk is not written")
     try:
-        if file_key(os.fstat(fd)) != tuple(target.key):
-            raise FileReplacedError(errno.ESTALE, f"the job's temporary store {target.root} was "
-                                    "replaced by another directory; nothing is written into it")
         yield fd
     finally:
         os.close(fd)
@@ -342,14 +350,13 @@ def publish_store(target: StoreTarget, dest: Path, overwrite: bool) -> None:
     (:func:`check_replaceable`), swapped in one step where the file system can, the old store
     then removed."""
     root = Path(target.root)
+    # Checked and made readable through one descriptor: a store moved away after the check
+    # is never chmodded by name, and is refused by the rename below.
+    fd = _open_own(target, "nothing was published")
     try:
-        st = os.lstat(root)
-    except FileNotFoundError:  # moved away, nothing (yet) in its place
-        st = None
-    if st is None or file_key(st) != tuple(target.key) or not stat.S_ISDIR(st.st_mode):
-        raise FileReplacedError(errno.ESTALE, f"the job's temporary store {root} was replaced; "
-                                "nothing was published")
-    os.chmod(root, 0o777 & ~_umask(), follow_symlinks=False)  # as a new directory's
+        os.fchmod(fd, 0o777 & ~_umask())  # as a new directory's
+    finally:
+        os.close(fd)
     if not overwrite or not os.path.lexists(dest):
         rename_own(root, dest)
         check_published(root, dest, target.key)
@@ -370,12 +377,7 @@ def open_store(target: StoreTarget) -> int:
     """A descriptor of the store's directory, checked to be the one the job made: kept by the
     job while it writes, so that :func:`remove_store` finds its entries wherever the directory
     is moved."""
-    fd = _open_directory(target.root, "nothing is written into it")
-    if file_key(os.fstat(fd)) != tuple(target.key):
-        os.close(fd)
-        raise FileReplacedError(errno.ESTALE, f"the job's temporary store {target.root} was "
-                                "replaced as it was made")
-    return fd
+    return _open_own(target, "nothing is written into it")
 
 
 def remove_store(target: StoreTarget, fd: int) -> bool:
