@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 from helpers import bit_products, random_bits
 
-__all__ = ["assert_pairs", "brute_top_k", "fingerprints", "reference"]
+__all__ = ["assert_pairs", "brute_top_k", "fingerprints", "reference",
+           "top_k_of_a_npy_on_four_workers"]
 
 
 def reference(x: np.ndarray, y: np.ndarray, metric: str, alpha: float = 1.0,
@@ -67,3 +68,29 @@ def assert_pairs(rows, cols, scores, s: np.ndarray, threshold: float, *, lower: 
     np.testing.assert_array_equal(got[1], want_c)
     np.testing.assert_array_equal(got[2], s[want_r, want_c])
     return len(want_r)
+
+
+def top_k_of_a_npy_on_four_workers(tmp_path, x, k: int, **options) -> tuple[dict, dict]:
+    """The top ``k`` of ``x`` saved packed to a ``.npy``, on a cluster of four one-thread
+    workers in this process without work stealing, checked against a brute force: where each
+    task ran (key: worker) and the bytes each worker sent."""
+    import dask
+    from distributed import Client, LocalCluster, get_task_stream
+
+    import dask_gpuchunk as dg
+    from dask_gpuchunk.jobs import sent_by_workers
+
+    np.save(tmp_path / "x.npy", np.packbits(x, axis=1))
+    want = brute_top_k(reference(x, x, "tanimoto"), k, False, True)
+    with dask.config.set({"distributed.scheduler.work-stealing": False}), \
+            LocalCluster(n_workers=4, threads_per_worker=1, processes=False,
+                         dashboard_address=None) as cluster, Client(cluster) as client:
+        wx = dg.from_npy(tmp_path / "x.npy", chunks=(30, -1))
+        indices, scores = dg.similarity(wx, packed=True, top_k=k, **options)
+        before = sent_by_workers(client)
+        with get_task_stream(client) as stream:
+            got = client.compute([indices, scores], sync=True)
+        sent = sent_by_workers(client, before)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1].astype(np.float32))
+    return {t["key"]: t["worker"] for t in stream.data}, sent

@@ -11,7 +11,8 @@ import dask.array as da
 import numpy as np
 import pytest
 from helpers import random_bits
-from similarity_reference import assert_pairs, brute_top_k, fingerprints, reference
+from similarity_reference import (assert_pairs, brute_top_k, fingerprints, reference,
+                                  top_k_of_a_npy_on_four_workers)
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.config import listed_graphs
@@ -140,30 +141,6 @@ def test_top_k_chains_on_gpus_take_rounds_a_task(xp, rng, monkeypatch, workers, 
     np.testing.assert_array_equal(got_s, want_s.astype(got_s.dtype))
 
 
-def _top_k_of_a_npy_on_four_workers(tmp_path, x, k: int, **options) -> tuple[dict, dict]:
-    """The top ``k`` of ``x`` saved packed to a ``.npy``, on a cluster of four one-thread
-    workers in this process without work stealing, checked against a brute force: where each
-    task ran (key: worker) and the bytes each worker sent."""
-    from distributed import Client, LocalCluster, get_task_stream
-
-    from dask_gpuchunk.jobs import sent_by_workers
-
-    np.save(tmp_path / "x.npy", np.packbits(x, axis=1))
-    want = brute_top_k(reference(x, x, "tanimoto"), k, False, True)
-    with dask.config.set({"distributed.scheduler.work-stealing": False}), \
-            LocalCluster(n_workers=4, threads_per_worker=1, processes=False,
-                         dashboard_address=None) as cluster, Client(cluster) as client:
-        wx = dg.from_npy(tmp_path / "x.npy", chunks=(30, -1))
-        indices, scores = dg.similarity(wx, packed=True, top_k=k, **options)
-        before = sent_by_workers(client)
-        with get_task_stream(client) as stream:
-            got = client.compute([indices, scores], sync=True)
-        sent = sent_by_workers(client, before)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1].astype(np.float32))
-    return {t["key"]: t["worker"] for t in stream.data}, sent
-
-
 @pytest.mark.skipif(not listed_graphs(),
                     reason="the top-k chain reads a .npy's chunks itself only in listed graphs")
 def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path, monkeypatch):
@@ -178,7 +155,7 @@ def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path, monkeypatch):
     similarity_module = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
     monkeypatch.setattr(similarity_module, "CPU_BLOCKS_PER_TASK", 64)
     x = fingerprints(rng, 17 * 30, 300)
-    where, _ = _top_k_of_a_npy_on_four_workers(tmp_path, x, 5, device="cpu")
+    where, _ = top_k_of_a_npy_on_four_workers(tmp_path, x, 5, device="cpu")
     begins = {key: w for key, w in where.items() if key_split(key) == "similarity-begin"}
     assert len(begins) == 4 and len(set(begins.values())) == 4, begins  # a worker each
     chain_of = {key[1]: w for key, w in begins.items()}
@@ -199,7 +176,7 @@ def test_grouped_rounds_of_each_chain_follow_it_and_only_states_move(rng, tmp_pa
     monkeypatch.setattr(graphs, "gpu_available", lambda: True)  # the graph as on GPUs
     monkeypatch.setattr(graphs, "GPU_BLOCKS_PER_TASK", 24)  # three rounds of 8 blocks
     x = fingerprints(rng, 17 * 30, 8192)
-    where, sent = _top_k_of_a_npy_on_four_workers(tmp_path, x, 2)
+    where, sent = top_k_of_a_npy_on_four_workers(tmp_path, x, 2)
     chain_of = {key[1]: w for key, w in where.items() if key_split(key) == "similarity-begin"}
     assert len(set(chain_of.values())) == 4  # a worker each
     steps = {key: w for key, w in where.items() if key_split(key) == "similarity-step"}

@@ -12,7 +12,8 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask.utils import key_split
-from similarity_reference import brute_top_k, fingerprints, reference
+from similarity_reference import (brute_top_k, fingerprints, reference,
+                                  top_k_of_a_npy_on_four_workers)
 
 import dask_gpuchunk as dg
 from dask_gpuchunk import config
@@ -108,32 +109,15 @@ def test_top_k_in_tiles_of_a_npy_on_four_workers_moves_only_states(rng, tmp_path
                                                                    monkeypatch):
     # Four workers: eight groups, each round's four tasks side by side; between the workers
     # only states move (8 k bytes a row), never words (1 KiB a row here).
-    from distributed import Client, LocalCluster, get_task_stream
-
-    from dask_gpuchunk.jobs import sent_by_workers
-
     graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
     monkeypatch.setattr(graphs, "gpu_available", lambda: True)
     monkeypatch.setattr(graphs, "working_budget", lambda: 1 << 40)  # sized by chunk count
     x = fingerprints(rng, 16 * 30, 8192)
-    np.save(tmp_path / "x.npy", np.packbits(x, axis=1))
-    want = brute_top_k(reference(x, x, "tanimoto"), 2, False, True)
-    with dask.config.set({"distributed.scheduler.work-stealing": False}), \
-            LocalCluster(n_workers=4, threads_per_worker=1, processes=False,
-                         dashboard_address=None) as cluster, Client(cluster) as client, \
-            config.internal_values(TILES):
-        wx = dg.from_npy(tmp_path / "x.npy", chunks=(30, -1))
-        indices, scores = dg.similarity(wx, packed=True, top_k=2)
-        assert len(_tile_steps(indices)) == 8 + 28
-        before = sent_by_workers(client)
-        with get_task_stream(client) as stream:
-            got = client.compute([indices, scores], sync=True)
-        sent = sent_by_workers(client, before)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1].astype(np.float32))
-    where = {t["key"]: t["worker"] for t in stream.data}
-    own = [w for key, w in where.items()
-           if key_split(key) == "similarity-step" and key[1] == key[2]]
+    with config.internal_values(TILES):
+        where, sent = top_k_of_a_npy_on_four_workers(tmp_path, x, 2)
+    steps = {key: w for key, w in where.items() if key_split(key) == "similarity-step"}
+    assert len(steps) == 8 + 28
+    own = [w for key, w in steps.items() if key[1] == key[2]]
     assert len(set(own)) == 4  # the groups' own tasks spread over the workers
     assert 0 < sum(sent.values()) < len(x) * 8192 // 8 // 2, sent
 
