@@ -86,14 +86,6 @@ does and why its value:
     processes at once took 0.26 s against 0.33 s, and the 4-GPU Gram ran as fast either way
     (1.04 / 1.08 s, within the run-to-run spread); a cold file is not measured. A device that
     refuses such registrations reads as with ``False``.
-``top-k-schedule`` (default ``"chains"``)
-    How the top-k of all pairs runs on GPUs: a chain of rounds per worker, each holding every
-    row's state, merged at the end (``"chains"``,
-    :func:`dask_gpuchunk.bits.similarity_graphs.top_k_chain`), or tiles of row-chunk groups,
-    one state per row, a task holding two groups' words and states, left in host memory
-    between tasks where every row's would not fit the device (``"tiles"``,
-    :mod:`dask_gpuchunk.bits.top_k_tiles`). Tiles are built and tested, not yet measured on a
-    GPU: the chains stay the choice until they are.
 """
 
 from __future__ import annotations
@@ -134,7 +126,6 @@ INTERNAL: dict[str, Any] = {
     "gram-mirror": "transpose",
     "read-ahead": True,
     "register-reads": False,
-    "top-k-schedule": "chains",
 }
 
 #: What :func:`internal_values` chose in this process, in place of :data:`INTERNAL`'s.
@@ -278,7 +269,6 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "gram-mirror": (lambda v: v in ("transpose", "recompute"), "'transpose' or 'recompute'"),
     "read-ahead": (_flag, "True or False"),
     "register-reads": (_flag, "True or False"),
-    "top-k-schedule": (lambda v: v in ("chains", "tiles"), "'chains' or 'tiles'"),
     "resolve-aliases": (_flag, "True or False"),
 }
 

@@ -70,10 +70,12 @@ def assert_pairs(rows, cols, scores, s: np.ndarray, threshold: float, *, lower: 
     return len(want_r)
 
 
-def top_k_of_a_npy_on_four_workers(tmp_path, x, k: int, **options) -> tuple[dict, dict]:
-    """The top ``k`` of ``x`` saved packed to a ``.npy``, on a cluster of four one-thread
-    workers in this process without work stealing, checked against a brute force: where each
-    task ran (key: worker) and the bytes each worker sent."""
+def top_k_of_a_npy_on_four_workers(tmp_path, x, k: int, database=None, **options
+                                   ) -> tuple[dict, dict]:
+    """The top ``k`` of ``x`` saved packed to a ``.npy`` (all pairs, or against ``database``,
+    saved the same way), on a cluster of four one-thread workers in this process without work
+    stealing, checked against a brute force: where each task ran (key: worker) and the bytes
+    each worker sent."""
     import dask
     from distributed import Client, LocalCluster, get_task_stream
 
@@ -81,12 +83,16 @@ def top_k_of_a_npy_on_four_workers(tmp_path, x, k: int, **options) -> tuple[dict
     from dask_gpuchunk.jobs import sent_by_workers
 
     np.save(tmp_path / "x.npy", np.packbits(x, axis=1))
-    want = brute_top_k(reference(x, x, "tanimoto"), k, False, True)
+    y = x if database is None else database
+    want = brute_top_k(reference(x, y, "tanimoto"), k, False, database is None)
+    if database is not None:
+        np.save(tmp_path / "y.npy", np.packbits(database, axis=1))
     with dask.config.set({"distributed.scheduler.work-stealing": False}), \
             LocalCluster(n_workers=4, threads_per_worker=1, processes=False,
                          dashboard_address=None) as cluster, Client(cluster) as client:
         wx = dg.from_npy(tmp_path / "x.npy", chunks=(30, -1))
-        indices, scores = dg.similarity(wx, packed=True, top_k=k, **options)
+        wy = None if database is None else dg.from_npy(tmp_path / "y.npy", chunks=(30, -1))
+        indices, scores = dg.similarity(wx, wy, packed=True, top_k=k, **options)
         before = sent_by_workers(client)
         with get_task_stream(client) as stream:
             got = client.compute([indices, scores], sync=True)

@@ -12,10 +12,7 @@ similarity bench's fingerprints for the top-k. Rows, on every size:
   keep_on_device=True).sum()``;
 * ``gram from the .npy``: the same with C's blocks summed on the host (the default);
 * ``similarity top-k from the .npy``: ``dg.similarity(dg.from_npy(...), packed=True,
-  top_k=k)``, both results computed to this process;
-* ``similarity top-k from the .npy, in tiles``: the same with the tuned choice
-  ``top-k-schedule`` set to ``"tiles"`` (:mod:`dask_gpuchunk.bits.top_k_tiles`), beside the
-  chains it may replace.
+  top_k=k)``, both results computed to this process.
 
 Timed: the compute alone, the median of ``repeat`` runs after one that compiles. Checked: the
 Gram's sum against the column counts (``sum(C)`` is the sum over bit columns of the square of
@@ -44,8 +41,6 @@ TABLE = "scaling"
 GRAM_ROWS = ("gram, words on the GPUs", "gram from the .npy, kept on the device",
              "gram from the .npy")
 TOP_K_ROW = "similarity top-k from the .npy"
-#: The top-k row of each schedule (the tuned choice ``top-k-schedule``).
-TOP_K_ROWS = {"chains": TOP_K_ROW, "tiles": f"{TOP_K_ROW}, in tiles"}
 
 
 def gram_expectations(packed: np.ndarray, sample: np.ndarray, slab: int = 1024
@@ -135,28 +130,24 @@ def _gram_rows(bench: Bench, client: Any, path: Path, chunk_rows: int, where: st
 
 
 def _top_k_row(bench: Bench, client: Any, path: Path, chunk_rows: int, k: int, where: str,
-               sample: np.ndarray, truth: np.ndarray, schedule: str = "chains") -> None:
+               sample: np.ndarray, truth: np.ndarray) -> None:
     from ..bits.similarity import similarity
-    from ..config import internal_values
     from ..io import from_npy
 
-    row = TOP_K_ROWS[schedule]
-    name = f"{row}, {where}"
+    name = f"{TOP_K_ROW}, {where}"
     if not bench.want(name):
         return
-    with internal_values({"top-k-schedule": schedule}):  # the graph is made here
-        result = similarity(from_npy(path, chunks=(chunk_rows, -1)), packed=True, top_k=k)
+    result = similarity(from_npy(path, chunks=(chunk_rows, -1)), packed=True, top_k=k)
     held: list[Any] = []
 
     def once() -> None:
         held[:] = client.compute([_on_host(a) for a in result], sync=True)
 
-    # Tiles are a schedule of GPUs: elsewhere the row would time the chains again.
-    entry = bench.timed(TABLE, name, once, gpu=schedule == "tiles",
+    entry = bench.timed(TABLE, name, once,
                         check=lambda: check_top_k(*held, truth, sample, k, sample[:, None]))
     if entry is not None:
         n = len(truth[0])
-        entry.extra.update(row=row, workers=where, pairs=n * (n - 1) / 2)
+        entry.extra.update(row=TOP_K_ROW, workers=where, pairs=n * (n - 1) / 2)
 
 
 def run(gpus: Sequence[int] = (), rows: int = 65536, bits: int = 262144, chunk_rows: int = 4096,
@@ -200,9 +191,9 @@ def run(gpus: Sequence[int] = (), rows: int = 65536, bits: int = 262144, chunk_r
                                **_cluster_options(size, bool(visible), protocol)) as client:
                 _gram_rows(bench, client, bits_path, chunk_rows, where,
                            (total, sample, sample_rows))
-                for schedule in TOP_K_ROWS if fingerprints else ():
+                if fingerprints:
                     _top_k_row(bench, client, fps_path, fingerprint_chunk_rows, k, where,
-                               fp_sample, truth, schedule)
+                               fp_sample, truth)
     _speedups(bench.entries)
     return report_of("scaling", bench.entries, machine_info(),
                      {"sizes": sizes, "unit": unit, "protocol": protocol or "tls", "rows": rows,

@@ -16,7 +16,6 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import List, Task, TaskRef
 
-from .. import config
 from .._kernels import similarity as kernels
 from ..devices import cluster_workers, gpu_available
 from ..io import npy_reader_of
@@ -123,9 +122,10 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     dependencies are), and takes the rounds ``r`` with ``r % chains == c``, which follow it
     there; a chunk's states of the chains merge at the end (:func:`merged_chain_states`).
 
-    Where the tuned choice ``top-k-schedule`` is ``"tiles"`` (:mod:`dask_gpuchunk.config`),
-    all pairs on GPUs run in tiles of row-chunk groups instead
-    (:mod:`dask_gpuchunk.bits.top_k_tiles`): one state per row chunk, nothing merged."""
+    All pairs on GPUs run in tiles of row-chunk groups instead
+    (:mod:`dask_gpuchunk.bits.top_k_tiles`): one state per row chunk, nothing merged. On
+    2 x H200 (8 GiB cap), the top-10 of 10**7 x 2048-bit fingerprints from a ``.npy``: 37.1-37.7 s
+    in tiles against 39.9-40.0 s in two chains; on one GPU 67.9 s against 68.6 s."""
     k = selection.k
     chunks_x, chunks_y = len(wx.chunks[0]), len(wy.chunks[0])
     if all_pairs:  # rounds of disjoint chunk pairs
@@ -134,8 +134,7 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
         rounds = [order[r:r + per_round] for r in range(0, len(order), per_round)]
     else:  # a round per database chunk: each query chunk's state once
         rounds = [[(i, j) for i in range(chunks_x)] for j in range(1, chunks_y)]
-    tiles = (all_pairs and device != "cpu" and gpu_available()
-             and config.get("top-k-schedule") == "tiles")
+    tiles = all_pairs and device != "cpu" and gpu_available()
     chains = 1 if tiles else chains_for(cluster_workers(), len(rounds))
     if tiles:  # the groups and where the states stay, from the device's budget
         budget = working_budget()

@@ -7,11 +7,14 @@ chunks; then the groups meet in rounds of disjoint pairs (the circle method,
 a chunk of the other, in rounds of disjoint chunk pairs (:func:`bipartite_rounds`), on the
 states the groups' previous tasks left. A task holds the words and states of its two groups
 only, so the groups are cut for the device's budget (:func:`tile_groups`); the tasks of a
-round are independent, so a cluster's workers take them side by side. Against the chains of :func:`~dask_gpuchunk.bits.similarity_graphs.top_k_chain`
-(a chain per worker, each holding every row's state, merged at the end): each row has one
-state, which has seen every block before it; no chain's beginning is gathered, nothing is
-merged; a task's memory is bounded by its two groups. Which of the two schedules the package
-runs is the tuned choice ``top-k-schedule`` (:mod:`dask_gpuchunk.config`).
+round are independent, so a cluster's workers take them side by side. Against the chains of
+:func:`~dask_gpuchunk.bits.similarity_graphs.top_k_chain` (a chain per worker, each holding
+every row's state, merged at the end), which they replace for all pairs on GPUs: each row has
+one state, which has seen every block before it; no chain's beginning is gathered, nothing is
+merged; a task's memory is bounded by its two groups. On 2 x H200 (8 GiB cap, UCX), the
+top-10 of 10**7 x 2048-bit fingerprints from a ``.npy``: 37.1-37.7 s against the chains'
+39.9-40.0 s (one GPU: 67.9 s against 68.6 s). The chains remain for queries against a
+database and on the CPU.
 """
 
 from __future__ import annotations

@@ -28,10 +28,9 @@ def test_every_row_runs_on_each_size_and_passes_its_check(tmp_path):
     entries = {e["name"]: e for e in report["entries"]}
     unit = "GPU" if gpu_available() else "CPU worker"
     for where in (f"1 {unit}", f"2 {unit}s")[:len(sizes)]:
-        for row in (*scaling.GRAM_ROWS, *scaling.TOP_K_ROWS.values()):
+        for row in (*scaling.GRAM_ROWS, scaling.TOP_K_ROW):
             e = entries[f"{row}, {where}"]
-            if not gpu_available() and row in (*scaling.GRAM_ROWS[:2],
-                                               scaling.TOP_K_ROWS["tiles"]):
+            if not gpu_available() and row in scaling.GRAM_ROWS[:2]:
                 assert e["skipped"] == "no CUDA GPU visible"
                 continue
             assert e["skipped"] is None and e["seconds"] > 0, e
@@ -56,8 +55,6 @@ def test_a_wrong_gram_or_top_k_is_reported_as_such(monkeypatch):
     skipped = {e["extra"].get("row", e["name"]): e["skipped"] for e in report["entries"]}
     assert skipped[scaling.GRAM_ROWS[2]].startswith("WRONG RESULT: sum of C")
     assert skipped[scaling.TOP_K_ROW].startswith("WRONG RESULT: top-k of row")
-    if gpu_available():
-        assert skipped[scaling.TOP_K_ROWS["tiles"]].startswith("WRONG RESULT: top-k of row")
 
 
 @pytest.mark.parametrize("args, match", [

@@ -107,35 +107,28 @@ def test_top_k_chains_of_several_workers_match_numpy(xp, rng, monkeypatch, worke
 @pytest.mark.skipif(QUERY_PLANNING, reason="the chain is listed where graphs are listed")
 @pytest.mark.parametrize("workers, most", [(1, 40), (2, 25), (3, 1)])
 def test_top_k_chains_on_gpus_take_rounds_a_task(xp, rng, monkeypatch, workers, most):
-    # On GPUs, in one process or on a cluster, a task of a chain takes its rounds one after
-    # the other, whole, up to GPU_BLOCKS_PER_TASK blocks (at least a round); the graph as
-    # there, run here.
+    # On GPUs, in one process or on a cluster, a task of a chain (queries against a database:
+    # all pairs run in tiles) takes its rounds one after the other, whole, up to
+    # GPU_BLOCKS_PER_TASK blocks (at least a round); the graph as there, run here. Uneven
+    # chunks.
     graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
     for name in ("dask_gpuchunk.bits.similarity_graphs", "dask_gpuchunk.bits.similarity"):
         monkeypatch.setattr(importlib.import_module(name), "cluster_workers", lambda: workers)
     monkeypatch.setattr(graphs, "gpu_available", lambda: True)
     monkeypatch.setattr(graphs, "GPU_BLOCKS_PER_TASK", most)
     host = (lambda a: a) if xp is np else (lambda a: a.get())
-    x = fingerprints(rng, 230, 90)  # 23 chunks of 10 rows (CuPy's: grouped by the workers)
-    indices, scores = dg.similarity(dg.asarray(xp.asarray(x), chunks=(10, -1)), top_k=4)
+    x, y = fingerprints(rng, 75, 90), random_bits(rng, (230, 90), 0.2)
+    indices, scores = dg.similarity(dg.asarray(xp.asarray(x), chunks=(10, -1)),
+                                    dg.asarray(xp.asarray(y), chunks=(13, -1)), top_k=3)
     graph = dict(indices.__dask_graph__())
-    chunks = sum(isinstance(key, tuple) and key[0].startswith("similarity-first")
-                 for key in graph)
     steps = [key for key in graph if isinstance(key, tuple)
              and key[0].startswith("similarity-step")]
-    rounds, per_round = chunks - 1 + chunks % 2, chunks // 2  # the circle method's
-    chains = min(workers, rounds)
-    each = [len(range(c, rounds, chains)) for c in range(chains)]  # each chain's rounds
-    assert chunks >= 3 and len(steps) == sum(-(-r // max(1, most // per_round)) for r in each)
-    want_i, want_s = brute_top_k(reference(x, x, "tanimoto"), 4, False, True)
-    got_i, got_s = map(host, dask.compute(indices, scores, scheduler="sync"))
-    np.testing.assert_array_equal(got_i, want_i)
-    np.testing.assert_array_equal(got_s, want_s.astype(got_s.dtype))
-    # queries x database, uneven chunks: a round per database chunk after the first
-    y = random_bits(rng, (61, 90), 0.2)
-    indices, scores = dg.similarity(dg.asarray(xp.asarray(x[:75]), chunks=(10, -1)),
-                                    dg.asarray(xp.asarray(y), chunks=(13, -1)), top_k=3)
-    want_i, want_s = brute_top_k(reference(x[:75], y, "tanimoto"), 3, False, False)
+    if xp is np:  # CuPy's chunks are grouped by the workers first
+        rounds, per_round = 230 // 13, 8  # a round per database chunk after the first
+        chains = min(workers, rounds)
+        each = [len(range(c, rounds, chains)) for c in range(chains)]  # each chain's rounds
+        assert len(steps) == sum(-(-r // max(1, most // per_round)) for r in each)
+    want_i, want_s = brute_top_k(reference(x, y, "tanimoto"), 3, False, False)
     got_i, got_s = map(host, dask.compute(indices, scores, scheduler="sync"))
     np.testing.assert_array_equal(got_i, want_i)
     np.testing.assert_array_equal(got_s, want_s.astype(got_s.dtype))
@@ -168,25 +161,27 @@ def test_top_k_of_a_npy_runs_a_chain_on_each_worker(rng, tmp_path, monkeypatch):
                     reason="the top-k chain reads a .npy's chunks itself only in listed graphs")
 def test_grouped_rounds_of_each_chain_follow_it_and_only_states_move(rng, tmp_path,
                                                                      monkeypatch):
-    # On a cluster's GPUs a chain's rounds run several to a task; each such task runs where its
-    # chain began, and between workers only states move (8 k bytes a row), never words.
+    # On a cluster's GPUs a chain's rounds (queries against a database: all pairs run in
+    # tiles) run several to a task; each such task runs where its chain began, and between
+    # workers only states move (8 k bytes a row), never words.
     from dask.utils import key_split
 
     graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
     monkeypatch.setattr(graphs, "gpu_available", lambda: True)  # the graph as on GPUs
     monkeypatch.setattr(graphs, "GPU_BLOCKS_PER_TASK", 24)  # three rounds of 8 blocks
-    x = fingerprints(rng, 17 * 30, 8192)
-    where, sent = top_k_of_a_npy_on_four_workers(tmp_path, x, 2)
+    x, y = fingerprints(rng, 8 * 30, 8192), fingerprints(rng, 18 * 30, 8192)
+    where, sent = top_k_of_a_npy_on_four_workers(tmp_path, x, 2, database=y)
     chain_of = {key[1]: w for key, w in where.items() if key_split(key) == "similarity-begin"}
     assert len(set(chain_of.values())) == 4  # a worker each
     steps = {key: w for key, w in where.items() if key_split(key) == "similarity-step"}
-    # 17 rounds over 4 chains (5, 4, 4, 4), three a task: 2 tasks a chain
+    # 17 rounds (a database chunk each after the first) over 4 chains (5, 4, 4, 4), three a
+    # task: 2 tasks a chain
     assert sorted(key[1] for key in steps) == [0, 1, 2, 3, 12, 13, 14, 15]
     assert all(w == chain_of[key[1] % 4] for key, w in steps.items()), (chain_of, steps)
     # The first states to each chain's beginning, the chains' last states (each task's, whole)
-    # to the merges, the results: about 16 sets of states (8 k bytes a row; 152 kB in all),
-    # under half of one worker's copy of the words (1 KiB a row).
-    assert 0 < sum(sent.values()) < len(x) * 8192 // 8 // 2, sent
+    # to the merges, the results: a few sets of the queries' states (8 k bytes a row), under
+    # half of one worker's copy of the database's words (1 KiB a row).
+    assert 0 < sum(sent.values()) < len(y) * 8192 // 8 // 2, sent
 
 
 @pytest.mark.skipif(QUERY_PLANNING, reason="threshold= is refused under array query planning")

@@ -1,4 +1,4 @@
-"""The top-k of all pairs in tiles of row-chunk groups (``top-k-schedule: tiles``): the pair
+"""The top-k of all pairs on GPUs in tiles of row-chunk groups: the pair
 schedules, the groups' count, the graph as on GPUs run here against a brute force, and on a
 cluster the tasks of a round side by side with only states moving."""
 
@@ -16,12 +16,10 @@ from similarity_reference import (brute_top_k, fingerprints, reference,
                                   top_k_of_a_npy_on_four_workers)
 
 import dask_gpuchunk as dg
-from dask_gpuchunk import config
 from dask_gpuchunk.bits.top_k_tiles import (TILE_BUDGET_FRACTION, bipartite_rounds,
                                             chunk_groups, tile_groups)
 
 QUERY_PLANNING = type(da.ones(1)).__module__.startswith("dask.array._array_expr")
-TILES = {"top-k-schedule": "tiles"}
 
 
 @pytest.mark.parametrize("a, b", [(1, 1), (2, 3), (3, 2), (4, 4), (5, 1), (7, 9)])
@@ -72,14 +70,15 @@ def test_top_k_in_tiles_matches_numpy(xp, rng, monkeypatch, workers, most, metri
     host = (lambda a: a) if xp is np else (lambda a: a.get())
     x = fingerprints(rng, 230, 90)
     chunks = (10,) * 8 + (7, 12, 1) + (10,) * 13  # 24 chunks
-    with config.internal_values(TILES):
-        indices, scores = dg.similarity(dg.asarray(xp.asarray(x), chunks=(chunks, -1)),
-                                        metric=metric, top_k=4)
+    indices, scores = dg.similarity(dg.asarray(xp.asarray(x), chunks=(chunks, -1)),
+                                    metric=metric, top_k=4)
     graph = dict(indices.__dask_graph__())
     assert not any(key_split(key) in ("similarity-first", "similarity-begin")
                    for key in graph if isinstance(key, tuple))
     groups = len({key[1] for key in _tile_steps(indices) if key[1] == key[2]})
-    assert groups == tile_groups(24, 230, 90 // 8 + 1, 4, 1 << 40, workers)
+    # On a GPU, CuPy's small chunks are first grouped into the selection's blocks.
+    assert len(indices.chunks[0]) == 24 or xp is not np
+    assert groups == tile_groups(len(indices.chunks[0]), 230, 90 // 8 + 1, 4, 1 << 40, workers)
     assert len(_tile_steps(indices)) == groups * (groups + 1) // 2
     want_i, want_s = brute_top_k(reference(x, x, metric), 4, metric == "hamming", True)
     got_i, got_s = map(host, dask.compute(indices, scores, scheduler="sync"))
@@ -94,8 +93,7 @@ def test_a_tile_task_takes_only_its_two_groups_chunks(rng, monkeypatch):
     monkeypatch.setattr(graphs, "working_budget", lambda: 1 << 40)  # sized by chunk count
     monkeypatch.setattr("dask_gpuchunk.bits.top_k_tiles.TILE_CHUNKS", 5)
     x = fingerprints(rng, 230, 90)
-    with config.internal_values(TILES):
-        indices, _ = dg.similarity(dg.asarray(x, chunks=(10, -1)), top_k=3)
+    indices, _ = dg.similarity(dg.asarray(x, chunks=(10, -1)), top_k=3)
     graph = dict(indices.__dask_graph__())
     groups = chunk_groups(23, 5)
     for key in _tile_steps(indices):
@@ -113,8 +111,7 @@ def test_top_k_in_tiles_of_a_npy_on_four_workers_moves_only_states(rng, tmp_path
     monkeypatch.setattr(graphs, "gpu_available", lambda: True)
     monkeypatch.setattr(graphs, "working_budget", lambda: 1 << 40)  # sized by chunk count
     x = fingerprints(rng, 16 * 30, 8192)
-    with config.internal_values(TILES):
-        where, sent = top_k_of_a_npy_on_four_workers(tmp_path, x, 2)
+    where, sent = top_k_of_a_npy_on_four_workers(tmp_path, x, 2)
     steps = {key: w for key, w in where.items() if key_split(key) == "similarity-step"}
     assert len(steps) == 8 + 28
     own = [w for key, w in steps.items() if key[1] == key[2]]
@@ -135,10 +132,10 @@ def test_tiles_leave_their_states_in_host_memory_where_all_would_not_fit(xp, rng
     monkeypatch.setattr(graphs, "working_budget", lambda: 4000)
     assert host_states(230, 3, 4000)
     x = fingerprints(rng, 230, 90)
-    with config.internal_values(TILES):
-        indices, scores = dg.similarity(dg.asarray(xp.asarray(x), chunks=(30, -1)), top_k=3)
+    indices, scores = dg.similarity(dg.asarray(xp.asarray(x), chunks=(30, -1)), top_k=3)
     steps = _tile_steps(indices)
-    assert len(steps) == 8 * 9 // 2  # eight groups of a chunk each
+    chunks = len(indices.chunks[0])  # 8; on a GPU 7, CuPy's last two chunks grouped
+    assert len(steps) == chunks * (chunks + 1) // 2  # a group a chunk
     graph = dict(indices.__dask_graph__())
     states = get(graph, steps[-1])
     assert all(type(state) is np.ndarray for state in states)
@@ -153,11 +150,11 @@ def test_tiles_leave_their_states_in_host_memory_where_all_would_not_fit(xp, rng
 @pytest.mark.gpu
 @pytest.mark.skipif(QUERY_PLANNING, reason="the top-k is listed where graphs are listed")
 @pytest.mark.parametrize("budget", [None, 3 << 20])
-def test_tiles_on_a_gpu_equal_the_chains_with_seeded_first_states(rng, tmp_path, monkeypatch,
-                                                                   budget):
+def test_tiles_on_a_gpu_equal_the_cpu_key_for_key(rng, tmp_path, monkeypatch, budget):
     # Chunks of 8,192 rows and more begin their states by the seeded path, the rest by the
-    # fused kernels: the tiles' result is the chains', key for key; a 3 MiB budget cuts a
-    # group a chunk and leaves the states in host memory between tasks.
+    # fused kernels: from a .npy and from device chunks, the tiles' result is the CPU's, key
+    # for key; a 3 MiB budget cuts a group a chunk and leaves the states in host memory
+    # between tasks.
     import cupy
 
     if budget is not None:
@@ -165,29 +162,25 @@ def test_tiles_on_a_gpu_equal_the_chains_with_seeded_first_states(rng, tmp_path,
         monkeypatch.setattr(graphs, "working_budget", lambda: budget)
     monkeypatch.setattr("dask_gpuchunk.bits.top_k_tiles.TILE_CHUNKS", 2)
     x = fingerprints(rng, 41_000, 512)
-    np.save(tmp_path / "x.npy", np.packbits(x, axis=1))
-    results = {}
-    for schedule in ("chains", "tiles"):
-        with config.internal_values({"top-k-schedule": schedule}):
-            for source in ("npy", "device"):
-                w = (dg.from_npy(tmp_path / "x.npy", chunks=(8192, -1)) if source == "npy"
-                     else dg.asarray(cupy.asarray(np.packbits(x, axis=1)), chunks=(8192, -1)))
-                indices, scores = dg.similarity(w, packed=True, top_k=7)
-                if schedule == "tiles":
-                    steps = _tile_steps(indices)
-                    groups = sum(key[1] == key[2] for key in steps)
-                    assert len(steps) == groups * (groups + 1) // 2
-                    assert groups == (len(indices.chunks[0]) if budget else
-                                      -(-len(indices.chunks[0]) // 2))
-                got = dask.compute(indices, scores)
-                results[schedule, source] = [getattr(a, "get", lambda a=a: a)() for a in got]
+    words = np.packbits(x, axis=1)
+    np.save(tmp_path / "x.npy", words)
+    want = dask.compute(*dg.similarity(dg.asarray(words, chunks=(8192, -1)), packed=True,
+                                       top_k=7, device="cpu"))
     for source in ("npy", "device"):
-        for want, got in zip(results["chains", source], results["tiles", source]):
-            np.testing.assert_array_equal(got, want)
+        w = (dg.from_npy(tmp_path / "x.npy", chunks=(8192, -1)) if source == "npy"
+             else dg.asarray(cupy.asarray(words), chunks=(8192, -1)))
+        indices, scores = dg.similarity(w, packed=True, top_k=7)
+        steps = _tile_steps(indices)
+        groups = sum(key[1] == key[2] for key in steps)
+        assert len(steps) == groups * (groups + 1) // 2
+        assert groups == (len(indices.chunks[0]) if budget else
+                          -(-len(indices.chunks[0]) // 2))
+        got = [getattr(a, "get", lambda a=a: a)() for a in dask.compute(indices, scores)]
+        for w_, g_ in zip(want, got):
+            np.testing.assert_array_equal(g_, w_)
     sample = np.sort(rng.choice(len(x), 5, replace=False))
     s = reference(x[sample], x, "tanimoto").astype(np.float64)
     s[np.arange(len(sample)), sample] = -np.inf  # each row's own id left out
     want_i, want_s = brute_top_k(s, 7, False, False)
-    np.testing.assert_array_equal(results["tiles", "npy"][0][sample], want_i)
-    np.testing.assert_array_equal(results["tiles", "npy"][1][sample],
-                                  want_s.astype(np.float32))
+    np.testing.assert_array_equal(want[0][sample], want_i)
+    np.testing.assert_array_equal(want[1][sample], want_s.astype(np.float32))
