@@ -24,6 +24,7 @@ from ..runtime.budget import working_budget
 from ..runtime.resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 from .selection import (
     Selection,
+    block_bytes,
     chain_rounds,
     cross_block,
     first_state,
@@ -35,7 +36,7 @@ from .selection import (
     upper_block,
 )
 from .top_k_tiles import (add_tile_tasks, chunk_groups, final_state, host_states,
-                          round_robin, tile_groups)
+                          round_robin, tile_bytes, tile_groups, tile_slots)
 
 __all__ = ["CPU_BLOCKS_PER_TASK", "GPU_BLOCKS_PER_TASK", "chains_for", "merged_keys",
            "merged_pairs", "threshold_pairs", "top_k_chain"]
@@ -70,7 +71,8 @@ def _resident_popcounts(source: ResidentSource, start: int, stop: int, device: s
 
 
 def _chunk_refs(words: da.Array, pops: da.Array, device: str, dsk: dict, tag: str,
-                read_ahead: bool = False) -> tuple[list[Any], list[Any], list[da.Array]]:
+                read_ahead: bool = False, deferred: bool = False
+                ) -> tuple[list[Any], list[Any], list[da.Array]]:
     """What a task of the top-k chain names for each row chunk's words and popcounts: the keys
     of ``words`` and ``pops``, or, for words straight from a ``.npy``
     (:func:`dask_gpuchunk.io.npy_reader_of`), tasks inside the task that read them where it
@@ -78,7 +80,8 @@ def _chunk_refs(words: da.Array, pops: da.Array, device: str, dsk: dict, tag: st
     gains): then no chunk of words is sent between workers. Last, the collections the names
     need (none for a ``.npy``). ``read_ahead``: each process's source reads every chunk once a
     task has asked for its first (while they fit its device's share), for a graph whose every
-    worker meets every chunk (the top-k's chains)."""
+    worker meets every chunk (the top-k's chains). ``deferred``: a ``.npy``'s reads as
+    ``functools.partial`` calls, made by the task itself when it is ready (the tiles')."""
     reader = npy_reader_of(words)
     if reader is None:
         keys = [(words.name, i, 0) for i in range(len(words.chunks[0]))]
@@ -88,19 +91,26 @@ def _chunk_refs(words: da.Array, pops: da.Array, device: str, dsk: dict, tag: st
     entries, source_key = source_tasks(reader, tag, read_ahead=bounds if read_ahead else ())
     dsk.update(entries)
     source = TaskRef(source_key)
+    if deferred:
+        return ([Task(None, functools.partial, rows_where_it_runs, source, a, b, device)
+                 for a, b in bounds],
+                [Task(None, functools.partial, _resident_popcounts, source, a, b, device)
+                 for a, b in bounds], [])
     return ([Task(None, rows_where_it_runs, source, a, b, device) for a, b in bounds],
             [Task(None, _resident_popcounts, source, a, b, device) for a, b in bounds], [])
 
 
 def _chunk_refs_of_both(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
-                        device: str, dsk: dict, token: str, read_ahead: bool = False
-                        ) -> tuple[list, list, list, list, list]:
+                        device: str, dsk: dict, token: str, read_ahead: bool = False,
+                        deferred: bool = False) -> tuple[list, list, list, list, list]:
     """:func:`_chunk_refs` of ``x`` and of ``y`` (the same where ``wy`` is ``wx``): words and
     popcounts of each, then the collections they need."""
-    words_x, pops_x, needs = _chunk_refs(wx, pop_x, device, dsk, f"x-{token}", read_ahead)
+    words_x, pops_x, needs = _chunk_refs(wx, pop_x, device, dsk, f"x-{token}", read_ahead,
+                                         deferred)
     if wy is wx:
         return words_x, pops_x, words_x, pops_x, needs
-    words_y, pops_y, needs_y = _chunk_refs(wy, pop_y, device, dsk, f"y-{token}", read_ahead)
+    words_y, pops_y, needs_y = _chunk_refs(wy, pop_y, device, dsk, f"y-{token}", read_ahead,
+                                           deferred)
     return words_x, pops_x, words_y, pops_y, needs + needs_y
 
 
@@ -142,8 +152,14 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
             chunks_x, wx.shape[0], wx.shape[1] * wx.dtype.itemsize, k, budget,
             cluster_workers()))
         on_host = host_states(wx.shape[0], k, budget)
+        row_bytes = wx.shape[1] * wx.dtype.itemsize
+        # A block's bytes by bmma's where the device's method is not named (the graph may be
+        # made where no GPU is): the fused kernels' scratch is the same function of the rows.
+        slots = tile_slots(budget, tile_bytes(-(-wx.shape[0] // len(groups)), row_bytes, k),
+                           block_bytes(max(wx.chunks[0]), -(-row_bytes // 8),
+                                       "bmma" if method == "auto" else method, k))
     token = tokenize(wx, wy, selection, method, device, chains,
-                     (len(groups), on_host) if tiles else None)
+                     (len(groups), on_host, slots) if tiles else None)
     name, first, begin, step = (f"similarity-top-k-{token}", f"similarity-first-{token}",
                                 f"similarity-begin-{token}", f"similarity-step-{token}")
     starts_x = [start for start, _ in row_bounds(wx.chunks[0])]
@@ -152,11 +168,11 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     dsk: dict[Any, Any] = {}
     # Each chain meets every chunk: on two GPUs a worker's first chain task read the half its
     # first states had not (2.5 s against 2.1 s in one process for 10**7 rows).
-    words_x, pops_x, words_y, pops_y, needs = _chunk_refs_of_both(wx, wy, pop_x, pop_y, device,
-                                                                 dsk, token, read_ahead=True)
+    words_x, pops_x, words_y, pops_y, needs = _chunk_refs_of_both(
+        wx, wy, pop_x, pop_y, device, dsk, token, read_ahead=True, deferred=tiles)
     if tiles:  # each row chunk's first state in its group's own task
         latest = [add_tile_tasks(dsk, step, groups, opts, (words_x, pops_x, starts_x),
-                                 not needs, on_host)]
+                                 not needs, on_host, slots)]
     else:
         x, y = (words_x, pops_x, starts_x), (words_y, pops_y, starts_y)
         latest = _first_states(dsk, first, begin, chains, all_pairs, opts, not needs, x, y)

@@ -19,17 +19,23 @@ database and on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from dask.task_spec import Task, TaskRef
 
 from ..runtime.backend import is_cupy
-from .selection import chain_rounds
+from ..runtime.resident import DEVICE_FRACTION, on_gpu_here
+from ..runtime.staging import per_device
+from .selection import CHUNK_ARGS, chain_rounds
 
 __all__ = ["DEVICE_STATES_FRACTION", "TILE_CHUNKS", "add_tile_tasks", "bipartite_rounds",
-           "chunk_groups", "final_state", "host_states", "round_robin", "tile_groups"]
+           "chunk_groups", "final_state", "host_states", "round_robin", "tile_bytes",
+           "tile_groups", "tile_slot", "tile_slots", "tile_task"]
 
 #: Row chunks a group takes at most: a task between two groups then runs at most
 #: ``TILE_CHUNKS ** 2`` blocks, as a task of the chains takes up to
@@ -79,13 +85,88 @@ def tile_groups(chunks: int, rows: int, row_bytes: int, k: int, budget: int,
     >>> tile_groups(3, 30, 256, 10, 7 << 30, 4)
     3
     """
-    per_row = row_bytes + 4 + 2 * 8 * k
-    by_memory = math.ceil(2 * rows * per_row / max(budget * TILE_BUDGET_FRACTION, 1))
+    by_memory = math.ceil(tile_bytes(rows, row_bytes, k)
+                          / max(budget * TILE_BUDGET_FRACTION, 1))
     groups = max(by_memory, math.ceil(chunks / TILE_CHUNKS), 1)
     if workers > 1:
         groups = max(groups, 2 * workers)
         groups = -(-groups // (2 * workers)) * 2 * workers
     return max(1, min(groups, chunks))
+
+
+def tile_bytes(group_rows: int, row_bytes: int, k: int) -> int:
+    """Device bytes a task of two groups of ``group_rows`` rows each holds besides its blocks'
+    scratch: their words (``row_bytes`` a row), popcounts and top-``k`` states before and
+    after.
+
+    Examples
+    --------
+    >>> tile_bytes(625_000, 256, 10)  # 10**7 rows in 16 groups: 525 MB
+    525000000
+    """
+    return 2 * group_rows * (row_bytes + 4 + 2 * 8 * k)
+
+
+def tile_slots(budget: int, task_bytes: int, block_bytes: int) -> int:
+    """How many tile tasks run at once on a device of working ``budget``: two where two tasks
+    of ``task_bytes`` and a block's scratch (``block_bytes``) each fit beside what the
+    resident chunks may keep (:data:`~dask_gpuchunk.runtime.resident.DEVICE_FRACTION` of it);
+    else one. A task holds its groups' words and states until it ends, outside the budget's
+    reservations: in one process of 32 threads under a 2 GiB cap, 14 groups' tasks at once
+    held every chunk's words and ran the device out of memory.
+
+    Examples
+    --------
+    >>> tile_slots(7 << 30, 840_000_000, 420_000_000)  # 10**7 rows, 8 GiB cap
+    2
+    >>> tile_slots(1800 << 20, 525_000_000, 820_000_000)  # 2 GiB cap
+    1
+    """
+    return 2 if DEVICE_FRACTION * budget + 2 * (task_bytes + block_bytes) <= budget else 1
+
+
+class _TileRuns:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.running = 0
+
+
+_runs: dict[int, _TileRuns] = {}
+_runs_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def tile_slot(slots: int) -> Iterator[None]:
+    """Hold one of ``slots`` places for a tile task on this process's current device,
+    waiting for one."""
+    runs = per_device(_runs, _runs_lock, _TileRuns)
+    with runs.cond:
+        while runs.running >= slots:
+            runs.cond.wait()
+        runs.running += 1
+    try:
+        yield
+    finally:
+        with runs.cond:
+            runs.running -= 1
+            runs.cond.notify_all()
+
+
+def tile_task(*args: Any, slots: int, device: str, **opts: Any) -> tuple:
+    """A tile's rounds (:func:`~dask_gpuchunk.bits.selection.chain_rounds`, ``args`` as
+    there) holding a tile slot of the device (:func:`tile_slot`); words and popcounts given
+    as reads not yet made (``functools.partial``, for a ``.npy``'s chunks) are read once the
+    slot is held, so that tasks waiting for one hold nothing on the device."""
+    if not on_gpu_here(device):
+        return chain_rounds(*_read(args), device=device, **opts)
+    with tile_slot(slots):
+        return chain_rounds(*_read(args), device=device, **opts)
+
+
+def _read(args: tuple) -> list[Any]:
+    """``args`` with each chunk's deferred words and popcounts read."""
+    return [a() if i % CHUNK_ARGS < 2 and isinstance(a, functools.partial) else a
+            for i, a in enumerate(args)]
 
 
 def chunk_groups(chunks: int, groups: int) -> list[range]:
@@ -141,14 +222,15 @@ def bipartite_rounds(a: list[Any], b: list[Any]) -> list[list[tuple[Any, Any]]]:
 
 
 def add_tile_tasks(dsk: dict, step: str, groups: list[range], opts: dict, chunk_args: tuple,
-                   data_producer: bool, on_host: bool = False) -> dict[int, tuple[Any, int]]:
+                   data_producer: bool, on_host: bool = False, slots: int = 2
+                   ) -> dict[int, tuple[Any, int]]:
     """The tasks of the tiles into ``dsk`` (keys ``(step, g, h)``): each group's own task,
     then a task for each pair of groups, in the order of their rounds (:func:`round_robin`);
     all pairs, symmetric. ``chunk_args``: the chunks' words, popcounts and first rows
     (lists). Returns where each row chunk's last state is: ``{chunk: (task, slot)}``.
     ``data_producer``: the groups' own tasks need nothing but the words' source, and go where
     a thread is free. ``on_host``: the tasks leave their states in host memory
-    (:func:`host_states`)."""
+    (:func:`host_states`); ``slots``: tile tasks at once on a device (:func:`tile_slots`)."""
     words, pops, starts = chunk_args
     held: dict[int, tuple[Any, int]] = {}
 
@@ -161,8 +243,9 @@ def add_tile_tasks(dsk: dict, step: str, groups: list[range], opts: dict, chunk_
             args += [words[chunk], pops[chunk], starts[chunk], *state]
         plan = tuple(tuple((place[i], place[j]) for i, j in blocks) for blocks in rounds)
         dsk[key] = Task(key, functools.partial(
-            chain_rounds, rounds=plan, firsts=tuple((place[c], place[c]) for c in firsts),
-            symmetric=True, host_states=on_host, **opts), *args, _data_producer=producer)
+            tile_task, rounds=plan, firsts=tuple((place[c], place[c]) for c in firsts),
+            symmetric=True, host_states=on_host, slots=slots, **opts), *args,
+            _data_producer=producer)
         for chunk, p in place.items():
             held[chunk] = (key, p)
 

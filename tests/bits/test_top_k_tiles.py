@@ -5,6 +5,7 @@ cluster the tasks of a round side by side with only states moving."""
 from __future__ import annotations
 
 import importlib
+import functools
 import itertools
 
 import dask
@@ -17,7 +18,7 @@ from similarity_reference import (brute_top_k, fingerprints, reference,
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.bits.top_k_tiles import (TILE_BUDGET_FRACTION, bipartite_rounds,
-                                            chunk_groups, tile_groups)
+                                            chunk_groups, tile_groups, tile_slots)
 
 QUERY_PLANNING = type(da.ones(1)).__module__.startswith("dask.array._array_expr")
 
@@ -184,3 +185,45 @@ def test_tiles_on_a_gpu_equal_the_cpu_key_for_key(rng, tmp_path, monkeypatch, bu
     want_i, want_s = brute_top_k(s, 7, False, False)
     np.testing.assert_array_equal(want[0][sample], want_i)
     np.testing.assert_array_equal(want[1][sample], want_s.astype(np.float32))
+
+
+def test_tile_slots_let_two_tasks_run_where_both_fit_beside_the_kept_chunks():
+    budget = 1 << 30
+    assert tile_slots(budget, budget // 8, budget // 16) == 2  # 1/2 + 2 (1/8 + 1/16) = 7/8
+    assert tile_slots(budget, budget // 8, budget // 4) == 1  # 1/2 + 2 (1/8 + 1/4) > 1
+
+
+def test_a_tile_task_reads_its_chunks_once_it_holds_a_slot(monkeypatch):
+    # Tasks waiting for a slot hold nothing: their deferred reads run inside it, and no more
+    # than `slots` tasks run at once.
+    import threading
+    import time
+
+    tiles = importlib.import_module("dask_gpuchunk.bits.top_k_tiles")
+    runs = tiles._TileRuns()
+    monkeypatch.setattr(tiles, "per_device", lambda registry, lock, make: runs)
+    monkeypatch.setattr(tiles, "on_gpu_here", lambda device: True)
+    seen = []
+
+    def chain_rounds(*args, **opts):
+        seen.append((runs.running, args))
+        time.sleep(0.02)
+        return args
+
+    monkeypatch.setattr(tiles, "chain_rounds", chain_rounds)
+
+    def read(tag):
+        assert runs.running >= 1, "read before the slot was held"
+        return tag
+
+    args = (functools.partial(read, "w"), functools.partial(read, "p"), 0,
+            functools.partial(read, "not a chunk's words"), 0)
+    threads = [threading.Thread(target=tiles.tile_task, args=args,
+                                kwargs={"slots": 2, "device": "gpu"}) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 6 and max(running for running, _ in seen) <= 2
+    assert all(a[:3] == ("w", "p", 0) and isinstance(a[3], functools.partial)
+               for _, a in seen)
