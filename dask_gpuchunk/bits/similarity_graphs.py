@@ -134,8 +134,9 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
 
     All pairs on GPUs run in tiles of row-chunk groups instead
     (:mod:`dask_gpuchunk.bits.top_k_tiles`): one state per row chunk, nothing merged. On
-    2 x H200 (8 GiB cap), the top-10 of 10**7 x 2048-bit fingerprints from a ``.npy``: 37.1-37.7 s
-    in tiles against 39.9-40.0 s in two chains; on one GPU 67.9 s against 68.6 s."""
+    2 x H200 (8 GiB cap), the top-10 of 10**7 x 2048-bit fingerprints from a ``.npy``:
+    36.3-38.0 s in tiles against 39.9-40.0 s in two chains; on one GPU 66.9-67.1 s against
+    68.6 s; under a 2 GiB cap, where the chains ran out of memory, 50.2 s and 73.7 s."""
     k = selection.k
     chunks_x, chunks_y = len(wx.chunks[0]), len(wy.chunks[0])
     if all_pairs:  # rounds of disjoint chunk pairs

@@ -12,9 +12,10 @@ round are independent, so a cluster's workers take them side by side. Against th
 every row's state, merged at the end), which they replace for all pairs on GPUs: each row has
 one state, which has seen every block before it; no chain's beginning is gathered, nothing is
 merged; a task's memory is bounded by its two groups. On 2 x H200 (8 GiB cap, UCX), the
-top-10 of 10**7 x 2048-bit fingerprints from a ``.npy``: 37.1-37.7 s against the chains'
-39.9-40.0 s (one GPU: 67.9 s against 68.6 s). The chains remain for queries against a
-database and on the CPU.
+top-10 of 10**7 x 2048-bit fingerprints from a ``.npy``: 36.3-38.0 s against the chains'
+39.9-40.0 s (one GPU: 66.9-67.1 s against 68.6 s), and under a 2 GiB cap, where the chains ran
+out of memory, 50.2 s (73.7 s). The chains remain for queries against a database and on the
+CPU.
 """
 
 from __future__ import annotations
