@@ -139,26 +139,25 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     68.6 s; under a 2 GiB cap, where the chains ran out of memory, 50.2 s and 73.7 s."""
     k = selection.k
     chunks_x, chunks_y = len(wx.chunks[0]), len(wy.chunks[0])
-    if all_pairs:  # rounds of disjoint chunk pairs
-        order = round_robin(chunks_x)
-        per_round = max(chunks_x // 2, 1)
-        rounds = [order[r:r + per_round] for r in range(0, len(order), per_round)]
-    else:  # a round per database chunk: each query chunk's state once
-        rounds = [[(i, j) for i in range(chunks_x)] for j in range(1, chunks_y)]
     tiles = all_pairs and device != "cpu" and gpu_available()
-    chains = 1 if tiles else chains_for(cluster_workers(), len(rounds))
     if tiles:  # the groups and where the states stay, from the device's budget
         budget = working_budget()
-        groups = chunk_groups(chunks_x, tile_groups(
-            chunks_x, wx.shape[0], wx.shape[1] * wx.dtype.itemsize, k, budget,
-            cluster_workers()))
-        on_host = host_states(wx.shape[0], k, budget)
         row_bytes = wx.shape[1] * wx.dtype.itemsize
+        groups = chunk_groups(chunks_x, tile_groups(chunks_x, wx.shape[0], row_bytes, k, budget,
+                                                    cluster_workers()))
+        on_host = host_states(wx.shape[0], k, budget)
         # A block's bytes by bmma's where the device's method is not named (the graph may be
         # made where no GPU is): the fused kernels' scratch is the same function of the rows.
         slots = tile_slots(budget, tile_bytes(-(-wx.shape[0] // len(groups)), row_bytes, k),
                            block_bytes(max(wx.chunks[0]), -(-row_bytes // 8),
                                        "bmma" if method == "auto" else method, k))
+    elif all_pairs:  # rounds of disjoint chunk pairs
+        order = round_robin(chunks_x)
+        per_round = max(chunks_x // 2, 1)
+        rounds = [order[r:r + per_round] for r in range(0, len(order), per_round)]
+    else:  # a round per database chunk: each query chunk's state once
+        rounds = [[(i, j) for i in range(chunks_x)] for j in range(1, chunks_y)]
+    chains = 1 if tiles else chains_for(cluster_workers(), len(rounds))
     token = tokenize(wx, wy, selection, method, device, chains,
                      (len(groups), on_host, slots) if tiles else None)
     name, first, begin, step = (f"similarity-top-k-{token}", f"similarity-first-{token}",
@@ -167,8 +166,9 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     starts_y = [start for start, _ in row_bounds(wy.chunks[0])]
     opts = {"selection": selection, "method": method, "device": device}
     dsk: dict[Any, Any] = {}
-    # Each chain meets every chunk: on two GPUs a worker's first chain task read the half its
-    # first states had not (2.5 s against 2.1 s in one process for 10**7 rows).
+    # Each chain, and each worker's tiles, meet every chunk: on two GPUs a worker's first chain
+    # task read the half its first states had not (2.5 s against 2.1 s in one process for
+    # 10**7 rows).
     words_x, pops_x, words_y, pops_y, needs = _chunk_refs_of_both(
         wx, wy, pop_x, pop_y, device, dsk, token, read_ahead=True, deferred=tiles)
     if tiles:  # each row chunk's first state in its group's own task

@@ -158,9 +158,7 @@ def tile_task(*args: Any, slots: int, device: str, **opts: Any) -> tuple:
     there) holding a tile slot of the device (:func:`tile_slot`); words and popcounts given
     as reads not yet made (``functools.partial``, for a ``.npy``'s chunks) are read once the
     slot is held, so that tasks waiting for one hold nothing on the device."""
-    if not on_gpu_here(device):
-        return chain_rounds(*_read(args), device=device, **opts)
-    with tile_slot(slots):
+    with tile_slot(slots) if on_gpu_here(device) else contextlib.nullcontext():
         return chain_rounds(*_read(args), device=device, **opts)
 
 
