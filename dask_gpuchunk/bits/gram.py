@@ -30,7 +30,7 @@ import numpy as np
 
 from ..runtime import backend
 from .._kernels.gram import Method
-from ..runtime.budget import check_fits, working_budget
+from ..runtime.budget import check_fits, check_fits_for_graph, graph_budget
 from ..devices import Device, cluster_workers, gpu_available
 from ..io.fingerprint_files import bit_vectors_as_words
 from ..io import npy_reader_of
@@ -207,7 +207,7 @@ def task_block_rows(rows: int, bits: int, method: str = "auto", budget: int | No
     >>> task_block_rows(65536, 262144, "popcount", budget=7 << 30, workers=4)
     10923
     """
-    budget = working_budget() if budget is None else budget
+    budget = graph_budget() if budget is None else budget
     workers = cluster_workers() if workers is None else workers
     words64 = -(-bits // 64)
     resolved = method if method != "auto" else resolve_method("auto", on_gpu=True)
@@ -227,11 +227,14 @@ def task_block_rows(rows: int, bits: int, method: str = "auto", budget: int | No
 
 def check_block_fits(chunks: tuple[tuple[int, ...], ...], itemsize: int, method: str,
                      budget: int | None = None) -> None:
-    """Refuse, before any work, Gram blocks that cannot fit the device budget (this process's,
-    or ``budget``): :class:`dask_gpuchunk.runtime.budget.DeviceBudgetError` naming the bytes."""
+    """Refuse, before any work, Gram blocks that cannot fit the device budget (``budget``, else
+    the workers' smallest or this process's: :func:`~dask_gpuchunk.runtime.budget.check_fits_for_graph`): :class:`dask_gpuchunk.runtime.budget.DeviceBudgetError` naming the bytes."""
     rows = max(chunks[0], default=0)
     words64 = -(-max(chunks[1], default=0) * itemsize // 8)
     resolved = method if method != "auto" else resolve_method("auto", on_gpu=True)
-    check_fits(block_bytes(rows, words64, resolved),
-               f"a Gram block of {rows} x {rows} rows of {words64 * 64} bits ({resolved})",
-               "fewer rows per chunk: chunks= of the rows, --chunk-rows", budget)
+    what = f"a Gram block of {rows} x {rows} rows of {words64 * 64} bits ({resolved})"
+    option = "fewer rows per chunk: chunks= of the rows, --chunk-rows"
+    if budget is None:
+        check_fits_for_graph(block_bytes(rows, words64, resolved), what, option)
+    else:
+        check_fits(block_bytes(rows, words64, resolved), what, option, budget)

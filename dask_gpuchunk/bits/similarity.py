@@ -45,7 +45,7 @@ from .._kernels.gram import Method
 from .._kernels.similarity import Metric
 from ..arrays import asarray
 from ..runtime.backend import is_cupy
-from ..runtime.budget import check_fits, working_budget
+from ..runtime.budget import check_fits_for_graph, graph_budget
 from ..config import listed_graphs
 from ..devices import Device, cluster_workers, gpu_available
 from ..io.fingerprint_files import bit_vectors_as_words
@@ -301,13 +301,13 @@ def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bo
         words64 = -(-wx.shape[1] * wx.dtype.itemsize // 8)
         resolved = resolve_method(method, on_gpu=True)
         if top_k is not None or threshold is not None:  # blocks of the GPU's size, ours
-            budget, workers = working_budget(), cluster_workers()
+            budget, workers = graph_budget(), cluster_workers()
             wx = grouped_for_gpu(wx, words64, resolved, top_k, threshold, budget, workers,
                                  metric)
             wy = wx if y is None else grouped_for_gpu(wy, words64, resolved, top_k, threshold,
                                                       budget, workers, metric)
         rows = max(*wx.chunks[0], *wy.chunks[0], 0)
-        check_fits(block_bytes(rows, words64, resolved, top_k, threshold, metric),
+        check_fits_for_graph(block_bytes(rows, words64, resolved, top_k, threshold, metric),
                    f"a similarity block of {rows} x {rows} rows of {words64 * 64} bits "
                    f"({resolved})", "fewer rows per chunk: chunks= of the rows, --chunk-rows")
     meta1 = meta_from_array(wx._meta, ndim=1, dtype=np.int32)

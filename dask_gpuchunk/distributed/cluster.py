@@ -193,18 +193,34 @@ def release_memory() -> None:
     cupy.get_default_pinned_memory_pool().free_all_blocks()
 
 
-def _workers_spill_limit(device_memory_limit: Any) -> Any:
+def _workers_spill_limit(device_memory_limit: Any, visible: str | None = None) -> Any:
     """dask-cuda's ``device_memory_limit`` for the workers: where CuPy's pool is capped
     (``CUPY_GPU_MEMORY_LIMIT``, which the workers inherit), taken of the capped size, so that
-    a capped card spills as a card of that size would; else as given."""
+    a capped card spills as a card of that size would; else as given. ``visible``: the
+    workers' ``CUDA_VISIBLE_DEVICES``, whose first device's size is read."""
     if not os.environ.get("CUPY_GPU_MEMORY_LIMIT", "").strip():
         return device_memory_limit
-    import cupy
-
-
-    total = int(cupy.cuda.runtime.memGetInfo()[1])
+    total = _first_device_total(visible or os.environ.get("CUDA_VISIBLE_DEVICES") or None)
     capacity = min(total, pool_limit_from_env(total) or total)
     return spill_limit(capacity, device_memory_limit) or 0
+
+
+def _first_device_total(visible: str | None) -> int:
+    """The memory of the first of the ``visible`` devices (``CUDA_VISIBLE_DEVICES``'s form;
+    device 0 where ``None``), read through NVML as dask-cuda reads it: asking the CUDA runtime
+    made a context of this process on that device, kept while the cluster ran (518 MiB of an
+    H200 beside worker 0's by nvidia-smi)."""
+    try:
+        from dask_cuda.utils import get_device_total_memory, nvml_device_index
+
+        total = get_device_total_memory(nvml_device_index(0, visible) if visible else 0)
+    except Exception:  # no NVML here (a driver without it): CUDA's figure, with its context
+        total = None
+    if total:
+        return int(total)
+    import cupy
+
+    return int(cupy.cuda.runtime.memGetInfo()[1])
 
 
 def _gpu_list(gpus: Any) -> str | None:
@@ -345,7 +361,7 @@ def local_cluster(
             threads_per_worker=(max(1, cores // n) if threads_per_gpu == "cores"
                                 else threads_per_gpu or THREADS_PER_GPU),
         )
-        limit = _workers_spill_limit(device_memory_limit)
+        limit = _workers_spill_limit(device_memory_limit, visible)
         if limit != "default":
             kwargs["device_memory_limit"] = limit if limit else 0
         kwargs.update(cluster_kwargs)

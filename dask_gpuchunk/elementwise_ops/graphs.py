@@ -17,7 +17,7 @@ from dask.task_spec import Task, TaskRef
 
 from .._kernels.elementwise import ElementwisePlan, is_python_number
 from ..runtime.backend import device_call, input_kind, is_cupy
-from ..runtime.budget import check_fits
+from ..runtime.budget import check_fits_for_graph
 from ..config import map_blocks_prefix
 from .blocks import _block, _finish, _finish_blocks, _pick_output, _pick_reduction
 from ..io import npy_reader_of
@@ -196,14 +196,14 @@ def _largest_block_bytes(chunks: tuple[tuple[int, ...], ...], dtype: np.dtype) -
 
 def _check_chunk_fits(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],
                       out_dtypes: tuple[np.dtype, ...], on_device: bool) -> None:
-    """Refuse, before any work, a result chunk that cannot fit this process's device budget
-    (:mod:`dask_gpuchunk.runtime.budget`) with its inputs: its outputs, and host inputs copied to
+    """Refuse, before any work, a result chunk that cannot fit the device budget where it runs
+    (:func:`~dask_gpuchunk.runtime.budget.check_fits_for_graph`) with its inputs: its outputs, and host inputs copied to
     the device (device inputs are already there)."""
     nbytes = sum(_largest_block_bytes(chunks, dt) for dt in out_dtypes)
     if not on_device:
         nbytes += sum(_largest_block_bytes(a.chunks, a.dtype) for a in arrays
                       if isinstance(a, da.Array))
-    check_fits(nbytes, f"{name}: one chunk", "chunks= of the inputs, or dask's rechunk")
+    check_fits_for_graph(nbytes, f"{name}: one chunk", "chunks= of the inputs, or dask's rechunk")
 
 
 def _listed_graph(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],

@@ -28,7 +28,7 @@ from typing import Any
 from .. import _compat
 
 from . import process_memory
-from ..devices import gpu_available
+from ..devices import distributed_client_active, gpu_available
 from .staging import per_device
 
 __all__ = [
@@ -39,7 +39,9 @@ __all__ = [
     "cap_device_pool",
     "check_fits",
     "device_capacity",
+    "check_fits_for_graph",
     "format_bytes",
+    "graph_budget",
     "peak_bytes",
     "pool_limit_from_env",
     "reserve",
@@ -206,6 +208,42 @@ def working_budget(dask_worker: Any = None) -> int:
     :func:`dask_gpuchunk.local_cluster`)."""
     capacity = device_capacity()
     return max(int(capacity * (1 - HEADROOM_FRACTION)) - _stored_in_budget(dask_worker), 0)
+
+
+def graph_budget() -> int:
+    """The working budget (bytes) a graph's GPU blocks are sized for where it is built: with a
+    ``distributed`` client, the smallest of its workers' that have a GPU (asked now); else, or
+    where none answers, this process's (:func:`working_budget`). Sizing by the submitting
+    process's own device made it a CUDA context on a device a worker uses (518 MiB of an H200
+    by nvidia-smi beside worker 0's, for the whole job)."""
+    budgets = _workers_budgets()
+    return min(budgets) if budgets else working_budget()
+
+
+def check_fits_for_graph(nbytes: int, what: str, option: str) -> None:
+    """:func:`check_fits` of one chunk when a graph is built: against the workers' smallest
+    budget where a ``distributed`` client has GPU workers, else this process's."""
+    budgets = _workers_budgets()
+    check_fits(nbytes, what, option, min(budgets) if budgets else None)
+
+
+def _workers_budgets() -> list[int]:
+    """The working budgets of the default client's workers that have a GPU; empty without a
+    client, or where none has one or the client cannot ask (an asynchronous one)."""
+    if not distributed_client_active():
+        return []
+    try:
+        from distributed import default_client
+
+        reports = default_client().run(_working_budget_here)
+    except Exception:  # an asynchronous client, or no worker answered
+        return []
+    return [b for b in reports.values() if b is not None]
+
+
+def _working_budget_here(dask_worker: Any = None) -> int | None:
+    """:func:`working_budget` of a worker (``Client.run`` passes it), ``None`` without a GPU."""
+    return working_budget(dask_worker) if gpu_available() else None
 
 
 def _stored_in_budget(dask_worker: Any = None) -> int:

@@ -335,3 +335,19 @@ def test_a_gram_of_device_words_over_ucx_is_exact_and_unwrapped(rng):
                        if isinstance(k, tuple))
         got = client.compute(g, sync=True).get()
     np.testing.assert_array_equal(got, reference_gram(bits))
+
+
+def test_workers_spill_limit_reads_the_first_visible_device_of_a_capped_pool(monkeypatch):
+    # The card's size comes from NVML for the workers' first device, not from CUDA in this
+    # process (which would make it a context there).
+    asked = []
+    monkeypatch.setattr(cluster_module, "_first_device_total",
+                        lambda visible: asked.append(visible) or 80 << 30)
+    monkeypatch.delenv("CUPY_GPU_MEMORY_LIMIT", raising=False)
+    assert cluster_module._workers_spill_limit("default", "1,0") == "default"
+    assert asked == []
+    monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", str(8 << 30))
+    assert cluster_module._workers_spill_limit("default", "1,0") == int(0.8 * (8 << 30))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert cluster_module._workers_spill_limit(0.5, None) == 4 << 30
+    assert asked == ["1,0", "3"]

@@ -282,3 +282,27 @@ def test_gram_command_under_a_cap_reports_the_peak(rng, tmp_path):
     g = np.load(tmp_path / "g.npy", mmap_mode="r")
     rows = rng.choice(4000, 10, replace=False)
     np.testing.assert_array_equal(g[rows], bit_products(bits[rows], bits))
+
+
+def test_graph_budget_is_the_smallest_gpu_workers_and_this_process_without_a_client(
+        monkeypatch):
+    # Graphs are sized by the workers' budgets, never by a device of the submitting process
+    # (asking CUDA there made it a context on worker 0's GPU).
+    from distributed import Client, LocalCluster
+
+    monkeypatch.setattr(budget, "working_budget", lambda dask_worker=None: 5 << 30)
+    assert budget.graph_budget() == 5 << 30  # no client: this process's
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        monkeypatch.setattr(budget, "gpu_available", lambda: False)
+        assert budget.graph_budget() == 5 << 30  # no worker has a GPU: this process's
+        addresses = sorted(client.scheduler_info()["workers"])
+        sizes = {addresses[0]: 3 << 30, addresses[1]: 7 << 30}
+        monkeypatch.setattr(budget, "gpu_available", lambda: True)
+        monkeypatch.setattr(budget, "working_budget",
+                            lambda dask_worker=None: sizes.get(getattr(dask_worker, "address",
+                                                                       None), 1))
+        assert budget.graph_budget() == 3 << 30
+        with pytest.raises(DeviceBudgetError, match="the smallest of the workers' GPUs"):
+            budget.check_fits_for_graph(4 << 30, "a block", "chunks=")
+        budget.check_fits_for_graph(3 << 30, "a block", "chunks=")
