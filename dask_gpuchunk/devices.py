@@ -19,6 +19,7 @@ __all__ = [
     "check_device",
     "check_device_for_graph",
     "cluster_protocol",
+    "cluster_worker_addresses",
     "cluster_workers",
     "distributed_client_active",
 ]
@@ -122,16 +123,28 @@ def cluster_workers() -> int:
     >>> cluster_workers()
     1
     """
+    return max(len(cluster_worker_addresses()), 1)
+
+
+def cluster_worker_addresses() -> list[str]:
+    """The addresses of the default ``distributed`` client's workers now, sorted; empty
+    without a client (or where its scheduler does not answer).
+
+    Examples
+    --------
+    >>> cluster_worker_addresses()
+    []
+    """
     try:
         from distributed import default_client
 
         client = default_client()
     except Exception:  # distributed missing, or no client
-        return 1
+        return []
     try:
-        return max(len(client.scheduler_info(n_workers=-1).get("workers", ())), 1)
+        return sorted(client.scheduler_info(n_workers=-1).get("workers", ()))
     except Exception:  # an asynchronous client, or the scheduler did not answer
-        return 1
+        return []
 
 
 def cluster_protocol() -> str | None:

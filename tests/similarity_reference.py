@@ -94,7 +94,7 @@ def top_k_of_a_npy_on_four_workers(tmp_path, x, k: int, database=None, **options
         wy = None if database is None else dg.from_npy(tmp_path / "y.npy", chunks=(30, -1))
         indices, scores = dg.similarity(wx, wy, packed=True, top_k=k, **options)
         before = sent_by_workers(client)
-        with get_task_stream(client) as stream:
+        with get_task_stream(client) as stream, dg.resolving_aliases():
             got = client.compute([indices, scores], sync=True)
         sent = sent_by_workers(client, before)
     np.testing.assert_array_equal(got[0], want[0])

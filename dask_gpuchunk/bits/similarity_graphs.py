@@ -17,10 +17,10 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import List, Task, TaskRef
 
 from .._kernels import similarity as kernels
-from ..devices import cluster_workers, gpu_available
+from ..devices import cluster_worker_addresses, cluster_workers, gpu_available
 from ..io import npy_reader_of
 from ..runtime.backend import is_cupy
-from ..runtime.budget import working_budget
+from ..runtime.budget import graph_budget
 from ..runtime.resident import ResidentSource, row_bounds, rows_where_it_runs, source_tasks
 from .selection import (
     Selection,
@@ -36,7 +36,7 @@ from .selection import (
     upper_block,
 )
 from .top_k_tiles import (add_tile_tasks, chunk_groups, final_state, host_states,
-                          round_robin, tile_bytes, tile_groups, tile_slots)
+                          round_robin, tile_bytes, tile_groups, tile_slots, tiles_graph)
 
 __all__ = ["CPU_BLOCKS_PER_TASK", "GPU_BLOCKS_PER_TASK", "chains_for", "merged_keys",
            "merged_pairs", "threshold_pairs", "top_k_chain"]
@@ -135,22 +135,23 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     All pairs on GPUs run in tiles of row-chunk groups instead
     (:mod:`dask_gpuchunk.bits.top_k_tiles`): one state per row chunk, nothing merged. On
     2 x H200 (8 GiB cap), the top-10 of 10**7 x 2048-bit fingerprints from a ``.npy``:
-    36.3-38.0 s in tiles against 39.9-40.0 s in two chains; on one GPU 66.9-67.1 s against
-    68.6 s; under a 2 GiB cap, where the chains ran out of memory, 50.2 s and 73.7 s."""
+    34.8-35.1 s in tiles against 39.9-40.0 s in two chains; on one GPU 65.7 s against
+    68.6 s; under a 2 GiB cap, where the chains ran out of memory, 39.1 s on two GPUs."""
     k = selection.k
     chunks_x, chunks_y = len(wx.chunks[0]), len(wy.chunks[0])
     tiles = all_pairs and device != "cpu" and gpu_available()
     if tiles:  # the groups and where the states stay, from the device's budget
-        budget = working_budget()
+        budget, workers = graph_budget(), cluster_worker_addresses()
         row_bytes = wx.shape[1] * wx.dtype.itemsize
         groups = chunk_groups(chunks_x, tile_groups(chunks_x, wx.shape[0], row_bytes, k, budget,
-                                                    cluster_workers()))
+                                                    max(len(workers), 1)))
         on_host = host_states(wx.shape[0], k, budget)
         # A block's bytes by bmma's where the device's method is not named (the graph may be
         # made where no GPU is): the fused kernels' scratch is the same function of the rows.
         slots = tile_slots(budget, tile_bytes(-(-wx.shape[0] // len(groups)), row_bytes, k),
                            block_bytes(max(wx.chunks[0]), -(-row_bytes // 8),
-                                       "bmma" if method == "auto" else method, k))
+                                       "bmma" if method == "auto" else method, k),
+                           wx.shape[0] * (row_bytes + 4))
     elif all_pairs:  # rounds of disjoint chunk pairs
         order = round_robin(chunks_x)
         per_round = max(chunks_x // 2, 1)
@@ -191,7 +192,8 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
         else:
             dsk[key] = Task(key, merged_chain_states, k,
                             *(part for held in latest for part in _ref(held[i])))
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=needs)
+    graph = (tiles_graph(name, step, dsk, needs, len(groups), workers) if tiles
+             else HighLevelGraph.from_collections(name, dsk, dependencies=needs))
     return da.Array(graph, name, (wx.chunks[0], (k,)), dtype=np.uint64, meta=meta)
 
 

@@ -11,11 +11,12 @@ round are independent, so a cluster's workers take them side by side. Against th
 :func:`~dask_gpuchunk.bits.similarity_graphs.top_k_chain` (a chain per worker, each holding
 every row's state, merged at the end), which they replace for all pairs on GPUs: each row has
 one state, which has seen every block before it; no chain's beginning is gathered, nothing is
-merged; a task's memory is bounded by its two groups. On 2 x H200 (8 GiB cap, UCX), the
-top-10 of 10**7 x 2048-bit fingerprints from a ``.npy``: 36.3-38.0 s against the chains'
-39.9-40.0 s (one GPU: 66.9-67.1 s against 68.6 s), and under a 2 GiB cap, where the chains ran
-out of memory, 50.2 s (73.7 s). The chains remain for queries against a database and on the
-CPU.
+merged; a task's memory is bounded by its two groups. On a cluster each task goes to a
+worker fixed when the graph is made (:func:`tile_places`), up to :data:`TILE_SLOTS` run at once
+on a device. On 2 x H200 (8 GiB cap, UCX), the top-10 of 10**7 x 2048-bit fingerprints from a
+``.npy``: 34.8-35.1 s (one GPU: 65.7 s), against the chains' 39.9-40.0 s (68.6 s); under a
+2 GiB cap, where the chains ran out of memory, 39.1 s on two. The chains remain for queries
+against a database and on the CPU.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.task_spec import Task, TaskRef
 
 from ..runtime.backend import is_cupy
@@ -36,7 +38,8 @@ from .selection import CHUNK_ARGS, chain_rounds
 
 __all__ = ["DEVICE_STATES_FRACTION", "TILE_CHUNKS", "add_tile_tasks", "bipartite_rounds",
            "chunk_groups", "final_state", "host_states", "round_robin", "tile_bytes",
-           "tile_groups", "tile_slot", "tile_slots", "tile_task"]
+           "tile_groups", "tile_places", "tile_slot", "tile_slots", "tile_task",
+           "tiles_graph"]
 
 #: Row chunks a group takes at most: a task between two groups then runs at most
 #: ``TILE_CHUNKS ** 2`` blocks, as a task of the chains takes up to
@@ -46,6 +49,11 @@ TILE_CHUNKS = 32
 #: popcounts, their states before and after): the rest is for the states the other groups'
 #: tasks hold, the source's kept chunks and the blocks' scratch.
 TILE_BUDGET_FRACTION = 1 / 3
+#: Tile tasks a device runs at once at most (where they fit: :func:`tile_slots`): while one
+#: task's host waits for the device at the end of a round, the others keep it busy. Three
+#: against two (10**7 rows' top-10, 8 GiB cap, 2 x H200): one GPU 65.7 s against 67.4 s, two
+#: 34.8-35.1 s against 35.7-36.7 s; the GPUs' busy time 93 % (two) and 96 % (one).
+TILE_SLOTS = 3
 #: Part of the working budget every row's state may take on the device between tasks; beyond
 #: it (the top-10 of 10**8 rows holds 8 GB of states) the tasks leave their states in host
 #: memory (:func:`host_states`).
@@ -108,22 +116,30 @@ def tile_bytes(group_rows: int, row_bytes: int, k: int) -> int:
     return 2 * group_rows * (row_bytes + 4 + 2 * 8 * k)
 
 
-def tile_slots(budget: int, task_bytes: int, block_bytes: int) -> int:
-    """How many tile tasks run at once on a device of working ``budget``: two where two tasks
-    of ``task_bytes`` and a block's scratch (``block_bytes``) each fit beside what the
-    resident chunks may keep (:data:`~dask_gpuchunk.runtime.resident.DEVICE_FRACTION` of it);
-    else one. A task holds its groups' words and states until it ends, outside the budget's
-    reservations: in one process of 32 threads under a 2 GiB cap, 14 groups' tasks at once
-    held every chunk's words and ran the device out of memory.
+def tile_slots(budget: int, task_bytes: int, block_bytes: int, words_bytes: int | None = None
+               ) -> int:
+    """How many tile tasks run at once on a device of working ``budget``: as many tasks of
+    ``task_bytes`` and a block's scratch (``block_bytes``) each as fit beside what the
+    resident chunks may keep (:data:`~dask_gpuchunk.runtime.resident.DEVICE_FRACTION` of
+    it, or all the words' ``words_bytes`` where fewer), one at least and
+    :data:`TILE_SLOTS` at most. A task holds its groups' words and
+    states until it ends, outside the budget's reservations: in one process of 32 threads
+    under a 2 GiB cap, 14 groups' tasks at once held every chunk's words and ran the device
+    out of memory.
 
     Examples
     --------
-    >>> tile_slots(7 << 30, 840_000_000, 420_000_000)  # 10**7 rows, 8 GiB cap
+    >>> tile_slots(7 << 30, 840_000_000, 420_000_000)  # 10**7 rows in 10 groups, 8 GiB cap
     2
+    >>> tile_slots(7 << 30, 700_000_000, 820_000_000, 2_600_000_000)  # 12 groups, words kept
+    3
     >>> tile_slots(1800 << 20, 525_000_000, 820_000_000)  # 2 GiB cap
     1
     """
-    return 2 if DEVICE_FRACTION * budget + 2 * (task_bytes + block_bytes) <= budget else 1
+    kept = DEVICE_FRACTION * budget if words_bytes is None else min(
+        DEVICE_FRACTION * budget, words_bytes)
+    fits = int((budget - kept) // max(task_bytes + block_bytes, 1))
+    return max(1, min(TILE_SLOTS, fits))
 
 
 class _TileRuns:
@@ -189,16 +205,56 @@ def round_robin(count: int) -> list[tuple[int, int]]:
     >>> round_robin(4)  # three rounds of two
     [(0, 3), (1, 2), (0, 2), (1, 3), (0, 1), (2, 3)]
     """
+    return [pair for pair, _ in _circle(count)]
+
+
+def _circle(count: int) -> Iterator[tuple[tuple[int, int], int]]:
+    """The pairs of :func:`round_robin`, each with its table in the round (``0`` to
+    ``ceil(count / 2) - 1``): from one round to the next, each item but the first moves to a
+    neighbouring table, or stays."""
     players = list(range(count)) + ([None] if count % 2 else [])
     size = len(players)
-    order = []
     for _ in range(size - 1):
         for p in range(size // 2):
             i, j = players[p], players[size - 1 - p]
             if i is not None and j is not None:
-                order.append((min(i, j), max(i, j)))
+                yield (min(i, j), max(i, j)), p
         players = [players[0], players[-1], *players[1:-1]]
-    return order
+
+
+def tile_places(count: int, workers: int) -> dict[tuple[int, int], int]:
+    """The worker (``0`` to ``workers - 1``) of each tile task of ``count`` groups: the
+    rounds' tables (:func:`_circle`) cut into ``workers`` runs of neighbours, a pair's task
+    going to its table's worker and a group's own task to that of the group's first pair. Each
+    worker then takes as many tasks of every round, and a group's state moves to another
+    worker only where its table crosses into another run (two states a round per boundary).
+
+    Distributed places a task where its dependencies are: the two groups' states, on one
+    worker when both came from it. On 2 x H200 that queued a third tile task on one worker
+    (which had threads to spare for it, waiting for a GPU slot) while the other ran one alone
+    for 5.1 s of a 37 s job; work stealing left them, the busy worker having idle threads.
+    Placed, the two workers' tiles ended within 0.01 s of each other and the job took
+    35.7-36.7 s against 37.6 s. Dask's low-level fusion drops a graph's annotations, so the
+    places hold where :func:`dask_gpuchunk.resolving_aliases` is on (the package's jobs and
+    local clusters: :func:`dask_gpuchunk.distributed.alias_tasks.optimize_arrays`).
+
+    Examples
+    --------
+    >>> places = tile_places(4, 2)
+    >>> [places[pair] for pair in round_robin(4)]  # two rounds' tables, one a worker
+    [0, 1, 0, 1, 0, 1]
+    >>> [places[(g, g)] for g in range(4)]
+    [0, 1, 1, 0]
+    """
+    tables = -(-count // 2)
+    places: dict[tuple[int, int], int] = {}
+    for (i, j), table in _circle(count):
+        places[(i, j)] = table * workers // max(tables, 1)
+        for g in (i, j):
+            places.setdefault((g, g), places[(i, j)])
+    for g in range(count):  # a lone group (one in all) has no pair
+        places.setdefault((g, g), 0)
+    return places
 
 
 def bipartite_rounds(a: list[Any], b: list[Any]) -> list[list[tuple[Any, Any]]]:
@@ -258,6 +314,36 @@ def add_tile_tasks(dsk: dict, step: str, groups: list[range], opts: dict, chunk_
         add((step, g, h), [*groups[g], *groups[h]], (),
             bipartite_rounds(list(groups[g]), list(groups[h])), False)
     return held
+
+
+def tiles_graph(name: str, step: str, dsk: dict, needs: list, groups: int,
+                workers: list[str]) -> HighLevelGraph:
+    """The graph of ``dsk``: the tiles' tasks (keys ``(step, g, h)`` of ``groups`` groups),
+    the result's chunks (keys ``(name, i, 0)``) and the sources they read, on ``needs`` (the
+    collections they take). On a cluster of several ``workers`` (addresses) whose count
+    divides the rounds' tables, each tile task asks for its worker (:func:`tile_places`; a
+    loose restriction, so a task whose worker is gone runs elsewhere); else distributed
+    places them."""
+    if len(workers) < 2 or -(-groups // 2) % len(workers):
+        return HighLevelGraph.from_collections(name, dsk, dependencies=needs)
+    places = {(step, g, h): [workers[w]]
+              for (g, h), w in tile_places(groups, len(workers)).items()}
+    tiles = {key: task for key, task in dsk.items() if key in places}
+    results = {key: task for key, task in dsk.items()
+               if isinstance(key, tuple) and key[0] == name}
+    sources = {key: task for key, task in dsk.items() if key not in tiles and key not in results}
+    base = HighLevelGraph.from_collections(f"{step}-sources", sources, dependencies=needs)
+    layers = {**base.layers, step: MaterializedLayer(tiles, annotations={
+        "workers": functools.partial(_worker_of, places), "allow_other_workers": True}),
+        name: MaterializedLayer(results)}
+    dependencies = {**base.dependencies,
+                    step: {f"{step}-sources", *base.dependencies[f"{step}-sources"]},
+                    name: {step}}
+    return HighLevelGraph(layers, dependencies)
+
+
+def _worker_of(places: dict, key: Any) -> list[str]:
+    return places[key]
 
 
 def final_state(previous: tuple, slot: int, on_device: bool) -> Any:

@@ -7,7 +7,10 @@ scheduler and a worker's thread for a lookup. ``C.sum()`` of a Gram of 16 x 16 b
 tasks to the scheduler, 256 of them aliases (each block fused with its sum under a new name,
 the old name kept for the tree of partial sums). :func:`optimize_arrays` is dask's own array
 optimisation followed by :func:`resolve_aliases`: the tasks after an alias point at the task
-it names, and the alias goes. The results are the same; only the number of tasks changes.
+it names, and the alias goes. The results are the same; only the number of tasks changes. A
+graph whose tasks ask for their workers (a layer's ``workers`` annotation: the top-k's tiles on
+a cluster) is not fused: fusion turns the graph into a dict, and the annotations go with its
+layers (so they do too where dask's own optimisation runs, outside these blocks).
 
 Measured on 4 x H200 machines, 8 GiB cap a GPU, ``tools/gram_scaling.py`` at eefec16
 (65,536 x 262,144 bits in 4,096-row chunks, ``C.sum()``, best of 4-5): on one machine 2.74 ->
@@ -96,10 +99,21 @@ def optimize_arrays(dsk: Any, keys: Any, **kwargs: Any) -> Any:
     """
     from dask.array.optimization import optimize
 
+    if _asks_for_workers(dsk):  # fused, a graph is a dict: the layers' annotations are lost
+        with dask.config.set({"optimization.fuse.active": False}):
+            return optimize(dsk, keys, **kwargs)
     graph = optimize(dsk, keys, **kwargs)
     if not isinstance(graph, dict):  # low-level fusion turned off: no aliases were made
         return graph
     return resolve_aliases(graph, keys)
+
+
+def _asks_for_workers(dsk: Any) -> bool:
+    """Whether a layer of the high-level graph ``dsk`` names its tasks' workers (annotations,
+    as the top-k's tiles: :func:`dask_gpuchunk.bits.top_k_tiles.tiles_graph`)."""
+    layers = getattr(dsk, "layers", None)
+    return bool(layers) and any("workers" in (layer.annotations or {})
+                                for layer in layers.values())
 
 
 def _wanted() -> bool:

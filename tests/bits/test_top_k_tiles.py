@@ -18,7 +18,8 @@ from similarity_reference import (brute_top_k, fingerprints, reference,
 
 import dask_gpuchunk as dg
 from dask_gpuchunk.bits.top_k_tiles import (TILE_BUDGET_FRACTION, bipartite_rounds,
-                                            chunk_groups, tile_groups, tile_slots)
+                                            chunk_groups, round_robin, tile_groups,
+                                            tile_places, tile_slots)
 
 QUERY_PLANNING = type(da.ones(1)).__module__.startswith("dask.array._array_expr")
 
@@ -63,10 +64,11 @@ def test_top_k_in_tiles_matches_numpy(xp, rng, monkeypatch, workers, most, metri
     # The graph as on GPUs (run here): a task per group and per pair of groups, every row's
     # one state, nothing merged; uneven chunks.
     graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
-    for name in ("dask_gpuchunk.bits.similarity_graphs", "dask_gpuchunk.bits.similarity"):
-        monkeypatch.setattr(importlib.import_module(name), "cluster_workers", lambda: workers)
+    monkeypatch.setattr("dask_gpuchunk.bits.similarity.cluster_workers", lambda: workers)
+    monkeypatch.setattr(graphs, "cluster_worker_addresses",
+                        lambda: [f"tcp://w{i}" for i in range(workers)])
     monkeypatch.setattr(graphs, "gpu_available", lambda: True)
-    monkeypatch.setattr(graphs, "working_budget", lambda: 1 << 40)  # sized by chunk count
+    monkeypatch.setattr(graphs, "graph_budget", lambda: 1 << 40)  # sized by chunk count
     monkeypatch.setattr("dask_gpuchunk.bits.top_k_tiles.TILE_CHUNKS", most)
     host = (lambda a: a) if xp is np else (lambda a: a.get())
     x = fingerprints(rng, 230, 90)
@@ -91,7 +93,7 @@ def test_top_k_in_tiles_matches_numpy(xp, rng, monkeypatch, workers, most, metri
 def test_a_tile_task_takes_only_its_two_groups_chunks(rng, monkeypatch):
     graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
     monkeypatch.setattr(graphs, "gpu_available", lambda: True)
-    monkeypatch.setattr(graphs, "working_budget", lambda: 1 << 40)  # sized by chunk count
+    monkeypatch.setattr(graphs, "graph_budget", lambda: 1 << 40)  # sized by chunk count
     monkeypatch.setattr("dask_gpuchunk.bits.top_k_tiles.TILE_CHUNKS", 5)
     x = fingerprints(rng, 230, 90)
     indices, _ = dg.similarity(dg.asarray(x, chunks=(10, -1)), top_k=3)
@@ -110,13 +112,16 @@ def test_top_k_in_tiles_of_a_npy_on_four_workers_moves_only_states(rng, tmp_path
     # only states move (8 k bytes a row), never words (1 KiB a row here).
     graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
     monkeypatch.setattr(graphs, "gpu_available", lambda: True)
-    monkeypatch.setattr(graphs, "working_budget", lambda: 1 << 40)  # sized by chunk count
+    monkeypatch.setattr(graphs, "graph_budget", lambda: 1 << 40)  # sized by chunk count
     x = fingerprints(rng, 16 * 30, 8192)
     where, sent = top_k_of_a_npy_on_four_workers(tmp_path, x, 2)
     steps = {key: w for key, w in where.items() if key_split(key) == "similarity-step"}
     assert len(steps) == 8 + 28
     own = [w for key, w in steps.items() if key[1] == key[2]]
     assert len(set(own)) == 4  # the groups' own tasks spread over the workers
+    # Each task on its table's worker (tile_places), each worker as many of every round.
+    workers, places = sorted(set(where.values())), tile_places(8, 4)
+    assert all(w == workers[places[key[1:]]] for key, w in steps.items()), steps
     assert 0 < sum(sent.values()) < len(x) * 8192 // 8 // 2, sent
 
 
@@ -130,7 +135,7 @@ def test_tiles_leave_their_states_in_host_memory_where_all_would_not_fit(xp, rng
 
     graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
     monkeypatch.setattr(graphs, "gpu_available", lambda: True)
-    monkeypatch.setattr(graphs, "working_budget", lambda: 4000)
+    monkeypatch.setattr(graphs, "graph_budget", lambda: 4000)
     assert host_states(230, 3, 4000)
     x = fingerprints(rng, 230, 90)
     indices, scores = dg.similarity(dg.asarray(xp.asarray(x), chunks=(30, -1)), top_k=3)
@@ -160,7 +165,7 @@ def test_tiles_on_a_gpu_equal_the_cpu_key_for_key(rng, tmp_path, monkeypatch, bu
 
     if budget is not None:
         graphs = importlib.import_module("dask_gpuchunk.bits.similarity_graphs")
-        monkeypatch.setattr(graphs, "working_budget", lambda: budget)
+        monkeypatch.setattr(graphs, "graph_budget", lambda: budget)
     monkeypatch.setattr("dask_gpuchunk.bits.top_k_tiles.TILE_CHUNKS", 2)
     x = fingerprints(rng, 41_000, 512)
     words = np.packbits(x, axis=1)
@@ -227,3 +232,22 @@ def test_a_tile_task_reads_its_chunks_once_it_holds_a_slot(monkeypatch):
     assert len(seen) == 6 and max(running for running, _ in seen) <= 2
     assert all(a[:3] == ("w", "p", 0) and isinstance(a[3], functools.partial)
                for _, a in seen)
+
+
+@pytest.mark.parametrize("groups, workers", [(4, 2), (12, 2), (8, 4), (16, 4), (32, 8), (7, 1)])
+def test_tile_places_share_every_round_and_move_few_states(groups, workers):
+    places = tile_places(groups, workers)
+    order = round_robin(groups)
+    assert set(places) == set(order) | {(g, g) for g in range(groups)}
+    tables = -(-groups // 2)
+    for r in range(0, len(order), tables):  # a round's tasks: as many on each worker
+        counts = [0] * workers
+        for pair in order[r:r + tables]:
+            counts[places[pair]] += 1
+        assert max(counts) - min(counts) <= (groups % 2)
+    where = {g: places[(g, g)] for g in range(groups)}
+    moves = 0
+    for i, j in order:  # a group's state moves where its next task is on another worker
+        moves += (where[i] != places[(i, j)]) + (where[j] != places[(i, j)])
+        where[i] = where[j] = places[(i, j)]
+    assert moves <= 2 * (workers - 1) * (groups - 1) + (groups if workers > 1 else 0)
