@@ -284,6 +284,8 @@ def run_writes(written: da.Array | list[Any],
         # 10**7-row top-k's .npz on two GPUs.
         result = _block_results(persisted, dict(zip((f.key for f in futures), values))) \
             if results else None
+        if results and result is None:  # dask's array query planning names the persisted anew
+            result = dask.compute(persisted)[0]
     except BaseException:
         # Released, not cancelled: Client.cancel trips an assertion in distributed's scheduler
         # (stimulus_cancel, "assert ts.who_wants") for wanted keys whose dependents nobody
@@ -301,14 +303,18 @@ def run_writes(written: da.Array | list[Any],
 def _block_results(persisted: Any, values: dict) -> Any:
     """What ``dask.compute(persisted)[0]`` gives, from the values of its blocks' keys: an array
     of one element per write (as its blocks laid out), or a list of such, or of single
-    values."""
+    values; ``None`` where a key is not among ``values`` (under dask's array query planning
+    the persisted collections have names of their own)."""
     def of(x: Any) -> Any:
         if isinstance(x, da.Array) and x.ndim:
             return np.block(_nested(x.__dask_keys__(), values))
         (key,) = x.__dask_keys__()  # a 0-d array's one block, or a delayed write
         return values[key]
 
-    return [of(x) for x in persisted] if isinstance(persisted, list) else of(persisted)
+    try:
+        return [of(x) for x in persisted] if isinstance(persisted, list) else of(persisted)
+    except KeyError:
+        return None
 
 
 def _nested(keys: Any, values: dict) -> Any:
