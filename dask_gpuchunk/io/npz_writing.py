@@ -206,14 +206,15 @@ def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
 
 
 def _write_rows(block: Any, path: str, key: tuple[int, int, int], data_offset: int,
-                row_bytes: int, row_starts: tuple[int, ...], member_dtype: np.dtype,
-                block_info: dict) -> np.ndarray:
+                row_bytes: int, row_starts: np.ndarray, member_dtype: np.dtype,
+                block_id: tuple[int, ...] = ()) -> np.ndarray:
     """Write one chunk (whole rows, from the host or a GPU) at its rows' place in the archive
     ``path`` (opened only where it is still the file ``key`` names; ``row_starts``: each
-    chunk's first row); return its CRC-32 as a one-element array of the block's rank (the
-    writes then form an array)."""
-    location = block_info[0]["chunk-location"]
-    start = row_starts[location[0]] if location else 0
+    chunk's first row, an array, which the scheduler passes whole where it walks a tuple's
+    items for every task; ``block_id``: the chunk's place, which dask gives cheaply where its
+    ``block_info`` is a dictionary a task); return its CRC-32 as a one-element array of the
+    block's rank (the writes then form an array)."""
+    start = int(row_starts[block_id[0]]) if block_id else 0
     host = np.ascontiguousarray(to_host(block), dtype=member_dtype)
     raw = host.reshape(-1).view(np.uint8) if host.size and member_dtype.itemsize else b""
     crc = zlib.crc32(raw)
@@ -297,7 +298,7 @@ def write_npz(target: Path, arrays: dict[str, Any], overwrite: bool = False,
                 _write_rows, dtype=np.int64, meta=np.empty((0,) * x.ndim, np.int64),
                 chunks=tuple((1,) * n for n in x.numblocks), **map_blocks_prefix("to-npz"),
                 path=str(tmp), key=key, data_offset=member.data_offset, row_bytes=size,
-                row_starts=tuple(np.cumsum((0, *counts[:-1])).tolist()),
+                row_starts=np.cumsum((0, *counts[:-1]), dtype=np.int64),
                 member_dtype=info.dtype))
         written = run_writes(writes, progress, results=True)
         crcs = []
