@@ -228,7 +228,9 @@ def task_block_rows(rows: int, bits: int, method: str = "auto", budget: int | No
 def check_block_fits(chunks: tuple[tuple[int, ...], ...], itemsize: int, method: str,
                      budget: int | None = None) -> None:
     """Refuse, before any work, Gram blocks that cannot fit the device budget (``budget``, else
-    the workers' smallest or this process's: :func:`~dask_gpuchunk.runtime.budget.check_fits_for_graph`): :class:`dask_gpuchunk.runtime.budget.DeviceBudgetError` naming the bytes."""
+    the workers' smallest or this process's:
+    :func:`~dask_gpuchunk.runtime.budget.check_fits_for_graph`):
+    :class:`dask_gpuchunk.runtime.budget.DeviceBudgetError` naming the bytes."""
     rows = max(chunks[0], default=0)
     words64 = -(-max(chunks[1], default=0) * itemsize // 8)
     resolved = method if method != "auto" else resolve_method("auto", on_gpu=True)

@@ -22,7 +22,7 @@ from ..runtime import process_memory
 from .._kernels.bitpack import BitValueError, check_bits_dtype, check_words_dtype
 from .._kernels.gram import GPU_METHODS
 from ..runtime.backend import dask_threads, staging_totals
-from ..runtime.budget import budget_report
+from ..runtime.budget import budget_report, workers_budgets, working_budget
 from ..devices import (
     DEVICES,
     GPUNotAvailableError,
@@ -86,11 +86,8 @@ def _budgets_where_it_runs() -> list[int]:
     """The working device budgets of the workers of the active client that have a GPU (or of
     this process), in bytes; empty where none has one."""
     if not distributed_client_active():
-        return [_device_report()["working_budget"]] if gpu_available() else []
-    from distributed import default_client
-
-    reports = default_client().run(_device_report)
-    return [r["working_budget"] for r in reports.values() if r["working_budget"] is not None]
+        return [working_budget()] if gpu_available() else []
+    return workers_budgets()
 
 
 def check_gpus_where_it_runs(method: str, device: str) -> None:

@@ -54,6 +54,7 @@ __all__ = [
     "stored_limit",
     "stored_results_lru",
     "stored_results_yield",
+    "workers_budgets",
     "working_budget",
 ]
 
@@ -216,29 +217,35 @@ def graph_budget() -> int:
     where none answers, this process's (:func:`working_budget`). Sizing by the submitting
     process's own device made it a CUDA context on a device a worker uses (518 MiB of an H200
     by nvidia-smi beside worker 0's, for the whole job)."""
-    budgets = _workers_budgets()
+    budgets = _graph_budgets()
     return min(budgets) if budgets else working_budget()
 
 
 def check_fits_for_graph(nbytes: int, what: str, option: str) -> None:
     """:func:`check_fits` of one chunk when a graph is built: against the workers' smallest
     budget where a ``distributed`` client has GPU workers, else this process's."""
-    budgets = _workers_budgets()
+    budgets = _graph_budgets()
     check_fits(nbytes, what, option, min(budgets) if budgets else None)
 
 
-def _workers_budgets() -> list[int]:
-    """The working budgets of the default client's workers that have a GPU; empty without a
-    client, or where none has one or the client cannot ask (an asynchronous one)."""
+def workers_budgets() -> list[int]:
+    """The working budgets of the default ``distributed`` client's workers that have a GPU,
+    asked now (``Client.run``, whose errors it raises); empty without a client, or where no
+    worker has one."""
     if not distributed_client_active():
         return []
-    try:
-        from distributed import default_client
+    from distributed import default_client
 
-        reports = default_client().run(_working_budget_here)
+    reports = default_client().run(_working_budget_here)
+    return [b for b in reports.values() if b is not None]
+
+
+def _graph_budgets() -> list[int]:
+    """:func:`workers_budgets`, empty where the client cannot ask (an asynchronous one)."""
+    try:
+        return workers_budgets()
     except Exception:  # an asynchronous client, or no worker answered
         return []
-    return [b for b in reports.values() if b is not None]
 
 
 def _working_budget_here(dask_worker: Any = None) -> int | None:
