@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 __all__ = ["ARRAY_EXPR_MODULE", "alias_task_type", "common_blockdim", "default_clients",
-           "device_results_lru", "flatten_keys", "forget_default_clients", "is_array_expression",
+           "device_results_lru", "flatten_keys", "fused_task_keys", "forget_default_clients", "is_array_expression",
            "parse_gufunc_signature",
            "reduce_replicas_policy", "register_cupy_deserializer", "register_device_object",
            "set_ucx_device_allocator", "slices_from_chunks",
@@ -37,6 +37,17 @@ def alias_task_type() -> type:
     from dask._task_spec import Alias
 
     return Alias
+
+
+def fused_task_keys(node: Any) -> tuple[Hashable, ...]:
+    """The keys of the tasks that dask's linear fusion joined into ``node`` (a task of
+    ``dask._task_spec._execute_subgraph``, whose first argument is the dictionary of the
+    fused tasks), or ``node``'s own key for any other node (2026.7.1, 2026.8.0)."""
+    from dask._task_spec import _execute_subgraph
+
+    if getattr(node, "func", None) is _execute_subgraph and isinstance(node.args[0], dict):
+        return tuple(node.args[0])
+    return (node.key,)
 
 
 def flatten_keys(keys: Any) -> list[Hashable]:

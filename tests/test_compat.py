@@ -25,6 +25,19 @@ def test_alias_names_its_target():
     assert alias.key == "b" and alias.target == "a"
 
 
+def test_fused_task_keys_name_what_linear_fusion_joined():
+    import operator
+
+    from dask._task_spec import Task, TaskRef, fuse_linear_task_spec
+
+    graph = {"a": Task("a", operator.add, 1, 2), "b": Task("b", operator.neg, TaskRef("a")),
+             "c": Task("c", operator.mul, TaskRef("b"), 2),
+             "d": Task("d", operator.sub, TaskRef("c"), TaskRef("a"))}
+    fused = fuse_linear_task_spec(graph, ["d"])
+    assert sorted(_compat.fused_task_keys(fused["b-c"])) == ["b", "c"]
+    assert _compat.fused_task_keys(fused["d"]) == ("d",)
+
+
 def test_flatten_keys_of_nested_lists():
     assert _compat.flatten_keys([["a", [("x", 0, 1)]], "c"]) == ["a", ("x", 0, 1), "c"]
 

@@ -82,6 +82,32 @@ def test_a_gram_sum_loses_its_aliases_and_keeps_its_value(tmp_path, rng):
     assert int(without) == int(with_aliases) == expected
 
 
+def test_fused_tasks_keep_the_workers_their_parts_asked_for():
+    # b asks for w1 and is fused with c (which asks for nothing) as b-c, which asks for w1;
+    # a asks for w0 and stays alone; d asks for nothing.
+    from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+    graph = {"a": Task("a", operator.add, 1, 2), "b": Task("b", operator.neg, TaskRef("a")),
+             "c": Task("c", operator.mul, TaskRef("b"), 2),
+             "d": Task("d", operator.sub, TaskRef("c"), TaskRef("a"))}
+    placed = {"a": "w0", "b": "w1"}
+    layers = {
+        "placed": MaterializedLayer({k: graph[k] for k in placed}, annotations={
+            "workers": lambda key: [placed[key]], "allow_other_workers": True}),
+        "rest": MaterializedLayer({k: v for k, v in graph.items() if k not in placed})}
+    hlg = HighLevelGraph(layers, {"placed": set(), "rest": {"placed"}})
+    optimized = optimize_arrays(hlg, ["d"])
+    asked = {}
+    for layer in optimized.layers.values():
+        for kind, value in (layer.annotations or {}).items():
+            for key in layer:
+                asked.setdefault(key, {})[kind] = value(key)
+    assert sorted(dict(optimized)) == ["a", "b-c", "d"]
+    assert asked == {"a": {"workers": ["w0"], "allow_other_workers": True},
+                     "b-c": {"workers": ["w1"], "allow_other_workers": True}}, asked
+    assert get_sync(dict(optimized), "d") == get_sync(graph, "d") == -9
+
+
 @classic_only
 def test_local_cluster_resolves_aliases_while_its_client_is_open(tmp_path, rng):
     total, expected = _gram_sum(tmp_path, rng)
