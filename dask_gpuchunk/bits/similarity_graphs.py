@@ -135,8 +135,8 @@ def top_k_chain(wx: da.Array, wy: da.Array, pop_x: da.Array, pop_y: da.Array,
     All pairs on GPUs run in tiles of row-chunk groups instead
     (:mod:`dask_gpuchunk.bits.top_k_tiles`): one state per row chunk, nothing merged. On
     2 x H200 (8 GiB cap), the top-10 of 10**7 x 2048-bit fingerprints from a ``.npy``:
-    34.8-35.1 s in tiles against 39.9-40.0 s in two chains; on one GPU 65.7 s against
-    68.6 s; under a 2 GiB cap, where the chains ran out of memory, 39.1 s on two GPUs."""
+    34.4-34.6 s in tiles against 39.9-40.0 s in two chains; on one GPU 65.7-66.1 s against
+    68.6 s; under a 2 GiB cap, where the chains ran out of memory, 39.4-40.2 s on two GPUs."""
     k = selection.k
     chunks_x, chunks_y = len(wx.chunks[0]), len(wy.chunks[0])
     tiles = all_pairs and device != "cpu" and gpu_available()

@@ -14,9 +14,9 @@ one state, which has seen every block before it; no chain's beginning is gathere
 merged; a task's memory is bounded by its two groups. On a cluster each task goes to a
 worker fixed when the graph is made (:func:`tile_places`), up to :data:`TILE_SLOTS` run at once
 on a device. On 2 x H200 (8 GiB cap, UCX), the top-10 of 10**7 x 2048-bit fingerprints from a
-``.npy``: 34.8-35.1 s (one GPU: 65.7 s), against the chains' 39.9-40.0 s (68.6 s); under a
-2 GiB cap, where the chains ran out of memory, 39.1 s on two. The chains remain for queries
-against a database and on the CPU.
+``.npy``: 34.4-34.6 s (one GPU: 66.1 s), against the chains' 39.9-40.0 s (68.6 s); under a
+2 GiB cap, where the chains ran out of memory, 39.4-40.2 s on two (76.0 s on one). The chains
+remain for queries against a database and on the CPU.
 """
 
 from __future__ import annotations
