@@ -20,7 +20,8 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 __all__ = ["ARRAY_EXPR_MODULE", "alias_task_type", "common_blockdim", "default_clients",
-           "device_results_lru", "flatten_keys", "fused_task_keys", "forget_default_clients", "is_array_expression",
+           "device_results_lru", "flatten_keys", "forget_default_clients", "fused_task_keys",
+           "is_array_expression",
            "parse_gufunc_signature",
            "reduce_replicas_policy", "register_cupy_deserializer", "register_device_object",
            "set_ucx_device_allocator", "slices_from_chunks",

@@ -143,7 +143,8 @@ def _annotated_again(graph: dict, asked: dict[Hashable, dict[str, Any]]) -> High
             given[key] = found
     named = {}
     for i, (kinds, tasks) in enumerate(layers.items()):
-        named[f"annotated-{i}"] = MaterializedLayer(tasks, annotations={
+        # Named after this graph, so that graphs merged after their optimisation keep theirs.
+        named[f"annotated-{id(graph):x}-{i}"] = MaterializedLayer(tasks, annotations={
             kind: functools.partial(_annotation_of, given, kind) for kind in kinds} or None)
     return HighLevelGraph(named, {name: set() for name in named})
 
