@@ -308,8 +308,9 @@ def similarity(x: Any, y: Any = None, *, metric: Metric = "tanimoto", packed: bo
                                                       budget, workers, metric)
         rows = max(*wx.chunks[0], *wy.chunks[0], 0)
         check_fits_for_graph(block_bytes(rows, words64, resolved, top_k, threshold, metric),
-                   f"a similarity block of {rows} x {rows} rows of {words64 * 64} bits "
-                   f"({resolved})", "fewer rows per chunk: chunks= of the rows, --chunk-rows")
+                             f"a similarity block of {rows} x {rows} rows of {words64 * 64} "
+                             f"bits ({resolved})",
+                             "fewer rows per chunk: chunks= of the rows, --chunk-rows")
     meta1 = meta_from_array(wx._meta, ndim=1, dtype=np.int32)
     pop_x = wx.map_blocks(popcounts, drop_axis=1, dtype=np.int32, meta=meta1)
     pop_y = pop_x if y is None else wy.map_blocks(popcounts, drop_axis=1, dtype=np.int32,

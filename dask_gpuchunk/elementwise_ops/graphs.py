@@ -197,13 +197,14 @@ def _largest_block_bytes(chunks: tuple[tuple[int, ...], ...], dtype: np.dtype) -
 def _check_chunk_fits(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],
                       out_dtypes: tuple[np.dtype, ...], on_device: bool) -> None:
     """Refuse, before any work, a result chunk that cannot fit the device budget where it runs
-    (:func:`~dask_gpuchunk.runtime.budget.check_fits_for_graph`) with its inputs: its outputs, and host inputs copied to
-    the device (device inputs are already there)."""
+    (:func:`~dask_gpuchunk.runtime.budget.check_fits_for_graph`) with its inputs: its
+    outputs, and host inputs copied to the device (device inputs are already there)."""
     nbytes = sum(_largest_block_bytes(chunks, dt) for dt in out_dtypes)
     if not on_device:
         nbytes += sum(_largest_block_bytes(a.chunks, a.dtype) for a in arrays
                       if isinstance(a, da.Array))
-    check_fits_for_graph(nbytes, f"{name}: one chunk", "chunks= of the inputs, or dask's rechunk")
+    check_fits_for_graph(nbytes, f"{name}: one chunk",
+                         "chunks= of the inputs, or dask's rechunk")
 
 
 def _listed_graph(name: str, arrays: list[Any], chunks: tuple[tuple[int, ...], ...],
