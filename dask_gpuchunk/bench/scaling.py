@@ -75,11 +75,23 @@ def _on_host(x: Any) -> Any:
     return x.map_blocks(to_host, dtype=x.dtype, meta=np.empty((0,) * x.ndim, x.dtype))
 
 
-def _cluster_options(size: int, gpus: bool, protocol: str | None) -> dict[str, Any]:
+def _cluster_options(size: int, gpus: bool, protocol: str | None,
+                     threads_per_gpu: int | str | None = None) -> dict[str, Any]:
     """``dg.local_cluster``'s options for a cluster of ``size`` GPUs (or CPU workers) talking
-    ``protocol`` (``None``: its default, TLS; ``"tcp"``: plain TCP; ``"ucx"``)."""
+    ``protocol`` (``None``: its default, TLS; ``"tcp"``: plain TCP; ``"ucx"``), with
+    ``threads_per_gpu`` Dask threads per GPU worker (``None``: the cluster's default).
+
+    Examples
+    --------
+    >>> _cluster_options(2, True, "ucx", "cores")
+    {'gpus': 2, 'threads_per_gpu': 'cores', 'protocol': 'ucx'}
+    >>> _cluster_options(2, False, "tcp", 4)
+    {'n_workers': 2, 'threads_per_worker': 1, 'secure': False}
+    """
     options: dict[str, Any] = ({"gpus": size} if gpus
                                else {"n_workers": size, "threads_per_worker": 1})
+    if gpus and threads_per_gpu is not None:
+        options["threads_per_gpu"] = threads_per_gpu
     if protocol == "ucx":
         options["protocol"] = "ucx"
     elif protocol == "tcp":
@@ -153,11 +165,12 @@ def _top_k_row(bench: Bench, client: Any, path: Path, chunk_rows: int, k: int, w
 def run(gpus: Sequence[int] = (), rows: int = 65536, bits: int = 262144, chunk_rows: int = 4096,
         fingerprints: int = 1_000_000, fingerprint_bits: int = 2048,
         fingerprint_chunk_rows: int = 32768, k: int = 10, protocol: str | None = None,
-        repeat: int = 3, skip: tuple[str, ...] = (), workdir: str | None = None,
+        threads_per_gpu: int | str | None = None, repeat: int = 3, skip: tuple[str, ...] = (), workdir: str | None = None,
         log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the scaling table on clusters of each size in ``gpus`` (default: one GPU and all
     of them; two CPU workers where no GPU is visible) and return the report (see
-    :func:`dask_gpuchunk.bench.report.save`); ``fingerprints=0`` leaves the top-k out."""
+    :func:`dask_gpuchunk.bench.report.save`); ``fingerprints=0`` leaves the top-k out;
+    ``threads_per_gpu`` as :func:`~dask_gpuchunk.distributed.cluster.local_cluster`'s."""
     from ..devices import gpu_count
     from ..distributed.cluster import local_cluster
 
@@ -188,7 +201,8 @@ def run(gpus: Sequence[int] = (), rows: int = 65536, bits: int = 262144, chunk_r
         for size in sizes:
             where = f"{size} {unit}{'s' if size > 1 else ''}"
             with local_cluster(dashboard_address=None,
-                               **_cluster_options(size, bool(visible), protocol)) as client:
+                               **_cluster_options(size, bool(visible), protocol,
+                                                 threads_per_gpu)) as client:
                 _gram_rows(bench, client, bits_path, chunk_rows, where,
                            (total, sample, sample_rows))
                 if fingerprints:
@@ -196,7 +210,8 @@ def run(gpus: Sequence[int] = (), rows: int = 65536, bits: int = 262144, chunk_r
                                fp_sample, truth)
     _speedups(bench.entries)
     return report_of("scaling", bench.entries, machine_info(),
-                     {"sizes": sizes, "unit": unit, "protocol": protocol or "tls", "rows": rows,
+                     {"sizes": sizes, "unit": unit, "protocol": protocol or "tls",
+                      "threads_per_gpu": threads_per_gpu or "default", "rows": rows,
                       "bits": bits, "chunk_rows": chunk_rows, "fingerprints": fingerprints,
                       "fingerprint_bits": fingerprint_bits,
                       "fingerprint_chunk_rows": fingerprint_chunk_rows, "k": k}, {})

@@ -198,10 +198,12 @@ def bench_similarity(n: int, bits: int, density: float, queries: int, chunk_rows
 @click.option("--fingerprints", default=1_000_000, show_default=True, help="Fingerprints of "
               "2048 bits for the top-k (0: leave it out).")
 @click.option("--top-k", "k", default=10, show_default=True, help="Neighbours per row.")
+@click.option("--threads-per-gpu", default=None, help="Dask threads per GPU worker: a number "
+              "or 'cores' (default: dg.local_cluster's).")
 @_run_options("scaling", repeat=3)
 def bench_scaling(gpus: str, protocol: str, rows: int, bits: int, chunk_rows: int,
-                  fingerprints: int, k: int, repeat: int, skip: tuple[str, ...], out_dir: str,
-                  device_budget: str | None) -> None:
+                  fingerprints: int, k: int, threads_per_gpu: str | None, repeat: int,
+                  skip: tuple[str, ...], out_dir: str, device_budget: str | None) -> None:
     """The Gram and the similarity top-k on one GPU and on every GPU of this node: speed-ups."""
     try:
         sizes = [int(g) for g in gpus.split(",") if g.strip()]
@@ -213,6 +215,12 @@ def bench_scaling(gpus: str, protocol: str, rows: int, bits: int, chunk_rows: in
         raise click.BadParameter(f"--bits must be a multiple of 8, got {bits}")
     if fingerprints and k >= fingerprints:
         raise click.BadParameter(f"--top-k must be below --fingerprints ({fingerprints})")
+    threads: int | str | None = threads_per_gpu
+    if threads_per_gpu is not None and threads_per_gpu != "cores":
+        if not threads_per_gpu.isdigit() or int(threads_per_gpu) < 1:
+            raise click.BadParameter(f"--threads-per-gpu takes a number of at least 1 or "
+                                     f"'cores', got {threads_per_gpu!r}")
+        threads = int(threads_per_gpu)
     _apply_device_budget(device_budget)
     from ..bench.report import save
     from ..bench.scaling import format_table as scaling_table
@@ -221,7 +229,8 @@ def bench_scaling(gpus: str, protocol: str, rows: int, bits: int, chunk_rows: in
     try:
         report = run(gpus=sizes, rows=rows, bits=bits, chunk_rows=chunk_rows,
                      fingerprints=fingerprints, k=k,
-                     protocol=None if protocol == "tls" else protocol, repeat=repeat,
+                     protocol=None if protocol == "tls" else protocol,
+                     threads_per_gpu=threads, repeat=repeat,
                      skip=skip, log=lambda s: click.echo(s, err=True))
     except ValueError as exc:  # more GPUs asked for than are visible
         raise click.BadParameter(str(exc)) from None

@@ -37,6 +37,7 @@ def test_every_row_runs_on_each_size_and_passes_its_check(tmp_path):
             assert e["extra"]["speedup"] == pytest.approx(
                 entries[f"{row}, 1 {unit}"]["seconds"] / e["seconds"])
     assert report["workload"]["sizes"] == sizes and "speed-up" in result.output
+    assert report["workload"]["threads_per_gpu"] == "default"
 
 
 @pytest.mark.slow  # a local cluster
@@ -57,12 +58,20 @@ def test_a_wrong_gram_or_top_k_is_reported_as_such(monkeypatch):
     assert skipped[scaling.TOP_K_ROW].startswith("WRONG RESULT: top-k of row")
 
 
+def test_threads_per_gpu_reaches_the_gpu_clusters_only():
+    assert scaling._cluster_options(1, True, None, 4)["threads_per_gpu"] == 4
+    assert "threads_per_gpu" not in scaling._cluster_options(1, True, None)
+    assert "threads_per_gpu" not in scaling._cluster_options(2, False, None, "cores")
+
+
 @pytest.mark.parametrize("args, match", [
     (["--gpus", "one"], "cluster sizes as 1,2,4"),
     (["--gpus", "0"], "must be positive"),
     (["--bits", "12"], "multiple of 8"),
     (["--fingerprints", "5", "--top-k", "5"], "below --fingerprints"),
     (["--gpus", "64"], "between 1 and"),
+    (["--threads-per-gpu", "0"], "number of at least 1 or 'cores'"),
+    (["--threads-per-gpu", "many"], "number of at least 1 or 'cores'"),
 ])
 def test_bad_options_are_refused_before_any_work(args, match, tmp_path):
     if args == ["--gpus", "64"] and not gpu_available():
