@@ -165,8 +165,8 @@ def _top_k_row(bench: Bench, client: Any, path: Path, chunk_rows: int, k: int, w
 def run(gpus: Sequence[int] = (), rows: int = 65536, bits: int = 262144, chunk_rows: int = 4096,
         fingerprints: int = 1_000_000, fingerprint_bits: int = 2048,
         fingerprint_chunk_rows: int = 32768, k: int = 10, protocol: str | None = None,
-        threads_per_gpu: int | str | None = None, repeat: int = 3, skip: tuple[str, ...] = (), workdir: str | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
+        threads_per_gpu: int | str | None = None, repeat: int = 3, skip: tuple[str, ...] = (),
+        workdir: str | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the scaling table on clusters of each size in ``gpus`` (default: one GPU and all
     of them; two CPU workers where no GPU is visible) and return the report (see
     :func:`dask_gpuchunk.bench.report.save`); ``fingerprints=0`` leaves the top-k out;
