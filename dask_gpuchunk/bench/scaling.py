@@ -35,7 +35,7 @@ from .similarity import check_top_k, make_fingerprints
 from .similarity_peers import tanimoto_rows
 from .timing import Bench, Entry
 
-__all__ = ["format_table", "gram_expectations", "run"]
+__all__ = ["format_table", "gram_expectations", "run", "worker_counters"]
 
 TABLE = "scaling"
 GRAM_ROWS = ("gram, words on the GPUs", "gram from the .npy, kept on the device",
@@ -99,6 +99,36 @@ def _cluster_options(size: int, gpus: bool, protocol: str | None,
     return options
 
 
+def worker_counters() -> dict[str, int]:
+    """What this process did so far that a row's time may hide: chunks rerun alone after the
+    device ran out (``retried_alone``), stored results moved to the host for an allocation
+    (``spilled_bytes``), words read to a device or the host (``words_read_bytes``).
+
+    Examples
+    --------
+    >>> sorted(worker_counters())
+    ['retried_alone', 'spilled_bytes', 'words_read_bytes']
+    """
+    from ..runtime.budget import retried_alone, spilled_on_failure
+    from ..runtime.resident import resident_stats
+
+    return {"retried_alone": retried_alone["chunks"],
+            "spilled_bytes": spilled_on_failure["bytes"],
+            "words_read_bytes": sum(s["bytes_read"] for s in resident_stats().values())}
+
+
+def _counted(client: Any, run: Callable[[], Entry | None]) -> Entry | None:
+    """``run()``'s entry with the workers' :func:`worker_counters` over it (warm-up and
+    checks included), summed over the workers."""
+    before = client.run(worker_counters)
+    entry = run()
+    after = client.run(worker_counters)
+    if entry is not None:
+        entry.extra["workers_did"] = {k: sum(after[w][k] - before[w][k] for w in after)
+                                      for k in next(iter(after.values()), {})}
+    return entry
+
+
 def _gram_rows(bench: Bench, client: Any, path: Path, chunk_rows: int, where: str,
                expected: tuple[int, np.ndarray, np.ndarray]) -> None:
     """The Gram's three rows on the cluster of ``client``, each checked."""
@@ -135,7 +165,7 @@ def _gram_rows(bench: Bench, client: Any, path: Path, chunk_rows: int, where: st
             if not np.array_equal(got, rows):
                 raise AssertionError("sampled rows of C differ from NumPy's")
 
-        entry = bench.timed(TABLE, full, once, check=check)
+        entry = _counted(client, lambda: bench.timed(TABLE, full, once, check=check))
         if entry is not None:
             entry.extra.update(row=name, workers=where, c_row_blocks=list(c.chunks[0]))
         del words, c
@@ -155,8 +185,8 @@ def _top_k_row(bench: Bench, client: Any, path: Path, chunk_rows: int, k: int, w
     def once() -> None:
         held[:] = client.compute([_on_host(a) for a in result], sync=True)
 
-    entry = bench.timed(TABLE, name, once,
-                        check=lambda: check_top_k(*held, truth, sample, k, sample[:, None]))
+    entry = _counted(client, lambda: bench.timed(
+        TABLE, name, once, check=lambda: check_top_k(*held, truth, sample, k, sample[:, None])))
     if entry is not None:
         n = len(truth[0])
         entry.extra.update(row=TOP_K_ROW, workers=where, pairs=n * (n - 1) / 2)
@@ -241,6 +271,11 @@ def format_table(report: dict[str, Any]) -> str:
             continue
         x = e["extra"]
         note = f"{x['pairs'] / e['seconds']:.3g} pairs/s" if "pairs" in x else ""
+        did = x.get("workers_did", {})
+        if did:  # over the row's every compute: warm-up, timed runs, checks
+            note += (f"{'; ' if note else ''}workers read {did['words_read_bytes'] / 1e9:.1f} "
+                     f"GB of words, spilled {did['spilled_bytes'] / 1e9:.1f} GB, reran "
+                     f"{did['retried_alone']} chunks alone")
         lines.append(f"  {e['name']:58s} {e['seconds']:9.4f} {x.get('speedup', 1):8.2f}  "
                      f"{note}")
     return "\n".join(lines)

@@ -38,6 +38,13 @@ def test_every_row_runs_on_each_size_and_passes_its_check(tmp_path):
                 entries[f"{row}, 1 {unit}"]["seconds"] / e["seconds"])
     assert report["workload"]["sizes"] == sizes and "speed-up" in result.output
     assert report["workload"]["threads_per_gpu"] == "default"
+    # What the workers did over each row: every compute of the .npy's Gram reads all of its
+    # words (300 rows of 65 bytes) at least once, on some worker.
+    for where in (f"1 {unit}", f"2 {unit}s")[:len(sizes)]:
+        did = entries[f"{scaling.GRAM_ROWS[2]}, {where}"]["extra"]["workers_did"]
+        assert did["words_read_bytes"] >= 300 * 65 * 3, did  # warm-up, the timed run, check
+        assert did["retried_alone"] == 0 and did["spilled_bytes"] == 0, did
+    assert "workers read" in result.output
 
 
 @pytest.mark.slow  # a local cluster
