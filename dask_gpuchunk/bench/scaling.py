@@ -11,6 +11,10 @@ similarity bench's fingerprints for the top-k. Rows, on every size:
 * ``gram from the .npy, kept on the device``: ``dg.gram(dg.from_npy(...), packed=True,
   keep_on_device=True).sum()``;
 * ``gram from the .npy``: the same with C's blocks summed on the host (the default);
+* ``gram's graph on trivial words``: the first row's graph (as many row chunks, grouped as
+  its blocks were) over words of 4 rows of 64 bits a chunk, persisted where the first row's
+  were: what Dask's scheduling of that graph costs with next to no work in it, the floor under
+  the Gram's rows that a second GPU cannot shorten;
 * ``similarity top-k from the .npy``: ``dg.similarity(dg.from_npy(...), packed=True,
   top_k=k)``, both results computed to this process.
 
@@ -35,11 +39,15 @@ from .similarity import check_top_k, make_fingerprints
 from .similarity_peers import tanimoto_rows
 from .timing import Bench, Entry
 
-__all__ = ["format_table", "gram_expectations", "run", "worker_counters"]
+__all__ = ["FLOOR_ROW", "GRAM_ROWS", "TOP_K_ROW", "floor_total", "floor_words", "format_table", "gram_expectations", "run",
+           "worker_counters"]
 
 TABLE = "scaling"
 GRAM_ROWS = ("gram, words on the GPUs", "gram from the .npy, kept on the device",
              "gram from the .npy")
+FLOOR_ROW = "gram's graph on trivial words"
+#: Rows a chunk and bytes a row of the trivial words of :data:`FLOOR_ROW`.
+FLOOR_CHUNK_ROWS, FLOOR_ROW_BYTES = 4, 8
 TOP_K_ROW = "similarity top-k from the .npy"
 
 
@@ -130,14 +138,16 @@ def _counted(client: Any, run: Callable[[], Entry | None]) -> Entry | None:
 
 
 def _gram_rows(bench: Bench, client: Any, path: Path, chunk_rows: int, where: str,
-               expected: tuple[int, np.ndarray, np.ndarray]) -> None:
-    """The Gram's three rows on the cluster of ``client``, each checked."""
+               expected: tuple[int, np.ndarray, np.ndarray]) -> tuple[int, ...] | None:
+    """The Gram's three rows on the cluster of ``client``, each checked. Returns the first
+    row's groups, as counts of row chunks (``None`` where none ran)."""
     from distributed import wait
 
     from ..bits.gram import gram
     from ..io import from_npy
 
     total, sample, rows = expected
+    groups: tuple[int, ...] | None = None
     for name in GRAM_ROWS:
         full = f"{name}, {where}"
         if not bench.want(full):
@@ -168,7 +178,75 @@ def _gram_rows(bench: Bench, client: Any, path: Path, chunk_rows: int, where: st
         entry = _counted(client, lambda: bench.timed(TABLE, full, once, check=check))
         if entry is not None:
             entry.extra.update(row=name, workers=where, c_row_blocks=list(c.chunks[0]))
+        if groups is None:
+            groups = tuple(-(-rows // chunk_rows) for rows in c.chunks[0])
         del words, c
+    return groups
+
+
+def floor_words(groups: Sequence[int], seed: int = 0) -> tuple[np.ndarray, tuple[int, ...], int]:
+    """Random words for :data:`FLOOR_ROW`: as many row chunks as ``groups`` (counts of chunks
+    per group) add up to, each :data:`FLOOR_CHUNK_ROWS` rows of :data:`FLOOR_ROW_BYTES` bytes;
+    their row chunks and the ``block_rows`` that groups them the same way.
+
+    Examples
+    --------
+    >>> from dask_gpuchunk.bits.gram import grouped_row_chunks
+    >>> words, chunks, block_rows = floor_words((3, 3, 1))
+    >>> words.shape, grouped_row_chunks(chunks, block_rows)
+    ((28, 8), (12, 12, 4))
+    """
+    chunks = (FLOOR_CHUNK_ROWS,) * int(sum(groups))
+    words = np.random.default_rng(seed).integers(0, 256, (sum(chunks), FLOOR_ROW_BYTES),
+                                                 dtype=np.uint8)
+    return words, chunks, FLOOR_CHUNK_ROWS * max(groups)
+
+
+def floor_total(words: np.ndarray) -> int:
+    """The sum of the Gram of small packed ``words``, by NumPy.
+
+    Examples
+    --------
+    >>> floor_total(np.array([[0b11000000], [0b01000000]], dtype=np.uint8))  # [[2, 1], [1, 1]]
+    5
+    """
+    bits = np.unpackbits(words, axis=1).astype(np.int64)
+    return int((bits @ bits.T).sum())
+
+
+def _floor_row(bench: Bench, client: Any, groups: Sequence[int], where: str) -> None:
+    """:data:`FLOOR_ROW` on the cluster of ``client``: the grouped Gram of
+    :func:`floor_words`, persisted (on the GPUs where there are), ``C.sum()`` checked."""
+    import dask.array as da
+    from distributed import wait
+
+    from ..bits.gram import gram
+
+    name = f"{FLOOR_ROW}, {where}"
+    if not bench.want(name):
+        return
+    host, chunks, block_rows = floor_words(groups)
+    words = da.from_array(host, chunks=(chunks, -1))
+    if bench.has_gpu:
+        import cupy
+
+        words = words.map_blocks(_to_device, dtype=words.dtype,
+                                 meta=cupy.empty((0, 0), words.dtype))
+    words = client.persist(words)
+    wait(words)
+    total = floor_total(host)
+    s = gram(words, packed=True, block_rows=block_rows).sum()
+    held: list[Any] = []
+
+    def check() -> None:
+        if int(held[0]) != total:
+            raise AssertionError(f"sum of C {int(held[0])}, expected {total}")
+
+    entry = bench.timed(TABLE, name, lambda: held.__setitem__(
+        slice(None), [client.compute(s, sync=True)]), check=check)
+    if entry is not None:
+        entry.extra.update(row=FLOOR_ROW, workers=where, groups=list(groups),
+                           tasks=len(dict(s.__dask_graph__())))
 
 
 def _top_k_row(bench: Bench, client: Any, path: Path, chunk_rows: int, k: int, where: str,
@@ -233,8 +311,10 @@ def run(gpus: Sequence[int] = (), rows: int = 65536, bits: int = 262144, chunk_r
             with local_cluster(dashboard_address=None,
                                **_cluster_options(size, bool(visible), protocol,
                                                  threads_per_gpu)) as client:
-                _gram_rows(bench, client, bits_path, chunk_rows, where,
-                           (total, sample, sample_rows))
+                groups = _gram_rows(bench, client, bits_path, chunk_rows, where,
+                                    (total, sample, sample_rows))
+                if groups is not None:
+                    _floor_row(bench, client, groups, where)
                 if fingerprints:
                     _top_k_row(bench, client, fps_path, fingerprint_chunk_rows, k, where,
                                fp_sample, truth)
@@ -271,6 +351,8 @@ def format_table(report: dict[str, Any]) -> str:
             continue
         x = e["extra"]
         note = f"{x['pairs'] / e['seconds']:.3g} pairs/s" if "pairs" in x else ""
+        if "tasks" in x:
+            note += f"{x['tasks']} tasks"
         did = x.get("workers_did", {})
         if did:  # over the row's every compute: warm-up, timed runs, checks
             note += (f"{'; ' if note else ''}workers read {did['words_read_bytes'] / 1e9:.1f} "

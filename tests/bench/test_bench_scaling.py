@@ -28,7 +28,7 @@ def test_every_row_runs_on_each_size_and_passes_its_check(tmp_path):
     entries = {e["name"]: e for e in report["entries"]}
     unit = "GPU" if gpu_available() else "CPU worker"
     for where in (f"1 {unit}", f"2 {unit}s")[:len(sizes)]:
-        for row in (*scaling.GRAM_ROWS, scaling.TOP_K_ROW):
+        for row in (*scaling.GRAM_ROWS, scaling.FLOOR_ROW, scaling.TOP_K_ROW):
             e = entries[f"{row}, {where}"]
             if not gpu_available() and row in scaling.GRAM_ROWS[:2]:
                 assert e["skipped"] == "no CUDA GPU visible"
@@ -45,6 +45,10 @@ def test_every_row_runs_on_each_size_and_passes_its_check(tmp_path):
         assert did["words_read_bytes"] >= 300 * 65 * 3, did  # warm-up, the timed run, check
         assert did["retried_alone"] == 0 and did["spilled_bytes"] == 0, did
     assert "workers read" in result.output
+    # The floor row runs the first timed Gram row's graph: its groups, over trivial words.
+    first = entries[f"{scaling.GRAM_ROWS[0 if gpu_available() else 2]}, 1 {unit}"]["extra"]
+    floor = entries[f"{scaling.FLOOR_ROW}, 1 {unit}"]["extra"]
+    assert floor["groups"] == [-(-r // 64) for r in first["c_row_blocks"]]
 
 
 @pytest.mark.slow  # a local cluster
@@ -59,9 +63,12 @@ def test_a_wrong_gram_or_top_k_is_reported_as_such(monkeypatch):
         return exact(words, rows)[:, ::-1].copy()  # every row's scores on other columns
 
     monkeypatch.setattr(scaling, "tanimoto_rows", shuffled)
+    right_floor = scaling.floor_total
+    monkeypatch.setattr(scaling, "floor_total", lambda words: right_floor(words) - 1)
     report = scaling.run(gpus=[1], log=lambda line: None, **SMALL)
     skipped = {e["extra"].get("row", e["name"]): e["skipped"] for e in report["entries"]}
     assert skipped[scaling.GRAM_ROWS[2]].startswith("WRONG RESULT: sum of C")
+    assert skipped[scaling.FLOOR_ROW].startswith("WRONG RESULT: sum of C")
     assert skipped[scaling.TOP_K_ROW].startswith("WRONG RESULT: top-k of row")
 
 
