@@ -39,8 +39,8 @@ from .similarity import check_top_k, make_fingerprints
 from .similarity_peers import tanimoto_rows
 from .timing import Bench, Entry
 
-__all__ = ["FLOOR_ROW", "GRAM_ROWS", "TOP_K_ROW", "floor_total", "floor_words", "format_table", "gram_expectations", "run",
-           "worker_counters"]
+__all__ = ["FLOOR_ROW", "GRAM_ROWS", "TOP_K_ROW", "floor_total", "floor_words", "format_table",
+           "gram_expectations", "run", "worker_counters"]
 
 TABLE = "scaling"
 GRAM_ROWS = ("gram, words on the GPUs", "gram from the .npy, kept on the device",
@@ -76,6 +76,17 @@ def _to_device(block: np.ndarray) -> Any:
     import cupy
 
     return cupy.asarray(block)
+
+
+def _persisted_on_gpus(client: Any, words: Any) -> Any:
+    """``words``' chunks moved to the GPUs and persisted over the workers of ``client``."""
+    import cupy
+    from distributed import wait
+
+    words = client.persist(words.map_blocks(_to_device, dtype=words.dtype,
+                                            meta=cupy.empty((0, 0), words.dtype)))
+    wait(words)
+    return words
 
 
 def _on_host(x: Any) -> Any:
@@ -141,8 +152,6 @@ def _gram_rows(bench: Bench, client: Any, path: Path, chunk_rows: int, where: st
                expected: tuple[int, np.ndarray, np.ndarray]) -> tuple[int, ...] | None:
     """The Gram's three rows on the cluster of ``client``, each checked. Returns the first
     row's groups, as counts of row chunks (``None`` where none ran)."""
-    from distributed import wait
-
     from ..bits.gram import gram
     from ..io import from_npy
 
@@ -157,11 +166,7 @@ def _gram_rows(bench: Bench, client: Any, path: Path, chunk_rows: int, where: st
             continue
         words = from_npy(path, chunks=(chunk_rows, -1))
         if name == GRAM_ROWS[0]:
-            import cupy
-
-            words = client.persist(words.map_blocks(
-                _to_device, dtype=words.dtype, meta=cupy.empty((0, 0), words.dtype)))
-            wait(words)
+            words = _persisted_on_gpus(client, words)
         c = gram(words, packed=True, keep_on_device=name == GRAM_ROWS[1])
         held: list[Any] = []
 
@@ -228,22 +233,22 @@ def _floor_row(bench: Bench, client: Any, groups: Sequence[int], where: str) -> 
     host, chunks, block_rows = floor_words(groups)
     words = da.from_array(host, chunks=(chunks, -1))
     if bench.has_gpu:
-        import cupy
-
-        words = words.map_blocks(_to_device, dtype=words.dtype,
-                                 meta=cupy.empty((0, 0), words.dtype))
-    words = client.persist(words)
-    wait(words)
+        words = _persisted_on_gpus(client, words)
+    else:
+        words = client.persist(words)
+        wait(words)
     total = floor_total(host)
     s = gram(words, packed=True, block_rows=block_rows).sum()
     held: list[Any] = []
+
+    def once() -> None:
+        held[:] = [client.compute(s, sync=True)]
 
     def check() -> None:
         if int(held[0]) != total:
             raise AssertionError(f"sum of C {int(held[0])}, expected {total}")
 
-    entry = bench.timed(TABLE, name, lambda: held.__setitem__(
-        slice(None), [client.compute(s, sync=True)]), check=check)
+    entry = bench.timed(TABLE, name, once, check=check)
     if entry is not None:
         entry.extra.update(row=FLOOR_ROW, workers=where, groups=list(groups),
                            tasks=len(dict(s.__dask_graph__())))
